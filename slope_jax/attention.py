@@ -1,0 +1,167 @@
+"""Blockwise (flash-style) causal attention with GQA, an optional sliding window and learned sinks.
+
+Notable:
+- Masks come from **global token positions**, never from local indices: key j is visible to query i iff
+  `0 <= pos_k[j] <= pos_q[i]` and, on sliding layers, `pos_q[i] − pos_k[j] < window` (spec §2.3: a window of W
+  covers W keys, the query itself included). Keys with a negative position (`INVALID_POS`) do not exist (tile
+  padding, a halo before token 0).
+- The running state is `(o, m, l)` in float32 — un-normalised output, running max, running sum — updated per KV tile
+  with the online softmax (Milakov & Gimelshein 2018; Dao et al. 2022). Fully masked tiles and rows give zeros, never
+  NaN, and merging with an empty state returns the other state unchanged.
+- The sink logit enters **once**, in `finalize`: `out = o·e^(m−m') / (l·e^(m−m') + e^(S−m'))`, `m' = max(m, S)`
+  (spec §2.3). It is not scaled by 1/√D.
+- Memory is `O(Tq_tile · Tk_tile)` per head: tiles that the positions prove fully masked are skipped by a
+  dynamic KV-tile range per query tile, so sliding layers cost `O(T·W)` and causal layers ~half the square.
+
+Shapes: `T` tokens, `N` query heads, `K` KV heads, `G = N/K`, `D` head_dim.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+INVALID_POS = -(2**30)  # position of a key slot that holds no token
+NO_WINDOW = 2**30  # "window" of a full-attention layer
+
+
+class AttnState(NamedTuple):
+    """Online-softmax partial result for `Tq` queries, float32.
+
+    o: `[Tq, K, G, D]` un-normalised `Σ_j e^(s_j − m)·v_j`; m: `[Tq, K, G]` running max (−inf if no key yet);
+    l: `[Tq, K, G]` running `Σ_j e^(s_j − m)`.
+    """
+
+    o: jax.Array
+    m: jax.Array
+    l: jax.Array
+
+
+def empty_state(tq: int, kv_heads: int, group: int, head_dim: int) -> AttnState:
+    """The state of a query that has seen no key: o = 0, m = −inf, l = 0."""
+    return AttnState(jnp.zeros((tq, kv_heads, group, head_dim), jnp.float32),
+                     jnp.full((tq, kv_heads, group), -jnp.inf, jnp.float32),
+                     jnp.zeros((tq, kv_heads, group), jnp.float32))
+
+
+def _safe(m: jax.Array) -> jax.Array:
+    return jnp.where(jnp.isneginf(m), 0.0, m)
+
+
+def merge(a: AttnState, b: AttnState) -> AttnState:
+    """Merge two partial states over disjoint key sets (stable log-sum-exp update).
+
+    Finite for any gap between `a.m` and `b.m` (exponents are taken against the larger one); an empty state
+    (m = −inf, l = 0) is an identity element, exactly.
+    """
+    m = jnp.maximum(a.m, b.m)
+    ms = _safe(m)
+    sa, sb = jnp.exp(a.m - ms), jnp.exp(b.m - ms)
+    return AttnState(a.o * sa[..., None] + b.o * sb[..., None], m, a.l * sa + b.l * sb)
+
+
+def finalize(state: AttnState, sinks: jax.Array) -> jax.Array:
+    """Normalise with the attention sinks (added once per row).
+
+    Args:
+      state: partial state over all keys of each query.
+      sinks: `[N]` float32 sink logits, head h = k·G + g.
+    Returns:
+      `[Tq, N, D]` float32 attention output; rows without any visible key give 0 (and never NaN, also for −inf sinks).
+    """
+    tq, kh, g, d = state.o.shape
+    s = sinks.astype(jnp.float32).reshape(kh, g)[None]
+    m = jnp.maximum(state.m, s)
+    ms = _safe(m)
+    scale = jnp.exp(state.m - ms)
+    denom = state.l * scale + jnp.exp(s - ms)
+    denom = jnp.where(denom == 0, 1.0, denom)
+    return (state.o * (scale / denom)[..., None]).reshape(tq, kh * g, d)
+
+
+def _tile_update(st: AttnState, q, k, v, qp, kp, window, scale) -> AttnState:
+    """One (query tile × key tile) online-softmax step. q `[bq, K, G, D]`, k/v `[bk, K, D]`, qp `[bq]`, kp `[bk]`."""
+    s = jnp.einsum("qkgd,ckd->qkgc", q, k, preferred_element_type=jnp.float32) * scale
+    diff = qp[:, None] - kp[None, :]
+    visible = (kp[None, :] >= 0) & (diff >= 0) & (diff < window)  # [bq, bk]
+    s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+    m_new = jnp.maximum(st.m, s.max(axis=-1))
+    ms = _safe(m_new)
+    p = jnp.exp(s - ms[..., None])
+    alpha = jnp.exp(st.m - ms)
+    pv = jnp.einsum("qkgc,ckd->qkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return AttnState(st.o * alpha[..., None] + pv, m_new, st.l * alpha + p.sum(axis=-1))
+
+
+def _pad_to(x: jax.Array, n: int, value) -> jax.Array:
+    pad = n - x.shape[0]
+    if pad == 0:
+        return x
+    widths = [(0, pad)] + [(0, 0)] * (x.ndim - 1)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, *,
+           window: int | jax.Array = NO_WINDOW, state: AttnState | None = None,
+           q_tile: int = 256, kv_tile: int = 256) -> AttnState:
+    """Accumulate attention of `q` over the keys `k, v` into an online-softmax state (no sinks yet).
+
+    Args:
+      q: `[Tq, N, D]` (any float dtype; logits are float32). N must be a multiple of K.
+      k, v: `[Tk, K, D]` post-RoPE keys and values.
+      q_pos: int32 `[Tq]` global positions of the queries.
+      k_pos: int32 `[Tk]` global positions of the keys; negative = no key.
+      window: keys visible to a query, itself included (static int or traced scalar); NO_WINDOW for full layers.
+      state: partial state to continue (e.g. from earlier ring steps); default empty.
+      q_tile, kv_tile: tile sizes (clipped to the lengths).
+    Returns:
+      Updated AttnState for the `Tq` queries. Scale `D^-0.5` is applied to q·k (spec §2.3).
+    """
+    tq, n, d = q.shape
+    tk, kh, _ = k.shape
+    g = n // kh
+    if state is None:
+        state = empty_state(tq, kh, g, d)
+    bq, bk = min(q_tile, tq), min(kv_tile, tk)
+    nq, nk = -(-tq // bq), -(-tk // bk)
+    scale = d ** -0.5
+    window = jnp.asarray(window, jnp.int32)
+
+    qt = _pad_to(q, nq * bq, 0).reshape(nq, bq, kh, g, d)
+    qpt = _pad_to(q_pos.astype(jnp.int32), nq * bq, INVALID_POS).reshape(nq, bq)
+    kt = _pad_to(k, nk * bk, 0).reshape(nk, bk, kh, d)
+    vt = _pad_to(v, nk * bk, 0).reshape(nk, bk, kh, d)
+    kpt = _pad_to(k_pos.astype(jnp.int32), nk * bk, INVALID_POS).reshape(nk, bk)
+    st = AttnState(*(_pad_to(x, nq * bq, 0).reshape(nq, bq, *x.shape[1:]) for x in state))
+    st = st._replace(m=jnp.where(jnp.arange(nq * bq).reshape(nq, bq)[..., None, None] < tq, st.m, -jnp.inf))
+
+    # Position bounds per key tile over existing keys, to find the contiguous range of tiles worth visiting.
+    exists = kpt >= 0
+    k_lo = jnp.where(exists, kpt, 2**31 - 1).min(axis=1)
+    k_hi = jnp.where(exists, kpt, -(2**31)).max(axis=1)
+
+    def per_q_tile(args):
+        qi, qp, s0 = args
+        valid_q = qp >= 0
+        q_lo = jnp.where(valid_q, qp, 2**31 - 1).min()
+        q_hi = jnp.where(valid_q, qp, -(2**31)).max()
+        # tile j may hold a visible key iff some key is <= the latest query and within the window of the earliest
+        needed = exists.any(axis=1) & (k_lo <= q_hi) & (k_hi > q_lo - window)
+        any_needed = needed.any()
+        lo = jnp.where(any_needed, jnp.argmax(needed), 0)
+        hi = jnp.where(any_needed, nk - jnp.argmax(needed[::-1]), 0)
+
+        def body(j, s):
+            return _tile_update(s, qi, kt[j], vt[j], qp, kpt[j], window, scale)
+
+        return jax.lax.fori_loop(lo, hi, body, s0)
+
+    out = jax.lax.map(per_q_tile, (qt, qpt, st))
+    return AttnState(*(x.reshape(nq * bq, *x.shape[2:])[:tq] for x in out))
+
+
+def attention(q, k, v, q_pos, k_pos, sinks, *, window=NO_WINDOW, q_tile=256, kv_tile=256) -> jax.Array:
+    """Complete sink attention: `finalize(attend(...), sinks)` → `[Tq, N, D]` float32."""
+    return finalize(attend(q, k, v, q_pos, k_pos, window=window, q_tile=q_tile, kv_tile=kv_tile), sinks)

@@ -1,0 +1,407 @@
+"""Checkpoint loading: Hugging Face safetensors (single file or sharded index) and OpenAI's `original/` layout.
+
+Notable:
+- One key table (`tensor_table`) maps every checkpoint tensor to the parameter it feeds, with the shape the config
+  implies (each dimension tagged with the config field it comes from) and the dtypes it may have. The expected
+  parameters themselves come from the model declaration (`model.param_specs`).
+- Everything is validated from the safetensors headers before any data is read: missing, unknown, duplicate
+  (the same tensor in two shards) and misshaped tensors, truncated files — each error names the file, the tensor,
+  and the expected and found shape.
+- Reads are lazy and per tensor (safetensors memory-maps; `get_slice` reads only the rows asked for): each
+  parameter is built with `jax.make_array_from_callback`, so a device — and a host — only reads the layers it holds,
+  and host memory peaks at one device shard of one parameter family, not the checkpoint size.
+- Expert weights: MXFP4 `_blocks`/`_scales` (released layout, kept packed), or unquantized HF `gate_up_proj
+  [E, D, 2I]` / `down_proj [E, I, D]` (transposed to our (out, in) orientation — a square down_proj cannot be
+  recognised from its shape, spec §3.1, so the layout is decided by the tensor names).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Callable, Iterable
+
+import jax
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from slope_jax import model as model_lib
+from slope_jax.config import ConfigError, ModelConfig
+
+log = logging.getLogger(__name__)
+
+HF_INDEX = "model.safetensors.index.json"
+HF_SINGLE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """The checkpoint on disk does not match what the config declares, or cannot be read."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Key table
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """One checkpoint tensor. `param` is the parameter path (e.g. "layers/wq"); `layer` the global layer or None;
+    `shape` pairs of (size, config field) for messages; `read(handle, name)` returns the param-layout numpy array."""
+
+    name: str
+    param: str
+    layer: int | None
+    shape: tuple[tuple[int, str], ...]
+    kind: str  # "float" or "uint8"
+    read: Callable
+
+
+def _plain(h, name):
+    return h.get_tensor(name)
+
+
+def _rows(lo: int, hi: int, reshape: tuple[int, ...]):
+    def read(h, name):
+        return h.get_slice(name)[lo:hi].reshape(reshape)
+    return read
+
+
+def _reshape(shape):
+    def read(h, name):
+        return h.get_tensor(name).reshape(shape)
+    return read
+
+
+def _transpose_experts(h, name):  # HF dense [E, in, out] -> ours [E, out, in]
+    return np.ascontiguousarray(np.swapaxes(h.get_tensor(name), 1, 2))
+
+
+def tensor_table(cfg: ModelConfig, layout: str) -> list[TensorEntry]:
+    """Every tensor a checkpoint of `layout` ("hf" or "original") must hold for `cfg` (expert format from cfg)."""
+    D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    E, I, V = cfg.num_experts, cfg.intermediate_size, cfg.vocab_size
+    d, v = (D, "hidden_size"), (V, "vocab_size")
+    nh, kh = (N * H, "num_attention_heads*head_dim"), (K * H, "num_key_value_heads*head_dim")
+    e, i2, i = (E, "num_experts"), (2 * I, "2*intermediate_size"), (I, "intermediate_size")
+    F, U = "float", "uint8"
+    out: list[TensorEntry] = []
+    if layout == "hf":
+        out += [TensorEntry("model.embed_tokens.weight", "embed", None, (v, d), F, _plain),
+                TensorEntry("model.norm.weight", "final_norm", None, (d,), F, _plain),
+                TensorEntry("lm_head.weight", "unembed", None, (v, d), F, _plain)]
+        for l in range(cfg.num_hidden_layers):
+            pre = f"model.layers.{l}."
+            out += [
+                TensorEntry(pre + "input_layernorm.weight", "layers/attn_norm", l, (d,), F, _plain),
+                TensorEntry(pre + "self_attn.q_proj.weight", "layers/wq", l, (nh, d), F, _reshape((N, H, D))),
+                TensorEntry(pre + "self_attn.q_proj.bias", "layers/bq", l, (nh,), F, _reshape((N, H))),
+                TensorEntry(pre + "self_attn.k_proj.weight", "layers/wk", l, (kh, d), F, _reshape((K, H, D))),
+                TensorEntry(pre + "self_attn.k_proj.bias", "layers/bk", l, (kh,), F, _reshape((K, H))),
+                TensorEntry(pre + "self_attn.v_proj.weight", "layers/wv", l, (kh, d), F, _reshape((K, H, D))),
+                TensorEntry(pre + "self_attn.v_proj.bias", "layers/bv", l, (kh,), F, _reshape((K, H))),
+                TensorEntry(pre + "self_attn.o_proj.weight", "layers/wo", l, (d, nh), F, _reshape((D, N, H))),
+                TensorEntry(pre + "self_attn.o_proj.bias", "layers/bo", l, (d,), F, _plain),
+                TensorEntry(pre + "self_attn.sinks", "layers/sinks", l, ((N, "num_attention_heads"),), F, _plain),
+                TensorEntry(pre + "post_attention_layernorm.weight", "layers/mlp_norm", l, (d,), F, _plain),
+                TensorEntry(pre + "mlp.router.weight", "layers/router_w", l, (e, d), F, _plain),
+                TensorEntry(pre + "mlp.router.bias", "layers/router_b", l, (e,), F, _plain),
+                TensorEntry(pre + "mlp.experts.gate_up_proj_bias", "layers/b1", l, (e, i2), F, _plain),
+                TensorEntry(pre + "mlp.experts.down_proj_bias", "layers/b2", l, (e, d), F, _plain),
+            ]
+            x = pre + "mlp.experts."
+            if cfg.expert_format == "mxfp4":
+                out += [
+                    TensorEntry(x + "gate_up_proj_blocks", "layers/w1_blocks", l,
+                                (e, i2, (D // 32, "hidden_size/32"), (16, "bytes")), U, _plain),
+                    TensorEntry(x + "gate_up_proj_scales", "layers/w1_scales", l,
+                                (e, i2, (D // 32, "hidden_size/32")), U, _plain),
+                    TensorEntry(x + "down_proj_blocks", "layers/w2_blocks", l,
+                                (e, d, (I // 32, "intermediate_size/32"), (16, "bytes")), U, _plain),
+                    TensorEntry(x + "down_proj_scales", "layers/w2_scales", l,
+                                (e, d, (I // 32, "intermediate_size/32")), U, _plain)]
+            else:
+                out += [TensorEntry(x + "gate_up_proj", "layers/w1", l, (e, d, i2), F, _transpose_experts),
+                        TensorEntry(x + "down_proj", "layers/w2", l, (e, i, d), F, _transpose_experts)]
+    elif layout == "original":
+        if cfg.expert_format != "mxfp4":
+            raise CheckpointError("the original/ layout always stores MXFP4 experts")
+        qkv = ((N + 2 * K) * H, "(num_attention_heads+2*num_key_value_heads)*head_dim")
+        out += [TensorEntry("embedding.weight", "embed", None, (v, d), F, _plain),
+                TensorEntry("norm.scale", "final_norm", None, (d,), F, _plain),
+                TensorEntry("unembedding.weight", "unembed", None, (v, d), F, _plain)]
+        q_end, k_end = N * H, (N + K) * H
+        for l in range(cfg.num_hidden_layers):
+            pre = f"block.{l}."
+            out += [
+                TensorEntry(pre + "attn.norm.scale", "layers/attn_norm", l, (d,), F, _plain),
+                # qkv rows 0:NH -> q, NH:(N+K)H -> k, (N+K)H: -> v (spec §3.2); read as row slices
+                TensorEntry(pre + "attn.qkv.weight", "layers/wq", l, (qkv, d), F, _rows(0, q_end, (N, H, D))),
+                TensorEntry(pre + "attn.qkv.weight", "layers/wk", l, (qkv, d), F, _rows(q_end, k_end, (K, H, D))),
+                TensorEntry(pre + "attn.qkv.weight", "layers/wv", l, (qkv, d), F,
+                            _rows(k_end, k_end + K * H, (K, H, D))),
+                TensorEntry(pre + "attn.qkv.bias", "layers/bq", l, (qkv,), F, _rows(0, q_end, (N, H))),
+                TensorEntry(pre + "attn.qkv.bias", "layers/bk", l, (qkv,), F, _rows(q_end, k_end, (K, H))),
+                TensorEntry(pre + "attn.qkv.bias", "layers/bv", l, (qkv,), F, _rows(k_end, k_end + K * H, (K, H))),
+                TensorEntry(pre + "attn.sinks", "layers/sinks", l, ((N, "num_attention_heads"),), F, _plain),
+                TensorEntry(pre + "attn.out.weight", "layers/wo", l, (d, nh), F, _reshape((D, N, H))),
+                TensorEntry(pre + "attn.out.bias", "layers/bo", l, (d,), F, _plain),
+                TensorEntry(pre + "mlp.norm.scale", "layers/mlp_norm", l, (d,), F, _plain),
+                TensorEntry(pre + "mlp.gate.weight", "layers/router_w", l, (e, d), F, _plain),
+                TensorEntry(pre + "mlp.gate.bias", "layers/router_b", l, (e,), F, _plain),
+                TensorEntry(pre + "mlp.mlp1_weight.blocks", "layers/w1_blocks", l,
+                            (e, i2, (D // 32, "hidden_size/32"), (16, "bytes")), U, _plain),
+                TensorEntry(pre + "mlp.mlp1_weight.scales", "layers/w1_scales", l,
+                            (e, i2, (D // 32, "hidden_size/32")), U, _plain),
+                TensorEntry(pre + "mlp.mlp1_bias", "layers/b1", l, (e, i2), F, _plain),
+                TensorEntry(pre + "mlp.mlp2_weight.blocks", "layers/w2_blocks", l,
+                            (e, d, (I // 32, "intermediate_size/32"), (16, "bytes")), U, _plain),
+                TensorEntry(pre + "mlp.mlp2_weight.scales", "layers/w2_scales", l,
+                            (e, d, (I // 32, "intermediate_size/32")), U, _plain),
+                TensorEntry(pre + "mlp.mlp2_bias", "layers/b2", l, (e, d), F, _plain),
+            ]
+    else:
+        raise ValueError(f"layout={layout!r}: expected 'hf' or 'original'")
+    return out
+
+
+_FLOAT_DTYPES = {"BF16", "F16", "F32"}
+_UINT8_DTYPES = {"U8"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading
+class TensorSource:
+    """Name → (file, lazily opened safetensors handle) over one directory's weight files."""
+
+    def __init__(self, files: dict[str, str], directory: str):
+        self.directory = directory
+        self._handles: dict[str, object] = {}
+        self.file_of: dict[str, str] = {}
+        self.header: dict[str, tuple[str, tuple[int, ...]]] = {}  # name -> (dtype, shape)
+        for fname in sorted(set(files.values())):
+            path = os.path.join(directory, fname)
+            if not os.path.exists(path):
+                raise CheckpointError(f"{path}: weight file listed by the checkpoint does not exist")
+            try:
+                h = safe_open(path, framework="numpy")
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{path}: cannot read safetensors file (truncated or corrupt?): {e}") from e
+            self._handles[fname] = h
+            for name in h.keys():
+                if name in self.file_of:
+                    raise CheckpointError(f"tensor {name!r} appears twice: in {self.file_of[name]} and in {fname}")
+                sl = h.get_slice(name)
+                self.file_of[name] = fname
+                self.header[name] = (sl.get_dtype(), tuple(sl.get_shape()))
+        for name, fname in files.items():
+            if name in self.file_of and self.file_of[name] != fname:
+                raise CheckpointError(f"{HF_INDEX}: maps {name!r} to {fname}, but it is stored in "
+                                      f"{self.file_of[name]}")
+
+    def handle(self, name: str):
+        return self._handles[self.file_of[name]]
+
+    def where(self, name: str) -> str:
+        return os.path.join(self.directory, self.file_of.get(name, "?"))
+
+
+def _weight_files(directory: str) -> dict[str, str]:
+    """`{tensor name: file}` from the index, or `{"*": file}` for a single file."""
+    index = os.path.join(directory, HF_INDEX)
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index (needs a 'weight_map' object): {e}") from e
+        return dict(weight_map)
+    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no {HF_INDEX} and no *.safetensors file")
+    return {f"*{f}": f for f in files}
+
+
+@dataclasses.dataclass
+class CheckpointDir:
+    """A resolved checkpoint: its config, layout ("hf"/"original") and tensor source."""
+
+    path: str
+    layout: str
+    config: ModelConfig
+    source: TensorSource
+    table: list[TensorEntry]
+
+
+def open_checkpoint(path: str | os.PathLike, layout: str = "auto") -> CheckpointDir:
+    """Resolve and validate a checkpoint directory without reading any tensor data.
+
+    Args:
+      path: a directory with `config.json` and `model.safetensors` or `model.safetensors.index.json` (HF), or an
+        OpenAI `original/` directory, or an HF directory whose `original/` sub-directory should be used.
+      layout: "auto" (HF if the top level has HF weights, else `original/`), "hf" or "original".
+    Raises:
+      CheckpointError / ConfigError naming the file and tensor for every inconsistency.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: checkpoint directory does not exist")
+    has_hf = any(f.endswith(".safetensors") or f == HF_INDEX for f in os.listdir(path))
+    if layout == "auto":
+        layout = "hf" if has_hf else "original"
+    if layout == "original" and os.path.isdir(os.path.join(path, "original")):
+        path = os.path.join(path, "original")
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise CheckpointError(f"{path}: no config.json")
+    cfg = ModelConfig.from_json(cfg_path)
+    source = TensorSource(_weight_files(path), path)
+    names = set(source.header)
+    if layout == "hf":
+        dense = any(n.endswith("mlp.experts.gate_up_proj") for n in names)
+        packed = any(n.endswith("gate_up_proj_blocks") for n in names)
+        if dense and packed:
+            raise CheckpointError(f"{path}: holds both MXFP4 (_blocks/_scales) and unquantized expert tensors")
+        fmt = "dense" if dense else "mxfp4"
+        if fmt != cfg.expert_format and cfg.expert_format == "mxfp4" and dense and \
+                _declares_mxfp4(cfg_path):
+            raise CheckpointError(f"{cfg_path}: quantization_config declares mxfp4 but the tensors hold "
+                                  "unquantized experts (mlp.experts.gate_up_proj)")
+        try:
+            cfg = dataclasses.replace(cfg, expert_format=fmt)
+        except ConfigError as e:
+            raise CheckpointError(f"{cfg_path}: {e}") from e
+    table = tensor_table(cfg, layout)
+    _check_names_shapes(source, table, cfg_path)
+    return CheckpointDir(path, layout, cfg, source, table)
+
+
+def _declares_mxfp4(cfg_path: str) -> bool:
+    with open(cfg_path) as f:
+        return (json.load(f).get("quantization_config") or {}).get("quant_method") == "mxfp4"
+
+
+def _check_names_shapes(source: TensorSource, table: list[TensorEntry], cfg_path: str) -> None:
+    expected = {}
+    for e in table:
+        expected.setdefault(e.name, e)
+    missing = [n for n in expected if n not in source.header]
+    if missing:
+        raise CheckpointError(
+            f"{source.directory}: {len(missing)} tensor(s) required by {cfg_path} are missing, e.g. "
+            + ", ".join(repr(n) for n in missing[:5]))
+    unknown = sorted(n for n in source.header if n not in expected)
+    if unknown:
+        raise CheckpointError(
+            f"{source.where(unknown[0])}: {len(unknown)} unknown tensor(s) for this config, e.g. "
+            + ", ".join(repr(n) for n in unknown[:5])
+            + " (a layer index beyond num_hidden_layers, or another model's weights?)")
+    for name, e in expected.items():
+        dtype, shape = source.header[name]
+        want = tuple(s for s, _ in e.shape)
+        if shape != want:
+            fields = ", ".join(f"{s} ({f})" for s, f in e.shape)
+            raise CheckpointError(
+                f"{source.where(name)}: tensor {name!r} has shape {list(shape)}, expected {list(want)} = [{fields}] "
+                f"from {cfg_path}")
+        allowed = _FLOAT_DTYPES if e.kind == "float" else _UINT8_DTYPES
+        if dtype not in allowed:
+            raise CheckpointError(f"{source.where(name)}: tensor {name!r} has dtype {dtype}, expected one of "
+                                  f"{sorted(allowed)}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Materialisation
+def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, prefix + k + "/"))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def _unflatten(flat: dict[str, object]) -> dict:
+    out: dict = {}
+    for k, v in flat.items():
+        node = out
+        parts = k.split("/")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = v
+    return out
+
+
+def load_params(ckpt: CheckpointDir, dtype="bfloat16", *, shardings: dict | None = None,
+                slot_layers: Iterable[int] | None = None, progress: bool = True) -> dict:
+    """Read the parameters into device arrays.
+
+    Args:
+      ckpt: from `open_checkpoint`.
+      dtype: activation/weight dtype for float parameters (norms and sinks are always float32, MXFP4 stays uint8).
+      shardings: optional pytree (same structure as the params) of `jax.sharding.Sharding`; default: the first
+        local device. Each device's callback reads only the layers of its own shard.
+      slot_layers: the global layer held by each stacked slot (−1 = an empty slot, zero weights); default 0..L−1.
+      progress: show a tqdm bar over parameter families.
+    Returns:
+      The parameter pytree of `model.param_specs` with `layers` stacked over the slots.
+    """
+    from tqdm.auto import tqdm
+
+    cfg = ckpt.config
+    slots = list(range(cfg.num_hidden_layers)) if slot_layers is None else list(slot_layers)
+    specs = _flatten(model_lib.param_specs(cfg, dtype, num_layers=len(slots)))
+    by_param: dict[str, dict[int | None, TensorEntry]] = {}
+    for e in ckpt.table:
+        by_param.setdefault(e.param, {})[e.layer] = e
+    flat_shard = _flatten(shardings) if shardings is not None else {}
+    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    out = {}
+    for pname, spec in tqdm(specs.items(), desc="loading weights", unit="tensor", disable=not progress,
+                            leave=False):
+        entries = by_param[pname]
+        sharding = flat_shard.get(pname, default)
+
+        def read_one(entry: TensorEntry, spec=spec, pname=pname) -> np.ndarray:
+            arr = entry.read(ckpt.source.handle(entry.name), entry.name)
+            if arr.dtype != spec.dtype:
+                arr = arr.astype(spec.dtype)
+            return arr
+
+        if pname.startswith("layers/"):
+            def cb(index, entries=entries, spec=spec, read_one=read_one):
+                sl = index[0] if index else slice(None)
+                want = slots[sl]
+                parts = []
+                for g in want:
+                    if g < 0:
+                        parts.append(np.zeros(spec.shape[1:], spec.dtype))
+                    else:
+                        parts.append(read_one(entries[g]))
+                stacked = np.stack(parts) if parts else np.zeros((0, *spec.shape[1:]), spec.dtype)
+                return stacked[(slice(None), *index[1:])]
+        else:
+            def cb(index, entries=entries, read_one=read_one):
+                return read_one(entries[None])[index]
+        out[pname] = jax.make_array_from_callback(spec.shape, sharding, cb)
+        log.debug("loaded %s %s %s", pname, spec.shape, spec.dtype)
+    return _unflatten(out)
+
+
+def load_checkpoint(path: str | os.PathLike, dtype="bfloat16", *, layout: str = "auto",
+                    progress: bool = True) -> tuple[ModelConfig, dict]:
+    """Load a gpt-oss checkpoint onto the first local device.
+
+    Args:
+      path: checkpoint directory (see `open_checkpoint`).
+      dtype: "bfloat16" (default, as released) or "float32" for float parameters.
+      layout: "auto", "hf" or "original".
+    Returns:
+      `(ModelConfig, params)` — params is the plain pytree the forward functions take.
+    Raises:
+      CheckpointError, ConfigError with the file, tensor, expected and found shape.
+    """
+    ckpt = open_checkpoint(path, layout)
+    log.info("checkpoint %s: layout=%s experts=%s layers=%d", ckpt.path, ckpt.layout, ckpt.config.expert_format,
+             ckpt.config.num_hidden_layers)
+    return ckpt.config, load_params(ckpt, dtype, progress=progress)
+

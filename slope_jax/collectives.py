@@ -1,0 +1,88 @@
+"""The collectives of the parallel prefill, one small named function each. Call them inside `jax.shard_map` over the
+mesh `(pipeline, ring, ulysses)`.
+
+Shape notation (scaling-book style): a sharded dimension carries its mesh axis. `Pz` = tokens of one zigzag piece,
+`C = U·Pz` = tokens of one chunk, `n` = heads, `H` = head_dim, slot axis `2` = the device's two zigzag pieces.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def ulysses_seq_to_heads(x: jax.Array) -> jax.Array:
+    """`[…, 2, Pz_{ring,ulysses}, n, H] → […, 2, C_{ring}, n/U_{ulysses}, H]` (all-to-all over `ulysses`).
+
+    Each rank sends head slice j of both pieces to rank j and concatenates what it receives along the token axis in
+    rank order, so slot 0 becomes the whole chunk r and slot 1 the whole chunk 2R−1−r, in natural order.
+    Bytes sent per device: (U−1)/U of the operand.
+    """
+    return jax.lax.all_to_all(x, "ulysses", split_axis=x.ndim - 2, concat_axis=x.ndim - 3, tiled=True)
+
+
+def ulysses_heads_to_seq(x: jax.Array) -> jax.Array:
+    """`[…, 2, C_{ring}, n/U_{ulysses}, H] → […, 2, Pz_{ring,ulysses}, n, H]`: inverse of `ulysses_seq_to_heads`."""
+    return jax.lax.all_to_all(x, "ulysses", split_axis=x.ndim - 3, concat_axis=x.ndim - 2, tiled=True)
+
+
+def ring_pass(x, ring: int):
+    """Send a pytree of blocks one step round the ring: rank r → r+1 (mod R). After k calls, rank r holds the blocks
+    that started on rank (r−k) mod R. Layout unchanged: `[…]_{ring} → […]_{ring}` (contents rotate)."""
+    perm = [(i, (i + 1) % ring) for i in range(ring)]
+    return jax.tree.map(lambda a: jax.lax.ppermute(a, "ring", perm), x)
+
+
+def pipeline_pass(x: jax.Array, pipeline: int) -> jax.Array:
+    """Stage p → p+1 (the last stage sends nothing; stage 0 receives zeros). `[…]_{pipeline}` contents shift."""
+    if pipeline == 1:
+        return jnp.zeros_like(x)
+    return jax.lax.ppermute(x, "pipeline", [(i, i + 1) for i in range(pipeline - 1)])
+
+
+def piece_predecessor_perms(ring: int, ulysses: int):
+    """Source→destination pairs (linear device index r·U + u over `(ring, ulysses)`) that bring each zigzag piece the
+    data of the piece just before it in the sequence:
+
+      A: slot 0 → slot 0 (chunks 0…R−1),  B: slot 1 → slot 1 (chunks R…2R−1),
+      C: slot 0 → slot 1 at the fold, piece (R−1, U−1) → piece (R, 0), both on ring rank R−1.
+
+    Returns (A, B, C, c_local) where c_local is True when C stays on one device (U = 1).
+    """
+    U = ulysses
+
+    def lin(r, u):
+        return r * U + u
+
+    a, b = [], []
+    for r in range(ring):
+        for u in range(U):
+            if u > 0:
+                a.append((lin(r, u - 1), lin(r, u)))
+                b.append((lin(r, u - 1), lin(r, u)))
+            else:
+                if r > 0:
+                    a.append((lin(r - 1, U - 1), lin(r, 0)))
+                if r < ring - 1:
+                    b.append((lin(r + 1, U - 1), lin(r, 0)))
+    src, dst = lin(ring - 1, U - 1), lin(ring - 1, 0)
+    return a, b, [(src, dst)], src == dst
+
+
+def piece_pass(x: jax.Array, ring: int, ulysses: int) -> jax.Array:
+    """Give each of a device's two zigzag pieces the data of the preceding piece of the sequence.
+
+    `x`: `[2, …]` per device (slot 0 = piece of chunk r, slot 1 = piece of chunk 2R−1−r). Returns `[2, …]` where slot j
+    holds the predecessor's slot data (zeros for the very first piece of the sequence). Three `ppermute`s over
+    `(ring, ulysses)` (A, B and the single fold pair C, see `piece_predecessor_perms`); used for sliding-window halos.
+    """
+    axes = ("ring", "ulysses")
+    perm_a, perm_b, perm_c, c_local = piece_predecessor_perms(ring, ulysses)
+    recv0 = jax.lax.ppermute(x[0], axes, perm_a) if perm_a else jnp.zeros_like(x[0])
+    recv1 = jax.lax.ppermute(x[1], axes, perm_b) if perm_b else jnp.zeros_like(x[1])
+    fold = x[0] if c_local else jax.lax.ppermute(x[0], axes, perm_c)
+    r = jax.lax.axis_index("ring")
+    u = jax.lax.axis_index("ulysses")
+    at_fold = (r == ring - 1) & (u == 0)
+    recv1 = jnp.where(at_fold, fold, recv1)
+    return jnp.stack([recv0, recv1])

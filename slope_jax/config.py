@@ -1,0 +1,309 @@
+"""gpt-oss model configuration: one frozen dataclass, built from a Hugging Face or an OpenAI `original/` config.
+
+Notable:
+- Both `config.json` dialects map onto the same fields (spec §1: `num_local_experts` ↔ `num_experts`,
+  `beta_fast` ↔ `rope_ntk_beta`, `beta_slow` ↔ `rope_ntk_alpha`, `original_max_position_embeddings` ↔
+  `initial_context_length`). transformers ≥ 5 writes `rope_parameters` instead of `rope_scaling`; both are read.
+- Validation happens once, here, with errors that name the field, its value and the rule it broke.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Literal
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+_LAYER_KINDS = (SLIDING, FULL)
+
+
+class ConfigError(ValueError):
+    """A configuration value breaks a rule of the model; the message names the field and the rule."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """gpt-oss hyper-parameters (spec §1). Sizes are counts; `sliding_window` is in tokens (keys seen by a query,
+    itself included); `rope_*` follow YaRN (Peng et al. 2023, arXiv:2309.00071) as used by gpt-oss (spec §2.2)."""
+
+    num_hidden_layers: int
+    num_experts: int
+    experts_per_token: int
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    sliding_window: int
+    layer_types: tuple[str, ...]
+    rope_theta: float = 150000.0
+    rope_type: Literal["yarn", "default"] = "yarn"
+    rope_scaling_factor: float = 32.0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_original_max_position_embeddings: int = 4096
+    rope_truncate: bool = False
+    max_position_embeddings: int = 131072
+    rms_norm_eps: float = 1e-5
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    # How the checkpoint stores expert weights: "mxfp4" (packed uint8 blocks + E8M0 scales, spec §3.3) or
+    # "dense" (unquantized floats). The loader sets it from the tensors it finds.
+    expert_format: Literal["mxfp4", "dense"] = "mxfp4"
+
+    def __post_init__(self):
+        _validate(self)
+
+    # ----------------------------------------------------------------------------------------------------------
+    @property
+    def q_per_kv(self) -> int:
+        """GQA group size G = query heads per KV head."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether global layer `layer` uses the sliding window (spec §1: even layers in the released models)."""
+        return self.layer_types[layer] == SLIDING
+
+    @property
+    def sliding_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == SLIDING)
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["layer_types"] = list(self.layer_types)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    def fingerprint(self) -> str:
+        """A stable hash of the math-relevant fields (for KV export manifests)."""
+        import hashlib
+
+        d = self.to_dict()
+        d.pop("expert_format")  # storage, not math
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    # ----------------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
+        """Build from a Hugging Face gpt-oss `config.json` dict. Raises ConfigError naming `source` and the field."""
+        try:
+            n_layers = _req(d, "num_hidden_layers", source)
+            layer_types = d.get("layer_types")
+            if layer_types is None:  # HF derives the same alternating pattern (spec §1)
+                layer_types = [SLIDING if i % 2 == 0 else FULL for i in range(n_layers)]
+            rope = d.get("rope_scaling") or d.get("rope_parameters") or {
+                "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "original_max_position_embeddings": 4096, "truncate": False}
+            rope_theta = d.get("rope_theta", rope.get("rope_theta", 150000.0))
+            rope_type = rope.get("rope_type", rope.get("type", "yarn"))
+            eos = d.get("eos_token_id")
+            eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            quant = (d.get("quantization_config") or {}).get("quant_method")
+            return cls(
+                num_hidden_layers=n_layers,
+                num_experts=_req(d, "num_local_experts", source, alt="num_experts"),
+                experts_per_token=_req(d, "num_experts_per_tok", source, alt="experts_per_token"),
+                vocab_size=_req(d, "vocab_size", source),
+                hidden_size=_req(d, "hidden_size", source),
+                intermediate_size=_req(d, "intermediate_size", source),
+                num_attention_heads=_req(d, "num_attention_heads", source),
+                num_key_value_heads=_req(d, "num_key_value_heads", source),
+                head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+                sliding_window=_req(d, "sliding_window", source),
+                layer_types=tuple(layer_types),
+                rope_theta=float(rope_theta),
+                rope_type=rope_type,
+                rope_scaling_factor=float(rope.get("factor", 1.0)),
+                rope_beta_fast=float(rope.get("beta_fast", 32.0)),
+                rope_beta_slow=float(rope.get("beta_slow", 1.0)),
+                rope_original_max_position_embeddings=int(
+                    rope.get("original_max_position_embeddings", d.get("max_position_embeddings", 4096))),
+                rope_truncate=bool(rope.get("truncate", True)),
+                max_position_embeddings=int(d.get("max_position_embeddings", 131072)),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+                swiglu_limit=float(d.get("swiglu_limit", 7.0)),
+                swiglu_alpha=float(d.get("swiglu_alpha", 1.702)),
+                eos_token_ids=eos,
+                pad_token_id=d.get("pad_token_id"),
+                expert_format="mxfp4" if quant == "mxfp4" else "dense",
+            )._checked_extra(d, source)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError, KeyError) as e:
+            raise ConfigError(f"{source}: {e}") from e
+
+    @classmethod
+    def from_original_dict(cls, d: dict[str, Any], *, source: str = "original/config.json") -> ModelConfig:
+        """Build from OpenAI's `original/config.json` (spec §1 key mapping). Always MXFP4 experts, YaRN RoPE."""
+        n_layers = _req(d, "num_hidden_layers", source)
+        factor = float(d.get("rope_scaling_factor", 1.0))
+        return cls(
+            num_hidden_layers=n_layers,
+            num_experts=_req(d, "num_experts", source),
+            experts_per_token=_req(d, "experts_per_token", source),
+            vocab_size=_req(d, "vocab_size", source),
+            hidden_size=_req(d, "hidden_size", source),
+            intermediate_size=_req(d, "intermediate_size", source),
+            num_attention_heads=_req(d, "num_attention_heads", source),
+            num_key_value_heads=_req(d, "num_key_value_heads", source),
+            head_dim=_req(d, "head_dim", source),
+            sliding_window=_req(d, "sliding_window", source),
+            layer_types=tuple(SLIDING if i % 2 == 0 else FULL for i in range(n_layers)),
+            rope_theta=float(d.get("rope_theta", 150000.0)),
+            rope_type="yarn" if factor != 1.0 else "default",
+            rope_scaling_factor=factor,
+            rope_beta_fast=float(d.get("rope_ntk_beta", 32.0)),
+            rope_beta_slow=float(d.get("rope_ntk_alpha", 1.0)),
+            rope_original_max_position_embeddings=int(d.get("initial_context_length", 4096)),
+            rope_truncate=False,
+            max_position_embeddings=int(d.get("max_position_embeddings",
+                                              int(d.get("initial_context_length", 4096) * factor))),
+            swiglu_limit=float(d.get("swiglu_limit", 7.0)),
+            expert_format="mxfp4",
+        )
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> ModelConfig:
+        """Read a config file in either dialect (an OpenAI config has `num_experts` and no `model_type`)."""
+        path = os.fspath(path)
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from e
+        if not isinstance(d, dict):
+            raise ConfigError(f"{path}: expected a JSON object, found {type(d).__name__}")
+        if "model_type" not in d and "num_experts" in d and "num_local_experts" not in d:
+            return cls.from_original_dict(d, source=path)
+        if d.get("model_type", "gpt_oss") != "gpt_oss":
+            raise ConfigError(f"{path}: model_type={d['model_type']!r}, expected 'gpt_oss'")
+        return cls.from_hf_dict(d, source=path)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The released-layout `config.json` (spec §1) for this configuration."""
+        d = {
+            "architectures": ["GptOssForCausalLM"],
+            "model_type": "gpt_oss",
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_local_experts": self.num_experts,
+            "num_experts_per_tok": self.experts_per_token,
+            "experts_per_token": self.experts_per_token,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "sliding_window": self.sliding_window,
+            "layer_types": list(self.layer_types),
+            "rope_theta": self.rope_theta,
+            "rope_scaling": ({"rope_type": "yarn", "factor": self.rope_scaling_factor,
+                              "beta_fast": self.rope_beta_fast, "beta_slow": self.rope_beta_slow,
+                              "original_max_position_embeddings": self.rope_original_max_position_embeddings,
+                              "truncate": self.rope_truncate} if self.rope_type == "yarn" else None),
+            "max_position_embeddings": self.max_position_embeddings,
+            "initial_context_length": self.rope_original_max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "swiglu_limit": self.swiglu_limit,
+            "attention_bias": True,
+            "attention_dropout": 0.0,
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+            "router_aux_loss_coef": 0.9,
+            "output_router_logits": False,
+            "initializer_range": 0.02,
+            "use_cache": True,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+            "pad_token_id": self.pad_token_id,
+        }
+        if self.expert_format == "mxfp4":
+            d["quantization_config"] = {
+                "quant_method": "mxfp4",
+                "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                           "model.embed_tokens", "lm_head"]}
+        return d
+
+    def to_original_dict(self) -> dict[str, Any]:
+        """OpenAI's `original/config.json` (spec §1 key list)."""
+        return {
+            "num_hidden_layers": self.num_hidden_layers, "num_experts": self.num_experts,
+            "experts_per_token": self.experts_per_token, "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "swiglu_limit": self.swiglu_limit, "head_dim": self.head_dim,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "sliding_window": self.sliding_window,
+            "initial_context_length": self.rope_original_max_position_embeddings,
+            "rope_theta": self.rope_theta, "rope_scaling_factor": self.rope_scaling_factor,
+            "rope_ntk_alpha": self.rope_beta_slow, "rope_ntk_beta": self.rope_beta_fast,
+        }
+
+    def _checked_extra(self, d: dict[str, Any], source: str) -> ModelConfig:
+        """Fields of the HF dialect that this engine does not implement are rejected, not ignored."""
+        if d.get("attention_bias", True) is not True:
+            raise ConfigError(f"{source}: attention_bias={d['attention_bias']!r}; gpt-oss has q/k/v/o biases "
+                              "(spec §2), only attention_bias=true is supported")
+        if d.get("tie_word_embeddings", False):
+            raise ConfigError(f"{source}: tie_word_embeddings=true; gpt-oss unembedding is untied (spec §2.3)")
+        return self
+
+
+def _req(d: dict[str, Any], key: str, source: str, alt: str | None = None):
+    if key in d:
+        return d[key]
+    if alt is not None and alt in d:
+        return d[alt]
+    raise ConfigError(f"{source}: required field {key!r} is missing" + (f" (also looked for {alt!r})" if alt else ""))
+
+
+def _validate(c: ModelConfig) -> None:
+    def positive(name: str):
+        v = getattr(c, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ConfigError(f"{name}={v!r}: must be a positive integer")
+
+    for name in ("num_hidden_layers", "num_experts", "experts_per_token", "vocab_size", "hidden_size",
+                 "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "sliding_window",
+                 "rope_original_max_position_embeddings", "max_position_embeddings"):
+        positive(name)
+    if c.num_attention_heads % c.num_key_value_heads:
+        raise ConfigError(f"num_attention_heads={c.num_attention_heads} must be divisible by "
+                          f"num_key_value_heads={c.num_key_value_heads} (GQA groups)")
+    if c.head_dim % 2:
+        raise ConfigError(f"head_dim={c.head_dim} must be even (RoPE rotates two halves, spec §2.2)")
+    if c.experts_per_token > c.num_experts:
+        raise ConfigError(f"experts_per_token={c.experts_per_token} exceeds num_experts={c.num_experts}")
+    if len(c.layer_types) != c.num_hidden_layers:
+        raise ConfigError(f"layer_types has {len(c.layer_types)} entries, num_hidden_layers={c.num_hidden_layers}")
+    for i, t in enumerate(c.layer_types):
+        if t not in _LAYER_KINDS:
+            raise ConfigError(f"layer_types[{i}]={t!r}: must be one of {_LAYER_KINDS}")
+    if c.rope_type not in ("yarn", "default"):
+        raise ConfigError(f"rope_type={c.rope_type!r}: supported rope types are 'yarn' and 'default'")
+    if c.rope_type == "yarn" and not c.rope_scaling_factor >= 1.0:
+        raise ConfigError(f"rope_scaling_factor={c.rope_scaling_factor}: YaRN needs a factor >= 1")
+    if not (c.rope_theta > 1.0 and math.isfinite(c.rope_theta)):
+        raise ConfigError(f"rope_theta={c.rope_theta}: must be a finite number > 1")
+    if not c.rms_norm_eps > 0:
+        raise ConfigError(f"rms_norm_eps={c.rms_norm_eps}: must be > 0")
+    if not c.swiglu_limit > 0:
+        raise ConfigError(f"swiglu_limit={c.swiglu_limit}: must be > 0")
+    if c.expert_format not in ("mxfp4", "dense"):
+        raise ConfigError(f"expert_format={c.expert_format!r}: must be 'mxfp4' or 'dense'")
+    if c.expert_format == "mxfp4":
+        for name in ("hidden_size", "intermediate_size"):
+            if getattr(c, name) % 32:
+                raise ConfigError(f"{name}={getattr(c, name)} must be a multiple of 32: MXFP4 blocks cover 32 "
+                                  "input channels (spec §3.3)")
+    for t in c.eos_token_ids:
+        if not 0 <= t < c.vocab_size:
+            raise ConfigError(f"eos_token_id {t} is outside the vocabulary [0, {c.vocab_size})")

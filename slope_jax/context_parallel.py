@@ -1,0 +1,148 @@
+"""Context-parallel attention cores (inside `shard_map` over `(ring, ulysses)`): exact sink attention on a sequence
+split in the zigzag layout of `slope_jax.layout`.
+
+Full-attention layers — Ulysses × ring (design §2.4):
+  1. all-to-all over `ulysses`: `[2, Pz, N, H]` → `[2, C, N/U, H]` (sequence shards → head shards); with GQA the KV
+     heads are split when U ≤ K, or replicated first when U > K so that the rank holding query head h holds KV head
+     h // G. Each rank uses the sinks of its own query heads.
+  2. ring over `ring`: step 0 is the causal diagonal on the rank's own chunks; at step k ≥ 1 the rank holds the KV
+     (and positions) of rank s = (r − k) mod R and computes exactly two fully visible chunk × chunk blocks, chosen by
+     index (static shapes, equal work on every rank, no `lax.cond`): for s < r both query chunks see KV chunk s; for
+     s > r query chunk 2R−1−r sees both KV chunks. The next `ppermute` is issued before the current block's compute.
+     Partial results merge in float32 `(o, m, l)`; the sink enters once, at the end.
+  3. inverse all-to-all back to `[2, Pz, N, H]`.
+Sliding-window layers — halo (design §2.5): each piece receives the K/V (and positions) of the W−1 tokens before it
+from the device holding them, in ⌈(W−1)/Pz⌉ hops of `collectives.piece_pass` when pieces are shorter than the halo,
+then attends locally. No all-to-all and no ring.
+
+Shapes per device: `Pz` piece, `C = U·Pz` chunk, `N` query heads, `K` KV heads, `H` head_dim.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from slope_jax import attention as attn_lib
+from slope_jax import collectives
+
+
+def _local_sinks(sinks: jax.Array, ulysses: int) -> jax.Array:
+    """The sinks `[N/U]` of this Ulysses rank's query heads."""
+    n_local = sinks.shape[0] // ulysses
+    u = jax.lax.axis_index("ulysses")
+    return jax.lax.dynamic_slice_in_dim(sinks, u * n_local, n_local)
+
+
+def _select(pred, a, b):
+    return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
+
+
+def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, sinks: jax.Array, *, ring: int,
+                   ulysses: int, q_tile: int = 256, kv_tile: int = 256) -> jax.Array:
+    """Causal sink attention over the whole (context-parallel) sequence.
+
+    Args:
+      q: `[2Pz, N, H]` local queries (post-RoPE) in layout order; k, v: `[2Pz, K, H]`; pos: int32 `[2Pz]` their
+        global positions; sinks: `[N]` float32 (all heads).
+    Returns:
+      `[2Pz, N, H]` attention output in q's dtype, layout order.
+    """
+    two_pz, n, h = q.shape
+    kh = k.shape[1]
+    pz = two_pz // 2
+    R, U = ring, ulysses
+    if U > kh:  # replicate KV heads: replica j of head i sits at index i·(U/K) + j; rank u gets head u // (U/K)
+        k = jnp.repeat(k, U // kh, axis=1)
+        v = jnp.repeat(v, U // kh, axis=1)
+    qc = q.reshape(2, pz, n, h)
+    kvc = jnp.stack([k, v]).reshape(2, 2, pz, k.shape[1], h)  # [kv, slot, Pz, K', H]
+    if U > 1:
+        qc = collectives.ulysses_seq_to_heads(qc)  # [2, C, N/U, H]
+        kvc = collectives.ulysses_seq_to_heads(kvc)  # [2, 2, C, K'/U, H]
+        posc = jax.lax.all_gather(pos.reshape(2, pz), "ulysses", axis=1, tiled=True)  # [2, C]
+        sinks = _local_sinks(sinks, U)
+    else:
+        posc = pos.reshape(2, pz)
+    attend = functools.partial(attn_lib.attend, q_tile=q_tile, kv_tile=kv_tile)
+    q0, q1 = qc[0], qc[1]
+    p0, p1 = posc[0], posc[1]
+
+    with jax.named_scope("ring_step0"):
+        nxt = collectives.ring_pass((kvc, posc), R) if R > 1 else None
+        st0 = attend(q0, kvc[0, 0], kvc[1, 0], p0, p0)  # chunk r, causal diagonal
+        k01 = jnp.concatenate([kvc[0, 0], kvc[0, 1]])
+        v01 = jnp.concatenate([kvc[1, 0], kvc[1, 1]])
+        st1 = attend(q1, k01, v01, p1, jnp.concatenate([p0, p1]))  # chunk 2R−1−r: all of chunk r + own diagonal
+
+    r = jax.lax.axis_index("ring")
+
+    def ring_step(step, cur, st0, st1):
+        kv_blk, pos_blk = cur
+        s = (r - step) % R
+        before = s < r
+        # block A: (s < r: q chunk r | else: q chunk 2R−1−r) × KV chunk s
+        st_a = attend(jnp.where(before, q0, q1), kv_blk[0, 0], kv_blk[1, 0], jnp.where(before, p0, p1), pos_blk[0],
+                      state=_select(before, st0, st1))
+        # block B: q chunk 2R−1−r × (s < r: KV chunk s | else: KV chunk 2R−1−s), continuing A when both hit q1
+        st_b = attend(q1, jnp.where(before, kv_blk[0, 0], kv_blk[0, 1]), jnp.where(before, kv_blk[1, 0], kv_blk[1, 1]),
+                      p1, jnp.where(before, pos_blk[0], pos_blk[1]), state=_select(before, st1, st_a))
+        return _select(before, st_a, st0), st_b
+
+    if R > 1:
+        def body(step, carry):
+            cur, st0, st1 = carry
+            with jax.named_scope("ring_step"):
+                nxt = collectives.ring_pass(cur, R)  # issued before this step's compute
+                st0, st1 = ring_step(step, cur, st0, st1)
+            return nxt, st0, st1
+
+        cur, st0, st1 = jax.lax.fori_loop(1, R - 1, body, (nxt, st0, st1))
+        with jax.named_scope("ring_step_last"):
+            st0, st1 = ring_step(R - 1, cur, st0, st1)
+
+    out = jnp.stack([attn_lib.finalize(st0, sinks), attn_lib.finalize(st1, sinks)]).astype(q.dtype)  # [2, C, N/U, H]
+    if U > 1:
+        out = collectives.ulysses_heads_to_seq(out)
+    return out.reshape(two_pz, n, h)
+
+
+def sliding_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, sinks: jax.Array, *, ring: int,
+                      ulysses: int, window: int, q_tile: int = 256, kv_tile: int = 256) -> jax.Array:
+    """Sliding-window sink attention with a halo exchange: each piece sees the W−1 tokens before it.
+
+    Args: as `full_attention`, plus `window` (keys per query, itself included).
+    Returns: `[2Pz, N, H]` in q's dtype, layout order.
+    """
+    two_pz, n, h = q.shape
+    pz = two_pz // 2
+    R, U = ring, ulysses
+    halo = window - 1
+    kv = jnp.stack([k, v], axis=1).reshape(2, pz, 2, k.shape[1], h)  # [slot, Pz, kv, K, H]
+    pp = pos.reshape(2, pz)
+    keys, kpos = kv, pp
+    if halo > 0:
+        with jax.named_scope("halo"):
+            r = jax.lax.axis_index("ring")
+            u = jax.lax.axis_index("ulysses")
+            piece = jnp.stack([r * U + u, (2 * R - 1 - r) * U + u])  # global piece index of each slot
+            hops = -(-halo // pz)
+            send = min(pz, halo)
+            buf, bpos = kv[:, pz - send:], pp[:, pz - send:]
+            parts, pparts = [], []
+            for hop in range(1, hops + 1):
+                buf = collectives.piece_pass(buf, R, U)
+                bpos = collectives.piece_pass(bpos, R, U)
+                bpos = jnp.where((piece - hop >= 0)[:, None], bpos, attn_lib.INVALID_POS)  # no such piece
+                parts.insert(0, buf)
+                pparts.insert(0, bpos)
+            keys = jnp.concatenate(parts + [kv], axis=1)[:, -(halo + pz):]
+            kpos = jnp.concatenate(pparts + [pp], axis=1)[:, -(halo + pz):]
+    outs = []
+    for slot in range(2):
+        st = attn_lib.attend(q[slot * pz:(slot + 1) * pz], keys[slot, :, 0], keys[slot, :, 1], pp[slot], kpos[slot],
+                             window=window, q_tile=q_tile, kv_tile=kv_tile)
+        outs.append(attn_lib.finalize(st, sinks))
+    return jnp.concatenate(outs).astype(q.dtype)

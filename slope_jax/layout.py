@@ -1,0 +1,61 @@
+"""Token layout for context parallelism: padding to a bucket, zigzag chunks over ring ranks, pieces over Ulysses.
+
+A padded length T (a multiple of 2·R·U) is cut into 2R chunks of C = T/(2R) tokens; ring rank r holds chunks r and
+2R−1−r (zigzag: every rank gets one early and one late chunk, so causal work is balanced — Liu et al. 2023 ring
+attention; the zigzag order of ring-flash-attention). Each chunk is split into U pieces of Pz = C/U tokens; device
+(r, u) holds piece u of both of its chunks:
+
+    device (r, u) local tokens = [piece(r, u) ; piece(2R−1−r, u)],   piece(c, u) = tokens [c·C + u·Pz, … + Pz)
+
+Global arrays are stored in *layout order*: device d = r·U + u owns rows [d·2Pz, (d+1)·2Pz). `layout_positions`
+gives the global position held at every layout row; `to_layout` / `to_natural` permute between the two orders.
+Pad tokens sit at positions ≥ num_tokens, after every real token, so causality alone hides them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def piece_size(t: int, ring: int, ulysses: int) -> int:
+    """Pz = T / (2·R·U). Raises ValueError when T is not a multiple of 2·R·U."""
+    if t % (2 * ring * ulysses):
+        raise ValueError(f"padded length {t} is not a multiple of 2*ring*ulysses = {2 * ring * ulysses}")
+    return t // (2 * ring * ulysses)
+
+
+def layout_positions(t: int, ring: int, ulysses: int) -> np.ndarray:
+    """int32 `[T]`: global token position stored at each layout row (device-major, see module docstring)."""
+    pz = piece_size(t, ring, ulysses)
+    c = pz * ulysses
+    rows = []
+    for r in range(ring):
+        for u in range(ulysses):
+            for chunk in (r, 2 * ring - 1 - r):
+                rows.append(chunk * c + u * pz + np.arange(pz))
+    return np.concatenate(rows).astype(np.int32)
+
+
+def to_layout(x: np.ndarray, ring: int, ulysses: int, axis: int = 0) -> np.ndarray:
+    """Permute natural token order → layout order along `axis` (length T)."""
+    return np.take(x, layout_positions(x.shape[axis], ring, ulysses), axis=axis)
+
+
+def to_natural(x: np.ndarray, ring: int, ulysses: int, axis: int = 0) -> np.ndarray:
+    """Permute layout order → natural token order along `axis` (inverse of `to_layout`)."""
+    inv = np.argsort(layout_positions(x.shape[axis], ring, ulysses))
+    return np.take(x, inv, axis=axis)
+
+
+def bucket_length(n: int, multiple: int = 1, minimum: int = 16) -> int:
+    """The compiled length for an n-token prompt: the smallest of {2^k, 3·2^(k−1)} ≥ max(n, minimum), rounded up to
+    a multiple of `multiple`. At most 1.5× padding, and only O(log T) distinct programs."""
+    if n < 1:
+        raise ValueError(f"prompt length {n} must be >= 1")
+    target = max(n, minimum)
+    b = 1
+    while True:
+        for cand in (b, 3 * b // 2 if b >= 2 else b):
+            if cand >= target:
+                return -(-cand // multiple) * multiple
+        b *= 2

@@ -1,0 +1,95 @@
+"""Parallel layout: `ParallelConfig(pipeline, ring, ulysses)`, its validation, and the device mesh.
+
+Mesh axes, outermost first: `pipeline` (stages of layers), `ring` (ring attention over zigzag sequence chunks),
+`ulysses` (all-to-all that trades sequence shards for head shards). `ulysses` is innermost so that its all-to-all
+stays on the fastest links (inside a host); `ring` and `pipeline` may cross hosts (design §5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from slope_jax.config import ModelConfig
+
+AXES = ("pipeline", "ring", "ulysses")
+CP_AXES = ("ring", "ulysses")  # the axes a sequence is split over
+
+
+class LayoutError(ValueError):
+    """A parallel layout breaks a rule; the message names the value and the rule."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """Degrees of parallelism for one prefill.
+
+    pipeline: stages of consecutive layers (P). ring: ring-attention ranks (R). ulysses: Ulysses ranks (U).
+    microbatches: requests in flight through the pipeline per compiled step (default: `pipeline`).
+    The mesh needs exactly P·R·U devices.
+    """
+
+    pipeline: int = 1
+    ring: int = 1
+    ulysses: int = 1
+    microbatches: int | None = None
+
+    def __post_init__(self):
+        for name in ("pipeline", "ring", "ulysses"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise LayoutError(f"{name}={v!r}: must be a positive integer")
+        if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
+            raise LayoutError(f"microbatches={self.microbatches!r}: must be a positive integer or None")
+
+    @property
+    def num_devices(self) -> int:
+        return self.pipeline * self.ring * self.ulysses
+
+    @property
+    def cp(self) -> int:
+        """Context-parallel degree R·U: the number of devices one sequence is split over."""
+        return self.ring * self.ulysses
+
+    @property
+    def in_flight(self) -> int:
+        return self.microbatches or self.pipeline
+
+    @property
+    def token_multiple(self) -> int:
+        """Padded lengths are multiples of 2·R·U: 2R zigzag chunks, each split over U Ulysses ranks."""
+        return 2 * self.ring * self.ulysses
+
+    def validate(self, cfg: ModelConfig, num_devices: int | None = None) -> ParallelConfig:
+        """Check the layout against the model and the device count. Returns self; raises LayoutError naming the rule."""
+        if num_devices is not None and self.num_devices != num_devices:
+            raise LayoutError(f"pipeline*ring*ulysses = {self.pipeline}*{self.ring}*{self.ulysses} = "
+                              f"{self.num_devices} devices, but {num_devices} are available: the mesh must use "
+                              "every device exactly once")
+        n, k = cfg.num_attention_heads, cfg.num_key_value_heads
+        if n % self.ulysses:
+            raise LayoutError(f"ulysses={self.ulysses} must divide num_attention_heads={n}: each Ulysses rank "
+                              "holds an equal slice of query heads")
+        if k % self.ulysses and self.ulysses % k:
+            raise LayoutError(f"ulysses={self.ulysses} must divide num_key_value_heads={k} or be a multiple of it "
+                              "(KV heads are split, or replicated so that query head h meets KV head h//G); "
+                              "padding heads would break the GQA ratio")
+        if self.pipeline > cfg.num_hidden_layers:
+            raise LayoutError(f"pipeline={self.pipeline} exceeds num_hidden_layers={cfg.num_hidden_layers}: "
+                              "a stage would hold no layer")
+        return self
+
+
+def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
+    """A `(pipeline, ring, ulysses)` mesh over `devices` (default: all devices, ordered by process then id, so
+    that consecutive devices — the Ulysses group — share a host). Raises LayoutError on a device-count mismatch."""
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) != parallel.num_devices:
+        raise LayoutError(f"pipeline*ring*ulysses = {parallel.num_devices} devices, but {len(devices)} are "
+                          "available: the mesh must use every device exactly once")
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+    grid = np.array(devices, dtype=object).reshape(parallel.pipeline, parallel.ring, parallel.ulysses)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 3)
