@@ -244,10 +244,11 @@ def open_checkpoint(path: str | os.PathLike, layout: str = "auto") -> Checkpoint
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: checkpoint directory does not exist")
-    has_hf = any(f.endswith(".safetensors") or f == HF_INDEX for f in os.listdir(path))
+    has_weights = any(f.endswith(".safetensors") or f == HF_INDEX for f in os.listdir(path))
+    top_is_original = _is_original_config(os.path.join(path, "config.json"))
     if layout == "auto":
-        layout = "hf" if has_hf else "original"
-    if layout == "original" and os.path.isdir(os.path.join(path, "original")):
+        layout = "hf" if has_weights and not top_is_original else "original"
+    if layout == "original" and not top_is_original and os.path.isdir(os.path.join(path, "original")):
         path = os.path.join(path, "original")
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
@@ -272,6 +273,16 @@ def open_checkpoint(path: str | os.PathLike, layout: str = "auto") -> Checkpoint
     table = tensor_table(cfg, layout)
     _check_names_shapes(source, table, cfg_path)
     return CheckpointDir(path, layout, cfg, source, table)
+
+
+def _is_original_config(cfg_path: str) -> bool:
+    """Whether a config.json is OpenAI's dialect (has `num_experts`, no `model_type`)."""
+    try:
+        with open(cfg_path) as f:
+            d = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(d, dict) and "model_type" not in d and "num_experts" in d
 
 
 def _declares_mxfp4(cfg_path: str) -> bool:
@@ -371,13 +382,10 @@ def load_params(ckpt: CheckpointDir, dtype="bfloat16", *, shardings: dict | None
             def cb(index, entries=entries, spec=spec, read_one=read_one):
                 sl = index[0] if index else slice(None)
                 want = slots[sl]
-                parts = []
-                for g in want:
-                    if g < 0:
-                        parts.append(np.zeros(spec.shape[1:], spec.dtype))
-                    else:
-                        parts.append(read_one(entries[g]))
-                stacked = np.stack(parts) if parts else np.zeros((0, *spec.shape[1:]), spec.dtype)
+                stacked = np.zeros((len(want), *spec.shape[1:]), spec.dtype)  # filled layer by layer: no 2nd copy
+                for j, g in enumerate(want):
+                    if g >= 0:
+                        stacked[j] = read_one(entries[g])
                 return stacked[(slice(None), *index[1:])]
         else:
             def cb(index, entries=entries, read_one=read_one):

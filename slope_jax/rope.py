@@ -6,7 +6,7 @@ Notable:
 - The concentration `0.1·ln(factor) + 1` multiplies both cos and sin, so q·k logits carry its square.
 - Half-split ("NeoX") rotation on the full head_dim.
 - Tables are computed from global token positions in float32, the order of operations following HF
-  `_compute_yarn_parameters` so that the frequencies agree bit for bit.
+  `_compute_yarn_parameters`; frequencies agree with HF's to 1 ulp.
 """
 
 from __future__ import annotations
@@ -41,7 +41,10 @@ def yarn_correction_range(cfg: ModelConfig) -> tuple[float, float]:
 def inv_freq(cfg: ModelConfig) -> np.ndarray:
     """Per-pair inverse frequencies `[D/2]` float32 (radians per token), YaRN-blended (spec §2.2)."""
     dim = cfg.head_dim
-    pos_freqs = np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    # theta^(2i/D): exponent in float32 as HF computes it, the power correctly rounded (float64, then float32), so
+    # the table does not depend on a library's float32 pow (torch's differs from it by 1 ulp in 2 of 32 dims)
+    exponent = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    pos_freqs = (np.float64(np.float32(cfg.rope_theta)) ** exponent.astype(np.float64)).astype(np.float32)
     extrapolation = np.float32(1.0) / pos_freqs
     if cfg.rope_type == "default":
         return extrapolation.astype(np.float32)

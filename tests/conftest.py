@@ -1,0 +1,73 @@
+"""Shared fixtures: 8 virtual CPU devices, two tiny gpt-oss configs with pairwise-distinct sizes, checkpoints written
+in every supported layout, and a single-device reference engine per config.
+
+The XLA flag must be set before jax is imported anywhere, hence at the top of conftest.
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from slope_jax import checkpoint_writer  # noqa: E402
+from slope_jax.config import FULL, SLIDING, ModelConfig  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIPPED = os.path.join(REPO, "checkpoints", "tiny-gpt-oss")
+
+# Pairwise-distinct sizes inside each config: hidden, heads, kv heads, head_dim, experts, top-k, intermediate, vocab,
+# window are all different numbers, so a transposed or mislabelled axis cannot go unnoticed.
+CONFIG_A = ModelConfig(
+    num_hidden_layers=4, num_experts=6, experts_per_token=2, vocab_size=448, hidden_size=64, intermediate_size=96,
+    num_attention_heads=16, num_key_value_heads=4, head_dim=12, sliding_window=10,
+    layer_types=(SLIDING, FULL) * 2, eos_token_ids=(3,), pad_token_id=1)
+# 9 layers: an odd count, so pipeline stages get odd layer counts (5+4, 3+2+2+2, 2+1+…)
+CONFIG_B = ModelConfig(
+    num_hidden_layers=9, num_experts=5, experts_per_token=3, vocab_size=320, hidden_size=96, intermediate_size=64,
+    num_attention_heads=8, num_key_value_heads=2, head_dim=20, sliding_window=7,
+    layer_types=tuple(SLIDING if i % 2 == 0 else FULL for i in range(9)), eos_token_ids=(5,), pad_token_id=2)
+CONFIGS = {"A": CONFIG_A, "B": CONFIG_B}
+TILES = dict(q_tile=8, kv_tile=8, moe_tile=8)  # small tiles: every path crosses tile boundaries
+
+
+def _sizes_distinct(c: ModelConfig) -> bool:
+    v = [c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.num_experts, c.experts_per_token,
+         c.intermediate_size, c.vocab_size, c.sliding_window]
+    return len(set(v)) == len(v)
+
+
+assert all(_sizes_distinct(c) for c in CONFIGS.values())
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """{config name: {"mxfp4": dir (3 shards + index, original/ beside), "dense": dir}} written once per session."""
+    out = {}
+    for name, cfg in CONFIGS.items():
+        params = checkpoint_writer.random_params(cfg, seed=7 + len(name) + ord(name))
+        base = tmp_path_factory.mktemp(f"ckpt_{name}")
+        mx, dense = str(base / "mxfp4"), str(base / "dense")
+        checkpoint_writer.write_hf(mx, cfg, params, experts="mxfp4", num_shards=3)
+        checkpoint_writer.write_original(os.path.join(mx, "original"), cfg, params)
+        checkpoint_writer.write_hf(dense, cfg, params, experts="dense")
+        out[name] = {"mxfp4": mx, "dense": dense, "params": params}
+    return out
+
+
+@pytest.fixture(scope="session")
+def reference_engines(checkpoints):
+    """Single-device float32 engines (the reference path) per config, from the MXFP4 checkpoint."""
+    from slope_jax.engine import PrefillEngine
+
+    return {name: PrefillEngine.from_checkpoint(c["mxfp4"], dtype="float32", progress=False, **TILES)
+            for name, c in checkpoints.items()}
+
+
+def random_prompt(cfg: ModelConfig, n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, cfg.vocab_size, n).astype(np.int32)

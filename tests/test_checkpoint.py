@@ -1,0 +1,234 @@
+"""Checkpoint loading: layouts, and bad checkpoints that must fail with an error naming the problem."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from conftest import CONFIG_A, SHIPPED
+from slope_jax import checkpoint_writer, load_checkpoint, model
+from slope_jax.checkpoint import CheckpointError, open_checkpoint
+from slope_jax.config import ConfigError, ModelConfig
+
+
+@pytest.fixture()
+def ckpt(tmp_path):
+    """A fresh single-file MXFP4 checkpoint of CONFIG_A that a test may damage."""
+    d = str(tmp_path / "ck")
+    checkpoint_writer.write_hf(d, CONFIG_A, checkpoint_writer.random_params(CONFIG_A, 1))
+    return d
+
+
+def _rewrite(path, fn):
+    tensors = load_file(path)
+    fn(tensors)
+    save_file(tensors, path)
+
+
+def test_loaded_params_match_declaration(checkpoints):
+    cfg, params = load_checkpoint(checkpoints["A"]["mxfp4"], "float32", progress=False)
+    specs = model.param_specs(cfg, "float32")
+    flat_p = {k: v for k, v in _flat(params)}
+    flat_s = {k: v for k, v in _flat(specs, leaf=model.ParamSpec)}
+    assert flat_p.keys() == flat_s.keys()
+    for k, s in flat_s.items():
+        assert flat_p[k].shape == s.shape and flat_p[k].dtype == s.dtype, k
+
+
+def _flat(tree, prefix="", leaf=None):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _flat(v, prefix + k + "/", leaf)
+        else:
+            yield prefix + k, v
+
+
+def test_sharded_and_single_file_and_original_load_identically(checkpoints, tmp_path):
+    params_np = checkpoints["A"]["params"]
+    single = str(tmp_path / "single")
+    checkpoint_writer.write_hf(single, CONFIG_A, params_np)
+    a = load_checkpoint(checkpoints["A"]["mxfp4"], "bfloat16", progress=False)[1]
+    b = load_checkpoint(single, "bfloat16", progress=False)[1]
+    c = load_checkpoint(os.path.join(checkpoints["A"]["mxfp4"], "original"), "bfloat16", progress=False)[1]
+    for (k, x), (_, y), (_, z) in zip(_flat(a), _flat(b), _flat(c)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=k)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(z), err_msg=k)
+    np.testing.assert_array_equal(np.asarray(a["layers"]["w1_blocks"]), params_np["layers"]["w1_blocks"])
+
+
+def test_shipped_checkpoint_is_released_layout():
+    ck = open_checkpoint(SHIPPED)
+    assert ck.layout == "hf" and ck.config.expert_format == "mxfp4"
+    assert os.path.exists(os.path.join(SHIPPED, "tokenizer.json"))
+    assert len(ck.source.header) == 19 * ck.config.num_hidden_layers + 3  # spec §3.1: 19 tensors a layer + 3
+
+
+def test_missing_tensor(ckpt):
+    f = os.path.join(ckpt, "model.safetensors")
+    _rewrite(f, lambda t: t.pop("model.layers.2.self_attn.sinks"))
+    with pytest.raises(CheckpointError, match=r"missing.*model\.layers\.2\.self_attn\.sinks"):
+        open_checkpoint(ckpt)
+
+
+def test_wrong_shape_names_file_tensor_expected_and_found(ckpt):
+    f = os.path.join(ckpt, "model.safetensors")
+    _rewrite(f, lambda t: t.__setitem__("model.layers.1.self_attn.k_proj.weight",
+                                        np.zeros((40, 64), dtype=t["model.embed_tokens.weight"].dtype)))
+    with pytest.raises(CheckpointError) as e:
+        open_checkpoint(ckpt)
+    msg = str(e.value)
+    assert "model.safetensors" in msg and "model.layers.1.self_attn.k_proj.weight" in msg
+    assert "[40, 64]" in msg and "[48, 64]" in msg and "num_key_value_heads*head_dim" in msg
+
+
+def test_truncated_file(ckpt):
+    f = os.path.join(ckpt, "model.safetensors")
+    size = os.path.getsize(f)
+    with open(f, "r+b") as fh:
+        fh.truncate(size - 1000)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*truncated or corrupt"):
+        open_checkpoint(ckpt)
+
+
+def test_config_contradicting_tensors(ckpt):
+    p = os.path.join(ckpt, "config.json")
+    with open(p) as fh:
+        d = json.load(fh)
+    d["intermediate_size"] = 128  # tensors were written for 96
+    with open(p, "w") as fh:
+        json.dump(d, fh)
+    with pytest.raises(CheckpointError, match=r"gate_up_proj_bias' has shape \[6, 192\], expected \[6, 256\] = "
+                                              r"\[6 \(num_experts\), 256 \(2\*intermediate_size\)\] from .*config\.json"):
+        open_checkpoint(ckpt)
+
+
+def test_config_layer_count_contradicting_tensors(ckpt):
+    p = os.path.join(ckpt, "config.json")
+    with open(p) as fh:
+        d = json.load(fh)
+    d["num_hidden_layers"] = 3
+    d["layer_types"] = d["layer_types"][:3]
+    with open(p, "w") as fh:
+        json.dump(d, fh)
+    with pytest.raises(CheckpointError, match=r"unknown tensor.*model\.layers\.3\.") as e:
+        open_checkpoint(ckpt)
+    assert "beyond num_hidden_layers" in str(e.value)
+
+
+def test_dense_tensors_under_mxfp4_config(tmp_path):
+    d = str(tmp_path / "dense")
+    checkpoint_writer.write_hf(d, CONFIG_A, checkpoint_writer.random_params(CONFIG_A, 1), experts="dense")
+    p = os.path.join(d, "config.json")
+    with open(p) as fh:
+        cfg = json.load(fh)
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    with open(p, "w") as fh:
+        json.dump(cfg, fh)
+    with pytest.raises(CheckpointError, match="declares mxfp4 but the tensors hold unquantized"):
+        open_checkpoint(d)
+
+
+def test_duplicate_tensor_across_shards(tmp_path):
+    d = str(tmp_path / "sharded")
+    checkpoint_writer.write_hf(d, CONFIG_A, checkpoint_writer.random_params(CONFIG_A, 1), num_shards=2)
+    files = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))
+    first = load_file(os.path.join(d, files[0]))
+    name = next(iter(first))
+    _rewrite(os.path.join(d, files[1]), lambda t: t.__setitem__(name, first[name]))
+    with pytest.raises(CheckpointError, match=f"{name}.*appears twice"):
+        open_checkpoint(d)
+
+
+def test_wrong_dtype(ckpt):
+    f = os.path.join(ckpt, "model.safetensors")
+    _rewrite(f, lambda t: t.__setitem__("model.layers.0.mlp.experts.down_proj_scales",
+                                        t["model.layers.0.mlp.experts.down_proj_scales"].astype(np.float32)))
+    with pytest.raises(CheckpointError, match=r"down_proj_scales.*dtype F32.*U8"):
+        open_checkpoint(ckpt)
+
+
+def test_missing_directory_and_files(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        open_checkpoint(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        open_checkpoint(tmp_path / "empty")
+
+
+def test_index_pointing_to_missing_shard(tmp_path):
+    d = str(tmp_path / "sharded")
+    checkpoint_writer.write_hf(d, CONFIG_A, checkpoint_writer.random_params(CONFIG_A, 1), num_shards=2)
+    files = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))
+    os.remove(os.path.join(d, files[1]))
+    with pytest.raises(CheckpointError, match=f"{files[1]}.*does not exist"):
+        open_checkpoint(d)
+
+
+# ------------------------------------------------------------------------------------------------ configs
+def test_released_configs_parameter_counts():
+    """Counts from the declared shapes match the model card (spec §1): 20.915 B / 116.83 B total."""
+    for name, total in (("gpt-oss-20b", 20.915e9), ("gpt-oss-120b", 116.83e9)):
+        cfg = ModelConfig.from_json(os.path.join(os.path.dirname(SHIPPED), "..", "configs", f"{name}.json"))
+        n = 0
+        for _, s in _flat(model.param_specs(cfg), leaf=model.ParamSpec):
+            count = int(np.prod(s.shape))
+            n += count * 2 if s.axes[-1] == "bytes" else (0 if s.axes[-1] == "blocks" else count)
+        assert abs(n - total) / total < 1e-3, (name, n)
+        assert cfg.sliding_layers == tuple(range(0, cfg.num_hidden_layers, 2))
+
+
+def test_original_config_maps_rope_keys(tmp_path):
+    d = CONFIG_A.to_original_dict()
+    d["rope_ntk_beta"], d["rope_ntk_alpha"], d["initial_context_length"] = 16.0, 2.0, 2048
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(d))
+    c = ModelConfig.from_json(p)
+    assert (c.rope_beta_fast, c.rope_beta_slow, c.rope_original_max_position_embeddings) == (16.0, 2.0, 2048)
+    assert c.rope_truncate is False and c.expert_format == "mxfp4"
+
+
+def test_hf_rope_parameters_key_is_read():
+    d = CONFIG_A.to_hf_dict()
+    rope = d.pop("rope_scaling")
+    d["rope_parameters"] = dict(rope, rope_theta=99999.0, factor=16.0)
+    d.pop("rope_theta")
+    c = ModelConfig.from_hf_dict(d)
+    assert c.rope_theta == 99999.0 and c.rope_scaling_factor == 16.0
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("num_key_value_heads", 3, "num_attention_heads=16 must be divisible by num_key_value_heads=3"),
+    ("head_dim", 11, "head_dim=11 must be even"),
+    ("layer_types", ["sliding_attention"] * 3, "layer_types has 3 entries, num_hidden_layers=4"),
+    ("num_experts_per_tok", 9, "experts_per_token=9 exceeds num_experts=6"),
+    ("hidden_size", 72, "hidden_size=72 must be a multiple of 32"),
+    ("vocab_size", 0, "vocab_size=0: must be a positive integer"),
+    ("attention_bias", False, "attention_bias=False"),
+])
+def test_config_validation_names_the_field(field, value, message):
+    d = CONFIG_A.to_hf_dict()
+    d[field] = value
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        ModelConfig.from_hf_dict(d)
+
+
+def test_config_missing_field(tmp_path):
+    d = CONFIG_A.to_hf_dict()
+    del d["hidden_size"]
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(d))
+    with pytest.raises(ConfigError, match="required field 'hidden_size' is missing"):
+        ModelConfig.from_json(p)
+    p.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        ModelConfig.from_json(p)
+
+
+def test_copy_of_shipped_checkpoint_loads(tmp_path):
+    dst = tmp_path / "copy"
+    shutil.copytree(SHIPPED, dst)
+    cfg, params = load_checkpoint(dst, "bfloat16", progress=False)
+    assert cfg.vocab_size == 1024 and params["layers"]["w1_blocks"].dtype == np.uint8

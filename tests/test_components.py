@@ -1,0 +1,310 @@
+"""Component checks with known values (spec §2-§3, shared/pitfalls.md): YaRN, window, sinks, router, SwiGLU, MXFP4,
+expert biases, the online-softmax merge, and blockwise attention against a dense NumPy reference."""
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import REPO
+from slope_jax import attention as attn
+from slope_jax import moe, mxfp4, rope
+from slope_jax.config import ModelConfig
+
+RELEASED = ModelConfig.from_json(os.path.join(REPO, "configs", "gpt-oss-120b.json"))
+
+
+# ------------------------------------------------------------------------------------------------ YaRN RoPE
+def test_yarn_bounds_are_not_rounded():
+    low, high = rope.yarn_correction_range(RELEASED)
+    assert abs(low - 8.092779) < 1e-6 and abs(high - 17.398025) < 1e-6  # spec §2.2: 8.0928 / 17.3980
+    assert RELEASED.rope_truncate is False
+    assert rope.attention_scaling(RELEASED) == pytest.approx(1.3465735902799727, abs=1e-15)
+
+
+def test_inv_freq_known_values():
+    f = rope.inv_freq(RELEASED)
+    base = 150000.0 ** (-np.arange(0, 64, 2) / 64)
+    np.testing.assert_allclose(f[:9], base[:9], rtol=1e-6)  # dims 0-8 keep the original frequency
+    np.testing.assert_allclose(f[18:], base[18:] / 32, rtol=1e-6)  # dims 18-31 are divided by the factor
+    ramp = np.clip((np.arange(32) - 8.092779) / (17.398025 - 8.092779), 0, 1)
+    np.testing.assert_allclose(f, base / 32 * ramp + base * (1 - ramp), rtol=2e-6)  # blended 9-17
+
+
+def test_rope_tables_match_transformers():
+    import torch
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    with open(os.path.join(REPO, "configs", "gpt-oss-120b.json")) as fh:
+        hf_cfg = GptOssConfig(**json.load(fh))
+    emb = GptOssRotaryEmbedding(hf_cfg)
+    ours, theirs = rope.inv_freq(RELEASED), emb.inv_freq.numpy()
+    # torch's float32 pow is not correctly rounded; ours is: the two differ by at most 1 ulp
+    np.testing.assert_allclose(ours, theirs, rtol=np.finfo(np.float32).eps, atol=0)
+    positions = np.array([0, 1, 127, 128, 4095, 4096, 100000])
+    cos_ref, sin_ref = emb(torch.zeros(1, dtype=torch.float32), torch.tensor(positions)[None])
+    cos, sin = (np.asarray(x) for x in rope.cos_sin(RELEASED, jnp.asarray(positions), jnp.float32))
+    conc = rope.attention_scaling(RELEASED)
+    # 1) against float64 math on the same float32 angles: float32 cos/sin accuracy
+    angle = (positions[:, None].astype(np.float32) * ours[None, :]).astype(np.float64)
+    np.testing.assert_allclose(cos, np.cos(angle) * conc, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(sin, np.sin(angle) * conc, atol=1e-6, rtol=0)
+    # 2) against HF (which duplicates the half table): the 1-ulp frequency gap grows with the position, and the two
+    #    float32 angles may round to neighbouring values (1 ulp of the angle: ~1e-3 rad at position 1e5)
+    tol = conc * (positions[:, None] * np.abs(ours - theirs)[None, :] + np.spacing(angle.astype(np.float32)) + 1e-6)
+    assert np.all(np.abs(cos - cos_ref[0, :, :32].numpy()) <= tol)
+    assert np.all(np.abs(sin - sin_ref[0, :, :32].numpy()) <= tol)
+    assert float(cos[0, 0]) == pytest.approx(1.3465735902799727, rel=1e-7)  # conc applied to cos ...
+    assert float(sin[1, 0]) == pytest.approx(math.sin(1.0) * 1.3465735902799727, rel=1e-6)  # ... and to sin
+
+
+def test_rope_rotation_is_half_split():
+    x = jnp.arange(8, dtype=jnp.float32).reshape(1, 1, 8)  # [T=1, n=1, D=8]
+    cos = jnp.zeros((1, 4))
+    sin = jnp.ones((1, 4))
+    out = rope.apply_rope(x, cos, sin)  # pure 90° rotation: [-x2, x1]
+    np.testing.assert_array_equal(np.asarray(out)[0, 0], [-4, -5, -6, -7, 0, 1, 2, 3])
+
+
+# ------------------------------------------------------------------------------------------------ attention
+def _attn(t, window, sinks, v, *, head_dim=4, heads=1, q_tile=32, kv_tile=32):
+    q = jnp.zeros((t, heads, head_dim))
+    k = jnp.zeros((t, 1, head_dim))
+    pos = jnp.arange(t)
+    return np.asarray(attn.attention(q, k, jnp.asarray(v, jnp.float32), pos, pos,
+                                     jnp.full((heads,), sinks, jnp.float32), window=window,
+                                     q_tile=q_tile, kv_tile=kv_tile))
+
+
+def test_window_covers_exactly_w_keys():
+    t = 130
+    v = np.zeros((t, 1, 4), np.float32)
+    v[:, 0, 0] = np.arange(t)  # V channel 0 = key position
+    out = _attn(t, 128, -np.inf, v)[:, 0, 0]
+    assert out[127] == pytest.approx(63.5) and out[128] == pytest.approx(64.5) and out[129] == pytest.approx(65.5)
+    full = _attn(t, attn.NO_WINDOW, -np.inf, v)[:, 0, 0]
+    assert full[129] == pytest.approx(64.5)
+
+
+def test_each_query_sees_min_q_plus_1_w_keys():
+    t, w = 23, 6
+    v = np.eye(t, dtype=np.float32)[:, None, :]  # one-hot key identity in the value
+    out = _attn(t, w, -np.inf, v, head_dim=t, q_tile=5, kv_tile=4)[:, 0, :]
+    for q in range(t):
+        seen = np.nonzero(out[q] > 0)[0]
+        assert list(seen) == list(range(max(0, q - w + 1), q + 1)), q
+        np.testing.assert_allclose(out[q, seen], 1.0 / min(q + 1, w), rtol=1e-6)
+
+
+def test_sink_normalisation():
+    t = 200
+    ones = np.ones((t, 1, 4), np.float32)
+    out = _attn(t, 128, math.log(128), ones)[:, 0, 0]
+    np.testing.assert_allclose(out[127:], 0.5, rtol=1e-6)  # n = 128 visible keys, e^s = 128
+    n = np.minimum(np.arange(t) + 1, 128)
+    np.testing.assert_allclose(out, n / (n + 128.0), rtol=1e-6)
+    # the sink is not scaled by 1/sqrt(D): head_dim 64 (scale 1/8), s = ln 4, n = 4 -> 0.5 (a scaled sink gives 0.771)
+    out64 = _attn(4, attn.NO_WINDOW, math.log(4), np.ones((4, 1, 64), np.float32), head_dim=64)[3, 0, 0]
+    assert out64 == pytest.approx(0.5, abs=1e-6)
+
+
+def test_sink_added_once_across_merged_partials():
+    """n keys split over 4 partial states (as over 4 ring steps): n/(n+e^s), not n/(n+4e^s)."""
+    d, s = 4, 1.5
+    q = jnp.zeros((1, 1, d))
+    st = attn.empty_state(1, 1, 1, d)
+    for r in range(4):
+        kpos = jnp.arange(r * 8, (r + 1) * 8)
+        st = attn.merge(st, attn.attend(q, jnp.zeros((8, 1, d)), jnp.ones((8, 1, d)), jnp.array([100]), kpos))
+    out = float(attn.finalize(st, jnp.array([s]))[0, 0, 0])
+    assert out == pytest.approx(32 / (32 + math.exp(s)), rel=1e-6)
+
+
+def test_ring_merge_keeps_every_step():
+    """Full layer, 1024 tokens split in 4 partials, Q = 0, sinks = −inf, V = j: the query at 1023 outputs 511.5."""
+    t, d = 1024, 4
+    v = jnp.broadcast_to(jnp.arange(t, dtype=jnp.float32)[:, None, None], (t, 1, d))
+    q = jnp.zeros((1, 1, d))
+    st = attn.empty_state(1, 1, 1, d)
+    for r in range(4):
+        sl = slice(r * 256, (r + 1) * 256)
+        st = attn.merge(st, attn.attend(q, jnp.zeros((256, 1, d)), v[sl], jnp.array([1023]), jnp.arange(t)[sl]))
+    assert float(attn.finalize(st, jnp.array([-jnp.inf]))[0, 0, 0]) == pytest.approx(511.5, rel=1e-6)
+
+
+@pytest.mark.parametrize("delta", [-1000.0, -100.0, 0.0, 100.0, 1000.0, -np.inf])
+def test_lse_merge_is_finite_symmetric_and_empty_is_identity(delta):
+    rng = np.random.default_rng(0)
+    d = 3
+
+    def state(m):
+        return attn.AttnState(jnp.asarray(rng.standard_normal((1, 1, 1, d)), jnp.float32),
+                              jnp.full((1, 1, 1), m, jnp.float32), jnp.full((1, 1, 1), 2.0, jnp.float32))
+
+    a = state(0.0)
+    b = state(delta) if np.isfinite(delta) else attn.empty_state(1, 1, 1, d)
+    ab, ba = attn.merge(a, b), attn.merge(b, a)
+    for x, y in zip(ab, ba):
+        assert np.all(np.isfinite(np.asarray(x)))
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    empty = attn.empty_state(1, 1, 1, d)
+    for x, y in zip(attn.merge(a, empty), a):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    out = attn.finalize(attn.merge(empty, empty), jnp.array([-jnp.inf]))
+    assert np.all(np.asarray(out) == 0)  # a row with no key and a −inf sink gives 0, not NaN
+
+
+def _dense_reference(q, k, v, pos, sinks, window):
+    t, n, d = q.shape
+    g = n // k.shape[1]
+    out = np.zeros((t, n, d), np.float64)
+    for h in range(n):
+        s = q[:, h].astype(np.float64) @ k[:, h // g].T.astype(np.float64) * d ** -0.5
+        diff = pos[:, None] - pos[None, :]
+        s = np.where((diff >= 0) & (diff < window), s, -np.inf)
+        m = np.maximum(s.max(-1), sinks[h])
+        p = np.exp(s - m[:, None])
+        out[:, h] = (p @ v[:, h // g]) / (p.sum(-1) + np.exp(sinks[h] - m))[:, None]
+    return out
+
+
+@pytest.mark.parametrize("window", [5, 64, attn.NO_WINDOW])
+@pytest.mark.parametrize("tiles", [(7, 5), (16, 16), (64, 64)])
+def test_blockwise_equals_dense_reference(window, tiles):
+    rng = np.random.default_rng(window % 97)
+    t, n, kh, d = 61, 6, 2, 10
+    q, k, v = (rng.standard_normal((t, h, d)).astype(np.float32) for h in (n, kh, kh))
+    sinks = rng.standard_normal(n).astype(np.float32)
+    pos = np.arange(t)
+    out = attn.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos), jnp.asarray(pos),
+                         jnp.asarray(sinks), window=window, q_tile=tiles[0], kv_tile=tiles[1])
+    np.testing.assert_allclose(np.asarray(out), _dense_reference(q, k, v, pos, sinks, window), atol=2e-6, rtol=0)
+
+
+def test_attention_memory_is_linear_in_tokens():
+    """Compiled temp memory of a 4096-token causal attention stays far below one [T, T] score matrix per head."""
+    t, n, d, tile = 4096, 2, 16, 128
+    spec = jax.ShapeDtypeStruct
+    fn = jax.jit(lambda q, k, v, p, s: attn.attention(q, k, v, p, p, s, q_tile=tile, kv_tile=tile))
+    compiled = fn.lower(spec((t, n, d), jnp.float32), spec((t, 1, d), jnp.float32), spec((t, 1, d), jnp.float32),
+                        spec((t,), jnp.int32), spec((n,), jnp.float32)).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    square = t * t * n * 4
+    assert temp < square / 8, f"temp {temp} bytes vs one score matrix {square}"
+
+
+# ------------------------------------------------------------------------------------------------ router, SwiGLU, MoE
+def test_router_topk_then_softmax():
+    logits_target = np.array([[4, 3, 2, 1, 0, -1, -2, -3]], np.float32)
+    d = 8
+    w = np.eye(d, dtype=np.float32)  # h = e_i picks logit i
+    weights, ids = moe.route(jnp.asarray(logits_target), jnp.asarray(w), jnp.zeros(d), 4)
+    assert sorted(np.asarray(ids)[0].tolist()) == [0, 1, 2, 3]
+    np.testing.assert_allclose(np.asarray(weights)[0], [0.64391, 0.23688, 0.08714, 0.03206], atol=1e-5)
+    assert float(np.asarray(weights).sum()) == pytest.approx(1.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("gate,up,expected", [(3.0, 3.0, 11.9277), (10.0, -10.0, -41.9997), (0.5, 0.0, 0.35039),
+                                              (-10.0, 0.0, -4.05e-7)])
+def test_swiglu_clamp_boundaries(gate, up, expected):
+    out = float(moe.swiglu(jnp.array([gate, up], jnp.float32), alpha=1.702, limit=7.0)[0])
+    assert out == pytest.approx(expected, rel=2e-4, abs=1e-9)
+
+
+def test_swiglu_reads_interleaved_gate_up():
+    h = np.empty(16, np.float32)
+    h[0::2], h[1::2] = 1.0, -2.0
+    out = np.asarray(moe.swiglu(jnp.asarray(h), alpha=1.702, limit=7.0))
+    np.testing.assert_allclose(out, -1.0 / (1.0 + math.exp(-1.702)), rtol=1e-5)  # σ(1.702)·(−1) = −0.84580
+    assert out[0] == pytest.approx(-0.84580, abs=1e-5)
+
+
+def _moe_params(e, d, i, rng, zero_weights=False):
+    w1 = np.zeros((e, 2 * i, d), np.float32) if zero_weights else rng.standard_normal((e, 2 * i, d)).astype(np.float32)
+    w2 = np.zeros((e, d, i), np.float32) if zero_weights else rng.standard_normal((e, d, i)).astype(np.float32)
+    return {"router_w": jnp.asarray(rng.standard_normal((e, d)), jnp.float32), "router_b": jnp.zeros(e),
+            "w1": jnp.asarray(w1), "w2": jnp.asarray(w2 * 0.1),
+            "b1": jnp.asarray(rng.standard_normal((e, 2 * i)), jnp.float32),
+            "b2": jnp.asarray(rng.standard_normal((e, d)), jnp.float32)}
+
+
+def test_expert_bias_weighted_once():
+    rng = np.random.default_rng(1)
+    e, d, i, t, k = 5, 6, 4, 9, 3
+    p = _moe_params(e, d, i, rng, zero_weights=True)
+    h = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+    valid = jnp.ones(t, bool)
+    p["b2"] = jnp.ones((e, d))
+    out = moe.moe(h, valid, p, experts_per_token=k, alpha=1.702, limit=7.0, tile=2)
+    np.testing.assert_allclose(np.asarray(out), 1.0, rtol=1e-6)  # Σ_k w_k · 1 = 1 per channel
+    p["b2"] = jnp.broadcast_to(jnp.arange(e, dtype=jnp.float32)[:, None], (e, d))
+    out = np.asarray(moe.moe(h, valid, p, experts_per_token=k, alpha=1.702, limit=7.0, tile=2))
+    w, ids = (np.asarray(x) for x in moe.route(h, p["router_w"], p["router_b"], k))
+    np.testing.assert_allclose(out[:, 0], (w * ids).sum(-1), rtol=1e-6)
+
+
+def test_grouped_moe_equals_per_token_loop():
+    rng = np.random.default_rng(2)
+    e, d, i, t, k = 7, 8, 6, 23, 3
+    p = _moe_params(e, d, i, rng)
+    h = rng.standard_normal((t, d)).astype(np.float32)
+    out = np.asarray(moe.moe(jnp.asarray(h), jnp.ones(t, bool), p, experts_per_token=k, alpha=1.702, limit=7.0,
+                             tile=4))
+    w, ids = (np.asarray(x) for x in moe.route(jnp.asarray(h), p["router_w"], p["router_b"], k))
+    ref = np.zeros((t, d))
+    pn = {key: np.asarray(val, np.float64) for key, val in p.items()}
+    for tok in range(t):
+        for j in range(k):
+            ex = ids[tok, j]
+            gu = pn["w1"][ex] @ h[tok] + pn["b1"][ex]
+            gate, up = np.minimum(gu[0::2], 7.0), np.clip(gu[1::2], -7.0, 7.0)
+            a = gate / (1 + np.exp(-1.702 * gate)) * (up + 1)
+            ref[tok] += w[tok, j] * (pn["w2"][ex] @ a + pn["b2"][ex])
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------ MXFP4
+LUT = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]  # spec §3.3
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_mxfp4_all_bytes_all_scales(dtype):
+    """Every byte 0..255 in every block position, for scale bytes 2..255: bit-exact with the spec's table (overflow to
+    ±inf at the top included). Scale bytes 0 and 1 give float32 subnormals, which XLA on CPU flushes to zero."""
+    scales = np.arange(2, 256, dtype=np.uint8)
+    # [O=16, G=len(scales), 16 bytes]: row o holds bytes 16o..16o+15 in every block, block g has scale byte scales[g]
+    blocks = np.tile(np.arange(256, dtype=np.uint8).reshape(16, 1, 16), (1, scales.size, 1))
+    sc = np.broadcast_to(scales, (16, scales.size)).copy()
+    out = np.asarray(mxfp4.decode(jnp.asarray(blocks), jnp.asarray(sc), dtype)).astype(np.float32)
+    expected = np.empty((16, scales.size * 32))
+    for o in range(16):
+        for g, s in enumerate(scales):
+            for j in range(16):
+                b = int(blocks[o, g, j])
+                expected[o, 32 * g + 2 * j] = LUT[b & 0xF] * 2.0 ** (int(s) - 127)
+                expected[o, 32 * g + 2 * j + 1] = LUT[b >> 4] * 2.0 ** (int(s) - 127)
+    with np.errstate(over="ignore"):
+        expected = expected.astype(np.float32)
+        np.testing.assert_array_equal(mxfp4.decode_numpy(blocks, sc), expected)
+    np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(np.signbit(out), np.signbit(expected))  # −0.0 stays −0.0
+
+
+def test_mxfp4_nibble_order_known_value():
+    blocks = np.zeros((1, 1, 16), np.uint8)
+    blocks[0, 0, 0] = 0x72
+    out = np.asarray(mxfp4.decode(jnp.asarray(blocks), jnp.full((1, 1), 129, jnp.uint8), jnp.float32))
+    assert out[0, 0] == 4.0 and out[0, 1] == 24.0  # low nibble first: (2j, 2j+1) = (4.0, 24.0)
+
+
+def test_mxfp4_encode_round_trip():
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (3, 5, 4, 16), dtype=np.uint8)
+    scales = rng.integers(110, 130, (3, 5, 4), dtype=np.uint8)
+    w = mxfp4.decode_numpy(blocks, scales)
+    np.testing.assert_array_equal(mxfp4.decode_numpy(*mxfp4.encode_numpy(w)), w)
