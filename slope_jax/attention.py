@@ -18,6 +18,9 @@ Shapes: `T` tokens, `N` query heads, `K` KV heads, `G = N/K`, `D` head_dim.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections import defaultdict
 from typing import NamedTuple
 
 import jax
@@ -37,6 +40,42 @@ class AttnState(NamedTuple):
     o: jax.Array
     m: jax.Array
     l: jax.Array
+
+
+class WorkCounter:
+    """Measured attention work per device: score entries computed (visited tiles × tile area), accumulated by
+    `jax.debug.callback`s that `attend` emits when it is traced inside `count_work()` (benchmarks and tests only;
+    the production program carries no callback)."""
+
+    def __init__(self, axes: dict[str, int]):
+        self.axes = dict(axes)  # mesh axis name -> size, major to minor
+        self.work: dict[int, float] = defaultdict(float)
+
+    def _device_index(self):
+        idx = jnp.int32(0)
+        for name, size in self.axes.items():
+            idx = idx * size + jax.lax.axis_index(name)
+        return idx
+
+    def _record(self, device, work):
+        self.work[int(device)] += float(work)
+
+    def emit(self, work: jax.Array) -> None:
+        jax.debug.callback(self._record, self._device_index(), work)
+
+
+_COUNTER: contextvars.ContextVar[WorkCounter | None] = contextvars.ContextVar("attention_work", default=None)
+
+
+@contextlib.contextmanager
+def count_work(axes: dict[str, int] | None = None):
+    """Trace programs inside this context to make them report attention work per device (see WorkCounter)."""
+    counter = WorkCounter(axes or {})
+    token = _COUNTER.set(counter)
+    try:
+        yield counter
+    finally:
+        _COUNTER.reset(token)
 
 
 def empty_state(tq: int, kv_heads: int, group: int, head_dim: int) -> AttnState:
@@ -156,9 +195,12 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: ja
         def body(j, s):
             return _tile_update(s, qi, kt[j], vt[j], qp, kpt[j], window, scale)
 
-        return jax.lax.fori_loop(lo, hi, body, s0)
+        return jax.lax.fori_loop(lo, hi, body, s0), (hi - lo) * (bq * bk)
 
-    out = jax.lax.map(per_q_tile, (qt, qpt, st))
+    out, work = jax.lax.map(per_q_tile, (qt, qpt, st))
+    counter = _COUNTER.get()
+    if counter is not None:
+        counter.emit(work.sum())
     return AttnState(*(x.reshape(nq * bq, *x.shape[2:])[:tq] for x in out))
 
 

@@ -343,24 +343,28 @@ def _unflatten(flat: dict[str, object]) -> dict:
 
 
 def load_params(ckpt: CheckpointDir, dtype="bfloat16", *, shardings: dict | None = None,
-                slot_layers: Iterable[int] | None = None, progress: bool = True) -> dict:
+                stack_layers: Iterable[int] | None = None, vocab_rows: int | None = None,
+                progress: bool = True) -> dict:
     """Read the parameters into device arrays.
 
     Args:
       ckpt: from `open_checkpoint`.
       dtype: activation/weight dtype for float parameters (norms and sinks are always float32, MXFP4 stays uint8).
       shardings: optional pytree (same structure as the params) of `jax.sharding.Sharding`; default: the first
-        local device. Each device's callback reads only the layers of its own shard.
-      slot_layers: the global layer held by each stacked slot (−1 = an empty slot, zero weights); default 0..L−1.
+        local device. Each device's callback reads only its own shard (its stage's layers, its vocabulary rows);
+        devices holding the same shard share one read.
+      stack_layers: the global layer held by each entry of the stacked layer parameters (−1 = padding, zero
+        weights); default 0..L−1.
+      vocab_rows: rows of the embedding/unembedding tables (≥ V; rows past V are zeros); default V.
       progress: show a tqdm bar over parameter families.
     Returns:
-      The parameter pytree of `model.param_specs` with `layers` stacked over the slots.
+      The parameter pytree of `model.param_specs` with `layers` stacked in `stack_layers` order.
     """
     from tqdm.auto import tqdm
 
     cfg = ckpt.config
-    slots = list(range(cfg.num_hidden_layers)) if slot_layers is None else list(slot_layers)
-    specs = _flatten(model_lib.param_specs(cfg, dtype, num_layers=len(slots)))
+    stack = list(range(cfg.num_hidden_layers)) if stack_layers is None else list(stack_layers)
+    specs = _flatten(model_lib.param_specs(cfg, dtype, num_layers=len(stack), vocab_rows=vocab_rows))
     by_param: dict[str, dict[int | None, TensorEntry]] = {}
     for e in ckpt.table:
         by_param.setdefault(e.param, {})[e.layer] = e
@@ -372,25 +376,37 @@ def load_params(ckpt: CheckpointDir, dtype="bfloat16", *, shardings: dict | None
         entries = by_param[pname]
         sharding = flat_shard.get(pname, default)
 
-        def read_one(entry: TensorEntry, spec=spec, pname=pname) -> np.ndarray:
-            arr = entry.read(ckpt.source.handle(entry.name), entry.name)
-            if arr.dtype != spec.dtype:
-                arr = arr.astype(spec.dtype)
-            return arr
+        def read_one(entry: TensorEntry, rows: tuple[int, int] | None = None, spec=spec) -> np.ndarray:
+            h = ckpt.source.handle(entry.name)
+            arr = h.get_slice(entry.name)[rows[0]:rows[1]] if rows else entry.read(h, entry.name)
+            return arr.astype(spec.dtype) if arr.dtype != spec.dtype else arr
 
-        if pname.startswith("layers/"):
-            def cb(index, entries=entries, spec=spec, read_one=read_one):
-                sl = index[0] if index else slice(None)
-                want = slots[sl]
-                stacked = np.zeros((len(want), *spec.shape[1:]), spec.dtype)  # filled layer by layer: no 2nd copy
-                for j, g in enumerate(want):
+        def shard(index, entries=entries, spec=spec, read_one=read_one, pname=pname) -> np.ndarray:
+            first = index[0] if index else slice(None)
+            lo, hi, _ = first.indices(spec.shape[0])
+            block = np.zeros((hi - lo, *spec.shape[1:]), spec.dtype)  # filled in place: no second copy
+            if pname.startswith("layers/"):
+                for j, g in enumerate(stack[lo:hi]):
                     if g >= 0:
-                        stacked[j] = read_one(entries[g])
-                return stacked[(slice(None), *index[1:])]
-        else:
-            def cb(index, entries=entries, read_one=read_one):
-                return read_one(entries[None])[index]
+                        block[j] = read_one(entries[g])
+            elif spec.axes[0] == "vocab":  # row range of the table; rows past V are padding
+                stop = min(hi, cfg.vocab_size)
+                if stop > lo:
+                    block[:stop - lo] = read_one(entries[None], rows=(lo, stop))
+            else:
+                block[...] = read_one(entries[None])
+            return block[(slice(None), *index[1:])]
+
+        cache: dict = {}
+
+        def cb(index, shard=shard, cache=cache):
+            key = tuple((s.start, s.stop, s.step) for s in index)
+            if key not in cache:  # replicas of a shard (ring/ulysses devices of a stage) share one read
+                cache[key] = shard(index)
+            return cache[key]
+
         out[pname] = jax.make_array_from_callback(spec.shape, sharding, cb)
+        cache.clear()
         log.debug("loaded %s %s %s", pname, spec.shape, spec.dtype)
     return _unflatten(out)
 

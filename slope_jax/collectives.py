@@ -86,3 +86,26 @@ def piece_pass(x: jax.Array, ring: int, ulysses: int) -> jax.Array:
     at_fold = (r == ring - 1) & (u == 0)
     recv1 = jnp.where(at_fold, fold, recv1)
     return jnp.stack([recv0, recv1])
+
+
+def vocab_parallel_embed(table: jax.Array, ids: jax.Array, pipeline: int) -> jax.Array:
+    """Embedding lookup with the table's vocabulary rows sharded over `pipeline`.
+
+    `table`: `[V'/P_{pipeline}, D]` (this stage's rows), `ids`: int32 `[…]` (replicated over `pipeline`) →
+    `[…, D]` on every stage: each stage contributes the rows it holds (zeros elsewhere), one psum over `pipeline`.
+    Exact: exactly one stage contributes a non-zero row per token.
+    """
+    if pipeline == 1:
+        return table[ids]
+    rows = table.shape[0]
+    local = ids - jax.lax.axis_index("pipeline") * rows
+    mine = (local >= 0) & (local < rows)
+    x = jnp.where(mine[..., None], table[jnp.clip(local, 0, rows - 1)], 0)
+    return jax.lax.psum(x, "pipeline")
+
+
+def vocab_parallel_gather(logits: jax.Array, pipeline: int) -> jax.Array:
+    """`[…, V'/P_{pipeline}] → […, V']`: all-gather of per-stage vocabulary slices along the last axis."""
+    if pipeline == 1:
+        return logits
+    return jax.lax.all_gather(logits, "pipeline", axis=logits.ndim - 1, tiled=True)

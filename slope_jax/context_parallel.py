@@ -21,12 +21,54 @@ Shapes per device: `Pz` piece, `C = U·Pz` chunk, `N` query heads, `K` KV heads,
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from slope_jax import attention as attn_lib
 from slope_jax import collectives
+
+
+class CPPositions(NamedTuple):
+    """Global positions a device needs, exchanged once per step (positions are the same for every layer, tick and
+    request of a bucket; only K/V travel per layer).
+
+    local `[2Pz]` (own tokens, layout order); chunks `[2, C]` (the ring rank's two chunks after the Ulysses
+    all-to-all); ring `[R, 2, C]` (every ring rank's chunks: the positions that travel with ring block s);
+    halo `[2, W−1]` (the tokens before each piece; INVALID_POS where there is none).
+    """
+
+    local: jax.Array
+    chunks: jax.Array
+    ring: jax.Array
+    halo: jax.Array
+
+
+def exchange_positions(pos: jax.Array, *, ring: int, ulysses: int, window: int) -> CPPositions:
+    """Gather the positions of the chunks (all-gather over `ulysses`, then `ring`) and of the halos (⌈(W−1)/Pz⌉ hops of
+    `collectives.piece_pass`). `pos`: int32 `[2Pz]` local positions in layout order."""
+    pz = pos.shape[0] // 2
+    pp = pos.reshape(2, pz)
+    chunks = jax.lax.all_gather(pp, "ulysses", axis=1, tiled=True) if ulysses > 1 else pp  # [2, C]
+    ring_pos = jax.lax.all_gather(chunks, "ring") if ring > 1 else chunks[None]  # [R, 2, C]
+    halo = max(window - 1, 0)
+    parts = []
+    if halo:
+        piece = _piece_index(ring, ulysses)
+        buf = pp[:, pz - min(pz, halo):]
+        for hop in range(1, -(-halo // pz) + 1):
+            buf = collectives.piece_pass(buf, ring, ulysses)
+            parts.insert(0, jnp.where((piece - hop >= 0)[:, None], buf, attn_lib.INVALID_POS))  # no such piece
+    halo_pos = jnp.concatenate(parts, axis=1)[:, -halo:] if halo else jnp.zeros((2, 0), jnp.int32)
+    return CPPositions(pos, chunks, ring_pos, halo_pos)
+
+
+def _piece_index(ring: int, ulysses: int) -> jax.Array:
+    """Global zigzag piece index of this device's two slots: `[r·U + u, (2R−1−r)·U + u]`."""
+    r = jax.lax.axis_index("ring")
+    u = jax.lax.axis_index("ulysses")
+    return jnp.stack([r * ulysses + u, (2 * ring - 1 - r) * ulysses + u])
 
 
 def _local_sinks(sinks: jax.Array, ulysses: int) -> jax.Array:
@@ -40,13 +82,13 @@ def _select(pred, a, b):
     return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
 
 
-def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, sinks: jax.Array, *, ring: int,
+def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, sinks: jax.Array, *, ring: int,
                    ulysses: int, q_tile: int = 256, kv_tile: int = 256) -> jax.Array:
     """Causal sink attention over the whole (context-parallel) sequence.
 
     Args:
-      q: `[2Pz, N, H]` local queries (post-RoPE) in layout order; k, v: `[2Pz, K, H]`; pos: int32 `[2Pz]` their
-        global positions; sinks: `[N]` float32 (all heads).
+      q: `[2Pz, N, H]` local queries (post-RoPE) in layout order; k, v: `[2Pz, K, H]`; pos: from
+        `exchange_positions`; sinks: `[N]` float32 (all heads).
     Returns:
       `[2Pz, N, H]` attention output in q's dtype, layout order.
     """
@@ -62,16 +104,14 @@ def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, sin
     if U > 1:
         qc = collectives.ulysses_seq_to_heads(qc)  # [2, C, N/U, H]
         kvc = collectives.ulysses_seq_to_heads(kvc)  # [2, 2, C, K'/U, H]
-        posc = jax.lax.all_gather(pos.reshape(2, pz), "ulysses", axis=1, tiled=True)  # [2, C]
         sinks = _local_sinks(sinks, U)
-    else:
-        posc = pos.reshape(2, pz)
+    posc = pos.chunks
     attend = functools.partial(attn_lib.attend, q_tile=q_tile, kv_tile=kv_tile)
     q0, q1 = qc[0], qc[1]
     p0, p1 = posc[0], posc[1]
 
     with jax.named_scope("ring_step0"):
-        nxt = collectives.ring_pass((kvc, posc), R) if R > 1 else None
+        nxt = collectives.ring_pass(kvc, R) if R > 1 else None
         st0 = attend(q0, kvc[0, 0], kvc[1, 0], p0, p0)  # chunk r, causal diagonal
         k01 = jnp.concatenate([kvc[0, 0], kvc[0, 1]])
         v01 = jnp.concatenate([kvc[1, 0], kvc[1, 1]])
@@ -79,9 +119,9 @@ def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, sin
 
     r = jax.lax.axis_index("ring")
 
-    def ring_step(step, cur, st0, st1):
-        kv_blk, pos_blk = cur
+    def ring_step(step, kv_blk, st0, st1):
         s = (r - step) % R
+        pos_blk = pos.ring[s]  # the positions that travel with rank s's block
         before = s < r
         # block A: (s < r: q chunk r | else: q chunk 2R−1−r) × KV chunk s
         st_a = attend(jnp.where(before, q0, q1), kv_blk[0, 0], kv_blk[1, 0], jnp.where(before, p0, p1), pos_blk[0],
@@ -109,7 +149,7 @@ def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, sin
     return out.reshape(two_pz, n, h)
 
 
-def sliding_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, sinks: jax.Array, *, ring: int,
+def sliding_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, sinks: jax.Array, *, ring: int,
                       ulysses: int, window: int, q_tile: int = 256, kv_tile: int = 256) -> jax.Array:
     """Sliding-window sink attention with a halo exchange: each piece sees the W−1 tokens before it.
 
@@ -118,28 +158,19 @@ def sliding_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, 
     """
     two_pz, n, h = q.shape
     pz = two_pz // 2
-    R, U = ring, ulysses
     halo = window - 1
     kv = jnp.stack([k, v], axis=1).reshape(2, pz, 2, k.shape[1], h)  # [slot, Pz, kv, K, H]
-    pp = pos.reshape(2, pz)
+    pp = pos.local.reshape(2, pz)
     keys, kpos = kv, pp
     if halo > 0:
         with jax.named_scope("halo"):
-            r = jax.lax.axis_index("ring")
-            u = jax.lax.axis_index("ulysses")
-            piece = jnp.stack([r * U + u, (2 * R - 1 - r) * U + u])  # global piece index of each slot
-            hops = -(-halo // pz)
-            send = min(pz, halo)
-            buf, bpos = kv[:, pz - send:], pp[:, pz - send:]
-            parts, pparts = [], []
-            for hop in range(1, hops + 1):
-                buf = collectives.piece_pass(buf, R, U)
-                bpos = collectives.piece_pass(bpos, R, U)
-                bpos = jnp.where((piece - hop >= 0)[:, None], bpos, attn_lib.INVALID_POS)  # no such piece
+            buf = kv[:, pz - min(pz, halo):]
+            parts = []
+            for _ in range(-(-halo // pz)):  # hop h brings piece g−h's tail (or whole piece) to piece g
+                buf = collectives.piece_pass(buf, ring, ulysses)
                 parts.insert(0, buf)
-                pparts.insert(0, bpos)
             keys = jnp.concatenate(parts + [kv], axis=1)[:, -(halo + pz):]
-            kpos = jnp.concatenate(pparts + [pp], axis=1)[:, -(halo + pz):]
+            kpos = jnp.concatenate([pos.halo, pp], axis=1)
     outs = []
     for slot in range(2):
         st = attn_lib.attend(q[slot * pz:(slot + 1) * pz], keys[slot, :, 0], keys[slot, :, 1], pp[slot], kpos[slot],

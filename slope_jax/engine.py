@@ -82,7 +82,7 @@ class PrefillEngine:
         self._compiled: dict[tuple[int, int], object] = {}
         if parallel.num_devices == 1:
             self.mesh = None
-            self.plan = pipe_lib.StagePlan(np.arange(cfg.num_hidden_layers, dtype=np.int32)[None])
+            self.plan = pipe_lib.StagePlan.single_stage(cfg.num_hidden_layers)
             self.params = params if _placed else self._cast(params, devices[0])
             self._step = jax.jit(self._single_device_step)
         else:
@@ -109,12 +109,14 @@ class PrefillEngine:
             mesh = make_mesh(parallel, devices)
             plan = pipe_lib.plan_stages(cfg, parallel.pipeline)
             shardings = cls._shardings(cfg, dtype, mesh, plan)
-            params = ckpt_lib.load_params(ck, dtype, shardings=shardings, slot_layers=plan.flat, progress=progress)
+            params = ckpt_lib.load_params(ck, dtype, shardings=shardings, stack_layers=plan.flat,
+                                          vocab_rows=pipe_lib.vocab_rows(cfg, parallel.pipeline), progress=progress)
         return cls(cfg, params, parallel, dtype, devices=devices, _placed=True, **kwargs)
 
     @staticmethod
     def _shardings(cfg, dtype, mesh, plan):
-        specs = pipe_lib.param_partition_specs(cfg, dtype, plan.pipeline * plan.slots_per_stage)
+        specs = pipe_lib.param_partition_specs(cfg, dtype, plan.pipeline * plan.stack_per_stage,
+                                               pipe_lib.vocab_rows(cfg, plan.pipeline))
         return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 
     def _cast(self, params, device):
@@ -123,15 +125,18 @@ class PrefillEngine:
                             is_leaf=lambda x: isinstance(x, model_lib.ParamSpec) or not isinstance(x, dict))
 
     def _place(self, params):
-        """Host params `[L, …]` → device params `[P·S, …]` in stage slots, sharded over the mesh."""
+        """Host params `[L, …]` → device params: each stage's stack `[n, …]` (`plan.flat` order), sharded over the mesh."""
         slots = np.asarray(self.plan.flat)
-        specs = model_lib.param_specs(self.cfg, self.dtype, num_layers=len(slots))
+        rows = pipe_lib.vocab_rows(self.cfg, self.parallel.pipeline)
+        specs = model_lib.param_specs(self.cfg, self.dtype, num_layers=len(slots), vocab_rows=rows)
         shardings = self._shardings(self.cfg, self.dtype, self.mesh, self.plan)
 
         def put(path, a, spec, sh):
             a = np.asarray(a)
             if path[0].key == "layers":
                 a = np.where((slots >= 0).reshape(-1, *([1] * (a.ndim - 1))), a[np.maximum(slots, 0)], 0)
+            elif spec.axes[0] == "vocab" and a.shape[0] < rows:
+                a = np.concatenate([a, np.zeros((rows - a.shape[0], *a.shape[1:]), a.dtype)])
             return jax.device_put(a.astype(spec.dtype), sh)
 
         return jax.tree_util.tree_map_with_path(put, params, specs, shardings,
@@ -231,9 +236,9 @@ class PrefillEngine:
             n = x.size
             kv = {}
             if return_kv:
-                for slot, layer in enumerate(self.plan.flat):
+                for entry, layer in enumerate(self.plan.flat):
                     if layer >= 0:
-                        kv[layer] = LayerKV(k[j, slot, :n], v[j, slot, :n], np.arange(n, dtype=np.int32),
+                        kv[layer] = LayerKV(k[j, entry, :n], v[j, entry, :n], np.arange(n, dtype=np.int32),
                                             self.cfg.layer_types[layer])
             out.append(PrefillResult(int(np.argmax(logits[j])), logits[j], n, dict(sorted(kv.items()))))
         return out

@@ -71,10 +71,14 @@ class Layers(nnx.Module):
 
 
 class GptOss(nnx.Module):
-    """Parameter declaration of the whole model. Build it abstractly with `declare`; never materialise it."""
+    """Parameter declaration of the whole model. Build it abstractly with `declare`; never materialise it.
 
-    def __init__(self, cfg: ModelConfig, dtype, num_layers: int | None = None):
-        V, D = cfg.vocab_size, cfg.hidden_size
+    `num_layers` (default L) is the number of stacked layer slots; `vocab_rows` (default V) the rows of the embedding
+    and unembedding tables, padded with zero rows when the vocabulary is sharded over pipeline stages.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype, num_layers: int | None = None, vocab_rows: int | None = None):
+        V, D = vocab_rows or cfg.vocab_size, cfg.hidden_size
         self.embed = _p((V, D), dtype, ("vocab", "embed"))
         self.layers = Layers(cfg, dtype, cfg.num_hidden_layers if num_layers is None else num_layers)
         self.final_norm = _p((D,), jnp.float32, ("embed",))
@@ -87,15 +91,17 @@ class ParamSpec(NamedTuple):
     axes: tuple[str | None, ...]
 
 
-def declare(cfg: ModelConfig, dtype="bfloat16", num_layers: int | None = None) -> GptOss:
+def declare(cfg: ModelConfig, dtype="bfloat16", num_layers: int | None = None,
+            vocab_rows: int | None = None) -> GptOss:
     """The abstract model (ShapeDtypeStruct values; nothing allocated)."""
-    return nnx.eval_shape(lambda: GptOss(cfg, jnp.dtype(dtype), num_layers))
+    return nnx.eval_shape(lambda: GptOss(cfg, jnp.dtype(dtype), num_layers, vocab_rows))
 
 
-def param_specs(cfg: ModelConfig, dtype="bfloat16", num_layers: int | None = None) -> dict:
+def param_specs(cfg: ModelConfig, dtype="bfloat16", num_layers: int | None = None,
+                vocab_rows: int | None = None) -> dict:
     """Nested dict (same structure as the parameter pytree) of `ParamSpec(shape, dtype, logical axes)`."""
     out: dict = {}
-    for path, var in nnx.iter_graph(declare(cfg, dtype, num_layers)):
+    for path, var in nnx.iter_graph(declare(cfg, dtype, num_layers, vocab_rows)):
         if isinstance(var, nnx.Variable):
             value = var.get_value() if hasattr(var, "get_value") else var.value
             node = out
@@ -175,10 +181,11 @@ def layer(x: jax.Array, p: dict, cfg: ModelConfig, *, cos: jax.Array, sin: jax.A
     return x, k, v
 
 
-def unembed_last(x_last: jax.Array, params: dict, cfg: ModelConfig) -> jax.Array:
-    """Final norm and unembedding of one hidden state `[D]` → float32 logits `[V]`."""
-    h = rms_norm(x_last, params["final_norm"], cfg.rms_norm_eps)
-    return jnp.einsum("d,vd->v", h, params["unembed"], preferred_element_type=jnp.float32)
+def unembed(x: jax.Array, final_norm: jax.Array, table: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Final norm and unembedding of hidden states `[..., D]` with a table `[V', D]` (all or a shard of the vocabulary)
+    → float32 logits `[..., V']`."""
+    h = rms_norm(x, final_norm, cfg.rms_norm_eps)
+    return jnp.einsum("...d,vd->...v", h, table, preferred_element_type=jnp.float32)
 
 
 def layer_windows(cfg: ModelConfig) -> np.ndarray:
@@ -218,4 +225,4 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax.A
 
     x, (ks, vs) = jax.lax.scan(body, x, (params["layers"], jnp.asarray(layer_windows(cfg))))
     x_last = jax.lax.dynamic_index_in_dim(x, num_tokens - 1, axis=0, keepdims=False)
-    return unembed_last(x_last, params, cfg), ks, vs
+    return unembed(x_last, params["final_norm"], params["unembed"], cfg), ks, vs

@@ -2,17 +2,20 @@
 `(pipeline, ring, ulysses)`.
 
 Stage split (stated): the L layers are cut into P contiguous groups whose sizes differ by at most one (earlier stages
-take the extra layer). Every stage runs the same program, so each stage's layers are placed into *slots* that
+take the extra layer). A stage stores exactly its layers' weights, in a stack of n = ⌈L/P⌉ entries (one zero
+padding entry on the smaller stages). Every stage runs the same program, so a stage *computes* in slots that
 alternate sliding, full, sliding, full, …: a layer goes into the next slot of its kind, leaving a slot empty when the
-kinds do not alternate at a stage boundary (e.g. a stage that starts on a full layer). All stages get the same
-(even) slot count S; an empty slot holds zero weights and its output is discarded (it costs a layer's compute on
-that stage). gpt-oss-120b (36 layers) has no empty slot for P ∈ {1, 2, 3, 6, 9, 18}, and 4 of 40 slots empty for
-P = 4 (or 5); gpt-oss-20b (24 layers) none for P ∈ {1, 2, 3, 4, 6, 12}. The kind of a layer always follows its
-global index.
+kinds do not alternate at a stage boundary (a stage that starts on a full layer, or ends early). An empty slot reads
+some stack entry and its output is discarded: it costs a layer's compute, no memory. gpt-oss-120b (36 layers) has
+no empty slot for P ∈ {1, 2, 3, 6, 9, 18}, 4 of 40 for P = 4, 12 of 48 for P = 8; gpt-oss-20b (24 layers) none for
+P ∈ {1, 2, 3, 4, 6, 12} and 8 of 32 for P = 8. The kind of a layer always follows its global index.
 
 Schedule: GPipe fill-and-drain over the M requests in flight: at step t stage p runs request t − p, then hands its
-activation to stage p+1 with one `ppermute`; M requests take M + P − 1 steps. The last stage computes the last-token
-logits; K/V stay on the stage (and device) that computed them.
+activation to stage p+1 with one `ppermute`; M requests take M + P − 1 steps. K/V stay on the stage (and device)
+that computed them. The embedding and unembedding tables are split by vocabulary rows over the stages too (so each
+device holds ~1/P of every parameter): one psum over `pipeline` embeds all M requests up front; after the schedule
+the last stage's final hidden states are shared (psum of `[M, D]`) and each stage unembeds its vocabulary slice
+(all-gather of `[M, V/P]`).
 """
 
 from __future__ import annotations
@@ -30,15 +33,28 @@ from slope_jax import model as model_lib
 from slope_jax.config import ModelConfig
 from slope_jax.parallel import CP_AXES, ParallelConfig
 
-# logical axis -> mesh axis; every other logical axis is replicated (context parallelism replicates weights)
-LOGICAL_RULES = {"layers": "pipeline"}
+# logical axis -> mesh axis; every other logical axis is replicated (context parallelism replicates weights).
+# Layers are split into stages; the embedding/unembedding vocabulary rows are split over the same stages.
+LOGICAL_RULES = {"layers": "pipeline", "vocab": "pipeline"}
 
 
 @dataclasses.dataclass(frozen=True)
 class StagePlan:
-    """`slot_layers[p, s]`: global layer in slot s of stage p (−1 = empty). Slot 2j is sliding, 2j+1 full."""
+    """Where every layer lives and runs.
+
+    slot_layers `[P, S]`: the global layer computed in slot s of stage p (−1 = empty); slot 2j is sliding, 2j+1 full.
+    stack_layers `[P, n]`: the global layer of each entry of a stage's weight (and KV) stack, n = the largest stage
+      (−1 = padding on smaller stages). Weights are stored per stack entry, not per slot: empty slots cost compute,
+      not memory.
+    """
 
     slot_layers: np.ndarray
+    stack_layers: np.ndarray
+
+    @classmethod
+    def single_stage(cls, num_layers: int) -> StagePlan:
+        layers = np.arange(num_layers, dtype=np.int32)[None]
+        return cls(layers, layers)
 
     @property
     def pipeline(self) -> int:
@@ -49,12 +65,26 @@ class StagePlan:
         return self.slot_layers.shape[1]
 
     @property
+    def stack_per_stage(self) -> int:
+        return self.stack_layers.shape[1]
+
+    @property
     def flat(self) -> list[int]:
-        """Global layer of every stacked slot, stage-major (the order of the `[P·S, …]` parameter arrays)."""
-        return [int(x) for x in self.slot_layers.reshape(-1)]
+        """Global layer of every stacked entry, stage-major: the order of the `[P·n, …]` layer parameters and K/V."""
+        return [int(x) for x in self.stack_layers.reshape(-1)]
+
+    @property
+    def slot_index(self) -> np.ndarray:
+        """int32 `[P, S]`: index into the stage's stack for each slot (0 for an empty slot, whose output is dropped)."""
+        out = np.zeros(self.slot_layers.shape, np.int32)
+        for p in range(self.pipeline):
+            where = {int(g): i for i, g in enumerate(self.stack_layers[p]) if g >= 0}
+            for s, g in enumerate(self.slot_layers[p]):
+                out[p, s] = where.get(int(g), 0)
+        return out
 
     def stage_layers(self, p: int) -> list[int]:
-        return [int(x) for x in self.slot_layers[p] if x >= 0]
+        return [int(x) for x in self.stack_layers[p] if x >= 0]
 
     @property
     def empty_slots(self) -> int:
@@ -65,7 +95,7 @@ def plan_stages(cfg: ModelConfig, pipeline: int) -> StagePlan:
     """The stated split (module docstring) of `cfg`'s layers over `pipeline` stages."""
     L = cfg.num_hidden_layers
     sizes = [L // pipeline + (1 if p < L % pipeline else 0) for p in range(pipeline)]
-    stages, start = [], 0
+    stages, stacks, start = [], [], 0
     for size in sizes:
         slots: list[int] = []
         for layer in range(start, start + size):
@@ -74,47 +104,63 @@ def plan_stages(cfg: ModelConfig, pipeline: int) -> StagePlan:
                 slots.append(-1)
             slots.append(layer)
         stages.append(slots)
+        stacks.append(list(range(start, start + size)))
         start += size
     s = max(len(x) for x in stages)
     s += s % 2
-    return StagePlan(np.array([x + [-1] * (s - len(x)) for x in stages], dtype=np.int32))
+    n = max(sizes)
+    return StagePlan(np.array([x + [-1] * (s - len(x)) for x in stages], dtype=np.int32),
+                     np.array([x + [-1] * (n - len(x)) for x in stacks], dtype=np.int32))
 
 
-def param_partition_specs(cfg: ModelConfig, dtype, num_slots: int) -> dict:
+def param_partition_specs(cfg: ModelConfig, dtype, num_slots: int, vocab_rows: int | None = None) -> dict:
     """PartitionSpec per parameter, from the declared logical axes and LOGICAL_RULES."""
-    specs = model_lib.param_specs(cfg, dtype, num_layers=num_slots)
+    specs = model_lib.param_specs(cfg, dtype, num_layers=num_slots, vocab_rows=vocab_rows)
     return jax.tree.map(lambda s: Ps(*(LOGICAL_RULES.get(a) for a in s.axes)), specs,
                         is_leaf=lambda x: isinstance(x, model_lib.ParamSpec))
 
 
-def _stage_forward(x, layers, cfg: ModelConfig, parallel: ParallelConfig, *, positions, valid, active,
+def _stage_forward(x, layers, cfg: ModelConfig, parallel: ParallelConfig, *, positions, valid, slot_index, active,
                    q_tile, kv_tile, moe_tile):
-    """Run this stage's slots on local tokens. x `[2Pz, D]`; layers: params `[S, …]`; active: bool `[S]`.
-    Returns `(x, k [S, 2Pz, K, H], v [S, 2Pz, K, H])`."""
+    """Run this stage's slots on local tokens.
+
+    x `[2Pz, D]`; layers: the stage's weight stack `[n, …]`; slot_index int32 `[S]` (stack entry of each slot);
+    active bool `[S]`; positions: `context_parallel.CPPositions`.
+    Returns `(x, k [n, 2Pz, K, H], v [n, 2Pz, K, H])`, K/V per stack entry (zeros for padding entries).
+    """
     R, U = parallel.ring, parallel.ulysses
-    cos, sin = rope.cos_sin(cfg, positions, x.dtype)
+    n = jax.tree.leaves(layers)[0].shape[0]
+    cos, sin = rope.cos_sin(cfg, positions.local, x.dtype)
     sliding = functools.partial(context_parallel.sliding_attention, pos=positions, ring=R, ulysses=U,
                                 window=cfg.sliding_window, q_tile=q_tile, kv_tile=kv_tile)
     full = functools.partial(context_parallel.full_attention, pos=positions, ring=R, ulysses=U,
                              q_tile=q_tile, kv_tile=kv_tile)
 
-    def run(x, p, act, attend):
+    def run(x, i, act, attend):
+        p = jax.tree.map(lambda a: a[i], layers)
         y, k, v = model_lib.layer(x, p, cfg, cos=cos, sin=sin, valid=valid,
                                   attend=lambda q, k, v, s: attend(q, k, v, sinks=s), moe_tile=moe_tile)
         return jnp.where(act, y, x), k, v
 
-    pairs = jax.tree.map(lambda a: a.reshape(a.shape[0] // 2, 2, *a.shape[1:]), layers)
+    def body(carry, xs):
+        x, kst, vst = carry
+        idx, act = xs
+        for j, (scope, attend) in enumerate((("sliding_layer", sliding), ("full_layer", full))):
+            with jax.named_scope(scope):
+                x, k, v = run(x, idx[j], act[j], attend)
+            dst = jnp.where(act[j], idx[j], n)  # an empty slot's K/V is dropped (index n is out of range)
+            kst = kst.at[dst].set(k, mode="drop")
+            vst = vst.at[dst].set(v, mode="drop")
+        return (x, kst, vst), None
 
-    def body(x, xs):
-        p, act = xs
-        with jax.named_scope("sliding_layer"):
-            x, ks, vs = run(x, jax.tree.map(lambda a: a[0], p), act[0], sliding)
-        with jax.named_scope("full_layer"):
-            x, kf, vf = run(x, jax.tree.map(lambda a: a[1], p), act[1], full)
-        return x, (jnp.stack([ks, kf]), jnp.stack([vs, vf]))
+    zeros = jnp.zeros((n, x.shape[0], cfg.num_key_value_heads, cfg.head_dim), x.dtype)
+    (x, k, v), _ = jax.lax.scan(body, (x, zeros, zeros), (slot_index.reshape(-1, 2), active.reshape(-1, 2)))
+    return x, k, v
 
-    x, (k, v) = jax.lax.scan(body, x, (pairs, active.reshape(-1, 2)))
-    return x, k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
+
+def vocab_rows(cfg: ModelConfig, pipeline: int) -> int:
+    """Rows of the embedding/unembedding tables: V rounded up to a multiple of P (zero rows pad the last stage)."""
+    return -(-cfg.vocab_size // pipeline) * pipeline
 
 
 def build_prefill_step(cfg: ModelConfig, parallel: ParallelConfig, mesh, plan: StagePlan, dtype, *,
@@ -123,52 +169,61 @@ def build_prefill_step(cfg: ModelConfig, parallel: ParallelConfig, mesh, plan: S
 
     Signature of the returned function:
       `(params, tokens [M, T] int32 layout order, positions [T] int32 layout order, num_tokens [M] int32)
-       → (logits [M, V] float32 replicated, k [M, P·S, T, K, H], v [M, P·S, T, K, H])`
-    with K/V in layout order, slots sharded over `pipeline` and tokens over `(ring, ulysses)`.
+       → (logits [M, V] float32 replicated, k [M, P·n, T, K, H], v [M, P·n, T, K, H])`
+    with K/V in layout order, stack entries (`plan.flat`) sharded over `pipeline` and tokens over `(ring, ulysses)`. The embedding and
+    unembedding tables are sharded over `pipeline` by vocabulary rows.
     """
     P = parallel.pipeline
     active_table = jnp.asarray(plan.slot_layers >= 0)
+    index_table = jnp.asarray(plan.slot_index)
 
     def step_local(params, tokens, positions, num_tokens):
         m_total = tokens.shape[0]
         p = jax.lax.axis_index("pipeline")
-        active = active_table[p]
+        active, slot_index = active_table[p], index_table[p]
         layers = params["layers"]
         two_pz = tokens.shape[1]
         kh, hd = cfg.num_key_value_heads, cfg.head_dim
-        s_local = plan.slots_per_stage
-        x0 = jnp.zeros((two_pz, cfg.hidden_size), jnp.dtype(dtype))
-        kbuf = jnp.zeros((m_total, s_local, two_pz, kh, hd), jnp.dtype(dtype))
-        logits0 = jnp.zeros((m_total, cfg.vocab_size), jnp.float32)
+        kbuf = jnp.zeros((m_total, plan.stack_per_stage, two_pz, kh, hd), jnp.dtype(dtype))
+        finals0 = jnp.zeros((m_total, cfg.hidden_size), jnp.float32)
+
+        with jax.named_scope("positions"):
+            cp_pos = context_parallel.exchange_positions(positions, ring=parallel.ring, ulysses=parallel.ulysses,
+                                                         window=cfg.sliding_window)
+        with jax.named_scope("embed"):
+            x_all = collectives.vocab_parallel_embed(params["embed"], tokens, P)  # [M, 2Pz, D], all stages
 
         def tick(carry, t):
-            x_buf, kb, vb, logits = carry
-            m = t - p
+            x_buf, kb, vb, finals = carry
+            m = t - p  # the request this stage works on at tick t (GPipe)
             live = (m >= 0) & (m < m_total)
             mc = jnp.clip(m, 0, m_total - 1)
             n_tok = num_tokens[mc]
-            valid = positions < n_tok
-            x_in = jnp.where(p == 0, params["embed"][tokens[mc]], x_buf)
+            x_in = jnp.where(p == 0, x_all[mc], x_buf)
             with jax.named_scope("stage"):
-                x_out, k, v = _stage_forward(x_in, layers, cfg, parallel, positions=positions, valid=valid,
-                                             active=active, q_tile=q_tile, kv_tile=kv_tile, moe_tile=moe_tile)
+                x_out, k, v = _stage_forward(x_in, layers, cfg, parallel, positions=cp_pos,
+                                             valid=positions < n_tok, slot_index=slot_index, active=active,
+                                             q_tile=q_tile, kv_tile=kv_tile, moe_tile=moe_tile)
             kb = kb.at[mc].set(jnp.where(live, k, kb[mc]))
             vb = vb.at[mc].set(jnp.where(live, v, vb[mc]))
             with jax.named_scope("head"):
                 # the last real token lives on exactly one (ring, ulysses) rank: select it and sum over the CP group
                 pick = (positions == n_tok - 1)[:, None]
                 x_last = jax.lax.psum(jnp.where(pick, x_out.astype(jnp.float32), 0.0).sum(0), CP_AXES)
-                lg = model_lib.unembed_last(x_last.astype(x_out.dtype), params, cfg)
-            logits = logits.at[mc].set(jnp.where(live & (p == P - 1), lg, logits[mc]))
+            finals = finals.at[mc].set(jnp.where(live & (p == P - 1), x_last, finals[mc]))
             x_buf = collectives.pipeline_pass(x_out, P)
-            return (x_buf, kb, vb, logits), None
+            return (x_buf, kb, vb, finals), None
 
-        (_, kb, vb, logits), _ = jax.lax.scan(tick, (x0, kbuf, kbuf, logits0), jnp.arange(m_total + P - 1))
-        if P > 1:  # only the last stage holds logits; the others hold zeros
-            logits = jax.lax.psum(logits, "pipeline")
+        x0 = jnp.zeros((two_pz, cfg.hidden_size), jnp.dtype(dtype))
+        (_, kb, vb, finals), _ = jax.lax.scan(tick, (x0, kbuf, kbuf, finals0), jnp.arange(m_total + P - 1))
+        with jax.named_scope("logits"):
+            if P > 1:  # only the last stage holds the final hidden states; every stage unembeds its vocab rows
+                finals = jax.lax.psum(finals, "pipeline")
+            logits = model_lib.unembed(finals.astype(jnp.dtype(dtype)), params["final_norm"], params["unembed"], cfg)
+            logits = collectives.vocab_parallel_gather(logits, P)[:, :cfg.vocab_size]
         return logits, kb, vb
 
-    pspecs = param_partition_specs(cfg, dtype, plan.pipeline * plan.slots_per_stage)
+    pspecs = param_partition_specs(cfg, dtype, plan.pipeline * plan.stack_per_stage, vocab_rows(cfg, P))
     tok_spec = Ps(None, CP_AXES)
     kv_spec = Ps(None, "pipeline", CP_AXES, None, None)
     fn = jax.shard_map(step_local, mesh=mesh, in_specs=(pspecs, tok_spec, Ps(CP_AXES), Ps()),

@@ -1,0 +1,201 @@
+"""Collective traffic of the parallel prefill step: read from compiled HLO, and predicted analytically.
+
+Both count **operand bytes per device**: what one device hands to each collective (for an all-gather its input,
+not the gathered output), summed over every execution — ops inside loops count once per trip (`known_trip_count`
+of each `while`, nested multiplicatively). `wire` bytes (what leaves the device) are also given analytically: an
+all-to-all keeps 1/U of its operand, a ppermute sends all of it.
+
+Per step of M requests, P stages of S slots (S/2 sliding + S/2 full), T tokens, Pz = T/(2RU), C = U·Pz, dtype of b
+bytes, K' = max(K, U) KV heads after GQA replication, h = ⌈(W−1)/Pz⌉ halo hops of s = min(Pz, W−1) tokens through
+(2 + [U>1]) ppermutes each:
+  sliding layer: h·(2 + [U>1])·s·2·K·H·b                                 (the halo's K and V, nothing else)
+  full layer:    [U>1]·(2·2Pz·N·H·b + 2·2Pz·K'·H·b) + [R>1]·(R−1)·2·2C·(K'/U)·H·b   (Ulysses q, out, kv; ring kv)
+  per tick:      S/2 · (sliding + full) + [RU>1]·4D (last-token psum) + [P>1]·2Pz·D·b (stage hand-off)
+  per step:      (M + P − 1) ticks
+                 + positions, once: [U>1]·4·2Pz + [R>1]·4·2C (all-gathers) + h·(2 + [U>1])·4s (halo positions)
+                 + [P>1]·(M·2Pz·D·b (vocab-parallel embedding psum) + 4·M·D + 4·M·V'/P (final states, logits))
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+
+from slope_jax.config import ModelConfig
+from slope_jax.parallel import ParallelConfig
+
+COLLECTIVES = ("all-to-all", "collective-permute", "all-gather", "all-reduce", "reduce-scatter")
+_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "u32": 4, "s64": 8, "u64": 8, "s8": 1, "u8": 1,
+                "pred": 1, "s16": 2, "u16": 2}
+_SHAPE = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
+_COMP_START = re.compile(r"^(ENTRY )?%(\S+) .*\{\s*$")
+_INSTR = re.compile(r"^\s*(ROOT )?%(\S+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
+
+
+def _shape_bytes(text: str) -> list[int]:
+    out = []
+    for dt, dims in _SHAPE.findall(text):
+        if dt in _DTYPE_BYTES:
+            out.append(_DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d))
+    return out
+
+
+@dataclasses.dataclass
+class HloCollective:
+    kind: str
+    bytes: int  # operand bytes per device, one execution
+    executions: int  # trip-count multiplier
+    scope: str  # sliding_layer, full_layer, head, positions, embed, logits, pipeline or other (op_name metadata)
+
+    @property
+    def total(self) -> int:
+        return self.bytes * self.executions
+
+
+def hlo_collectives(hlo_text: str) -> list[HloCollective]:
+    """Every collective of a compiled module with its per-device operand bytes and execution count.
+
+    Raises ValueError if a collective sits in a loop whose trip count XLA does not know.
+    """
+    comps: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        m = _COMP_START.match(line)
+        if m:
+            current = m.group(2)
+            comps[current] = []
+            if m.group(1):
+                entry = current
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        if current is not None:
+            comps[current].append(line)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+
+    # edges: computation -> [(callee, factor or None for unknown)]
+    edges: dict[str, list[tuple[str, int | None]]] = collections.defaultdict(list)
+    for name, lines in comps.items():
+        for line in lines:
+            if " while(" in line:
+                body = re.search(r"body=%([^,\s]+)", line).group(1)
+                trip = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
+                edges[name].append((body, int(trip.group(1)) if trip else None))
+            for key in ("calls", "to_apply", "true_computation", "false_computation"):
+                for callee in re.findall(key + r"=%([^,\s}]+)", line):
+                    edges[name].append((callee, 1))
+            for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+                for callee in re.findall(r"%([^,\s]+)", group):
+                    edges[name].append((callee, 1))
+
+    mult: dict[str, float] = collections.defaultdict(float)
+    unknown: set[str] = set()
+
+    def visit(name: str, factor: float, dynamic: bool):
+        mult[name] += factor
+        if dynamic:
+            unknown.add(name)
+        for callee, f in edges.get(name, ()):
+            visit(callee, factor * (1 if f is None else f), dynamic or f is None)
+
+    visit(entry, 1, False)
+
+    out = []
+    for name, lines in comps.items():
+        if mult.get(name, 0) == 0 and name not in unknown:
+            continue
+        for line in lines:
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            op = m.group(4)
+            base = op[:-6] if op.endswith("-start") else op
+            if base not in COLLECTIVES:
+                continue
+            if name in unknown:
+                raise ValueError(f"{base} in computation {name} runs an unknown number of times")
+            sizes = _shape_bytes(m.group(3))
+            if op.endswith("-start"):
+                nbytes = sizes[0]  # (operand, output, ...) of an async start
+            elif base == "all-gather":
+                groups = re.search(r"replica_groups=\{\{([0-9,]*)\}", line)
+                gsize = len(groups.group(1).split(",")) if groups else 1
+                nbytes = sum(sizes) // gsize
+            else:
+                nbytes = sum(sizes)
+            op_name = re.search(r'op_name="([^"]*)"', line)
+            op_name = op_name.group(1) if op_name else ""
+            scope = next((s for s in ("sliding_layer", "full_layer", "head", "positions", "embed", "logits")
+                          if f"/{s}/" in op_name), None)
+            if scope is None:
+                scope = "pipeline" if base == "collective-permute" else "other"
+            out.append(HloCollective(base, nbytes, int(mult[name]), scope))
+    return out
+
+
+def hlo_bytes_by_scope(hlo_text: str) -> dict[str, int]:
+    """Total operand bytes per device, by scope and by collective kind, plus "total"."""
+    out: dict[str, int] = collections.defaultdict(int)
+    for c in hlo_collectives(hlo_text):
+        out[c.scope] += c.total
+        out[c.kind] += c.total
+        out["total"] += c.total
+    return dict(out)
+
+
+def collective_element_bytes(dtype, backend: str) -> int:
+    """Bytes per element that collectives of `dtype` move on `backend`. XLA:CPU widens 16-bit float collectives to
+    float32 (a CPU-only pass, seen in its HLO as convert → collective → convert); GPUs move them as they are."""
+    import jax.numpy as jnp
+
+    size = jnp.dtype(dtype).itemsize
+    return 4 if backend == "cpu" and size == 2 and jnp.issubdtype(dtype, jnp.floating) else size
+
+
+def analytic_bytes(cfg: ModelConfig, parallel: ParallelConfig, t: int, m: int, slots_per_stage: int,
+                   dtype_bytes: int) -> dict[str, float]:
+    """Predicted operand bytes per device for one step (module docstring), by scope, plus `wire` bytes."""
+    P, R, U = parallel.pipeline, parallel.ring, parallel.ulysses
+    N, K, H, D, V, W = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size,
+                        cfg.vocab_size, cfg.sliding_window)
+    b = dtype_bytes
+    pz = t // (2 * R * U)
+    c = U * pz
+    kr = max(K, U)
+    pairs = slots_per_stage // 2
+    ticks = m + P - 1
+
+    sliding = halo_pos = 0.0
+    if R * U > 1 and W > 1:
+        hops = -(-(W - 1) // pz)
+        s = min(pz, W - 1)
+        perms = 2 + (U > 1)
+        sliding = hops * perms * s * 2 * K * H * b
+        halo_pos = hops * perms * 4 * s
+    full = wire_full = 0.0
+    if U > 1:
+        a2a = 2 * (2 * pz) * N * H * b + 2 * (2 * pz) * kr * H * b
+        full += a2a
+        wire_full += a2a * (U - 1) / U
+    if R > 1:
+        ring = (R - 1) * 2 * 2 * c * (kr // U) * H * b
+        full += ring
+        wire_full += ring
+    positions = halo_pos + (4 * 2 * pz if U > 1 else 0) + (4 * 2 * c if R > 1 else 0)
+    head = 4 * D if R * U > 1 else 0
+    pipe = 2 * pz * D * b if P > 1 else 0
+    vrows = -(-V // P) * P
+    embed = m * 2 * pz * D * b if P > 1 else 0
+    logits = 4 * m * D + 4 * m * vrows // P if P > 1 else 0
+    out = {"sliding_layer": ticks * pairs * sliding, "full_layer": ticks * pairs * full, "head": ticks * head,
+           "pipeline": ticks * pipe, "positions": positions, "embed": embed, "logits": logits}
+    out["total"] = sum(out.values())
+    wire_pos = halo_pos + (4 * 2 * pz * (U - 1) if U > 1 else 0) + (4 * 2 * c * (R - 1) if R > 1 else 0)
+    wire_reduce = 2 * (P - 1) / P if P > 1 else 0  # ring all-reduce
+    out["wire"] = (ticks * (pairs * (sliding + wire_full) + head + pipe) + wire_pos
+                   + wire_reduce * (embed + 4 * m * D) + (P - 1) * 4 * m * vrows // P)
+    return out
