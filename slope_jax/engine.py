@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Sequence
 
@@ -23,6 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from slope_jax import checkpoint as ckpt_lib
+from slope_jax import kv as kvfmt
 from slope_jax import layout
 from slope_jax import model as model_lib
 from slope_jax import pipeline as pipe_lib
@@ -49,13 +51,31 @@ class LayerKV:
 
 @dataclasses.dataclass
 class PrefillResult:
-    """Outcome of one prompt: greedy `first_token`, float32 `logits [V]` at the last real position, `num_tokens`, and
-    `kv`: global layer id → LayerKV."""
+    """Outcome of one prompt.
+
+    first_token: greedy next token; logprob: its log-probability (natural log); top_k: [(token, logit)] best first;
+    logits: float32 `[V]` at the last real position; num_tokens; kv: global layer id → LayerKV (natural order, all
+    tokens; empty when not asked for); kv_path: the export directory (None without `kv_dir`); timings in ms:
+    queue_ms (arrival → its step starts; includes compile_ms, the compilation of a new bucket for this step),
+    compute_ms (step start → first token on the host), ttft_ms (the sum), export_ms (KV export after the first
+    token; not part of TTFT).
+    """
 
     first_token: int
     logits: np.ndarray
     num_tokens: int
     kv: dict[int, LayerKV]
+    logprob: float = 0.0
+    top_k: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    kv_path: str | None = None
+    compile_ms: float = 0.0
+    queue_ms: float = 0.0
+    compute_ms: float = 0.0
+    export_ms: float = 0.0
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.queue_ms + self.compute_ms
 
 
 class PrefillEngine:
@@ -176,13 +196,29 @@ class PrefillEngine:
         """Compiled length for an n-token prompt."""
         return layout.bucket_length(n, multiple=self.parallel.token_multiple)
 
+    def _input_shardings(self, t: int, m: int):
+        if self.mesh is None:
+            return None, None, None
+        Ps = jax.sharding.PartitionSpec
+        return (NamedSharding(self.mesh, Ps(None, ("ring", "ulysses"))),
+                NamedSharding(self.mesh, Ps(("ring", "ulysses"))), NamedSharding(self.mesh, Ps()))
+
+    def precompile(self, lengths: Sequence[int], in_flight: Sequence[int] | None = None) -> None:
+        """Compile the buckets of these prompt lengths ahead of traffic, so first requests do not wait for XLA."""
+        per_step = [1] if self.mesh is None else (in_flight or sorted({1, self.parallel.in_flight}))
+        for n in lengths:
+            for m in per_step:
+                self.compiled(self.bucket(int(n)), m)
+
     def compiled(self, t: int, m: int):
         """The compiled step for bucket length t and m prompts in flight (compiled once, then reused)."""
         key = (t, m)
         if key not in self._compiled:
             t0 = time.perf_counter()
-            args = (self.params, jax.ShapeDtypeStruct((m, t), jnp.int32), jax.ShapeDtypeStruct((t,), jnp.int32),
-                    jax.ShapeDtypeStruct((m,), jnp.int32))
+            s_tok, s_pos, s_n = self._input_shardings(t, m)
+            args = (self.params, jax.ShapeDtypeStruct((m, t), jnp.int32, sharding=s_tok),
+                    jax.ShapeDtypeStruct((t,), jnp.int32, sharding=s_pos),
+                    jax.ShapeDtypeStruct((m,), jnp.int32, sharding=s_n))
             self._compiled[key] = self._step.lower(*args).compile()
             log.info("compiled bucket T=%d x %d in %.1f s", t, m, time.perf_counter() - t0)
         return self._compiled[key]
@@ -191,54 +227,183 @@ class PrefillEngine:
     def num_compiled(self) -> int:
         return len(self._compiled)
 
-    def prefill(self, prompts: Sequence[Sequence[int]], *, return_kv: bool = True) -> list[PrefillResult]:
-        """Prefill a batch of prompts (token ids). Returns one PrefillResult per prompt, in order.
+    def prefill(self, prompts: Sequence[Sequence[int]], kv_dir: str | None = None, *,
+                ids: Sequence[str] | None = None, kv_full: bool = False, return_kv: bool | None = None,
+                top_k: int = 5, arrival_times: Sequence[float] | None = None) -> list[PrefillResult]:
+        """Prefill a batch of prompts (token ids); one PrefillResult per prompt, in order.
 
-        Raises RequestError (naming the prompt) before any compute if a prompt is invalid.
+        Args:
+          prompts: token-id sequences (any lengths; they are bucketed and grouped into compiled steps).
+          kv_dir: if given, each prompt's KV cache is exported to `kv_dir/<id>/` (`slope_jax.kv` format) after its
+            first token is known.
+          ids: export directory names (default "0", "1", …); each must be a plain file name.
+          kv_full: export every token of sliding layers too (default: their last W tokens).
+          return_kv: fill `PrefillResult.kv` (default: True without `kv_dir`). In a multi-process run this gathers
+            the whole cache to every process.
+          top_k: how many (token, logit) pairs to report.
+          arrival_times: `time.perf_counter()` of each prompt's arrival, for queue_ms (default: now).
+        Raises:
+          RequestError (naming the prompt) before any compute if a prompt or id is invalid.
         """
-        ids = [self.validate_prompt(i, p) for i, p in enumerate(prompts)]
-        results: list[PrefillResult | None] = [None] * len(ids)
-        groups: dict[int, list[int]] = {}
+        now = time.perf_counter()
+        tokens = [self.validate_prompt(i, p) for i, p in enumerate(prompts)]
+        ids = [str(i) for i in range(len(tokens))] if ids is None else [str(x) for x in ids]
+        if len(ids) != len(tokens) or len(set(ids)) != len(ids):
+            raise RequestError(f"ids: need {len(tokens)} distinct ids, got {len(ids)} ({len(set(ids))} distinct)")
         for i, x in enumerate(ids):
+            check_request_id(x, f"prompt {i}")
+        if return_kv is None:
+            return_kv = kv_dir is None
+        arrival = list(arrival_times) if arrival_times is not None else [now] * len(tokens)
+        results: list[PrefillResult | None] = [None] * len(tokens)
+        groups: dict[int, list[int]] = {}
+        for i, x in enumerate(tokens):
             groups.setdefault(self.bucket(x.size), []).append(i)
         per_step = 1 if self.mesh is None else self.parallel.in_flight
         for t, members in sorted(groups.items()):
             for start in range(0, len(members), per_step):
                 chunk = members[start:start + per_step]
-                for i, res in zip(chunk, self._run(t, [ids[i] for i in chunk], return_kv)):
+                out = self._run(t, [tokens[i] for i in chunk], [ids[i] for i in chunk], [arrival[i] for i in chunk],
+                                kv_dir=kv_dir, kv_full=kv_full, return_kv=return_kv, top_k=top_k)
+                for i, res in zip(chunk, out):
                     results[i] = res
         return results  # type: ignore[return-value]
 
-    def _run(self, t: int, batch: list[np.ndarray], return_kv: bool) -> list[PrefillResult]:
+    def _global_input(self, host: np.ndarray, sharding):
+        if sharding is None:
+            return host
+        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+    def _run(self, t: int, batch: list[np.ndarray], ids: list[str], arrival: list[float], *, kv_dir, kv_full,
+             return_kv, top_k) -> list[PrefillResult]:
         R, U = self.parallel.ring, self.parallel.ulysses
         m = len(batch)
         tokens = np.zeros((m, t), np.int32)
         for j, x in enumerate(batch):
             tokens[j, :x.size] = x
         n_tok = np.asarray([x.size for x in batch], np.int32)
-        positions = layout.layout_positions(t, R, U) if self.mesh is not None else np.arange(t, dtype=np.int32)
         if self.mesh is not None:
+            positions = layout.layout_positions(t, R, U)
             tokens = layout.to_layout(tokens, R, U, axis=1)
-            sh = NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, ("ring", "ulysses")))
-            tokens_d = jax.device_put(tokens, sh)
-            pos_d = jax.device_put(positions, NamedSharding(self.mesh, jax.sharding.PartitionSpec(("ring", "ulysses"))))
-            n_d = jax.device_put(n_tok, NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
         else:
-            tokens_d, pos_d, n_d = tokens, positions, n_tok
-        logits, k, v = self.compiled(t, m)(self.params, tokens_d, pos_d, n_d)
-        logits = np.asarray(logits)
-        if return_kv:
-            k, v = np.asarray(k), np.asarray(v)
-            if self.mesh is not None:
-                k, v = layout.to_natural(k, R, U, axis=2), layout.to_natural(v, R, U, axis=2)
+            positions = np.arange(t, dtype=np.int32)
+        c0 = time.perf_counter()
+        step = self.compiled(t, m)
+        compile_ms = 1e3 * (time.perf_counter() - c0)
+        shardings = self._input_shardings(t, m)
+        t0 = time.perf_counter()
+        inputs = [self._global_input(a, s) for a, s in zip((tokens, positions, n_tok), shardings)]
+        logits, k, v = step(self.params, *inputs)
+        logits = np.asarray(logits.addressable_shards[0].data) if self.mesh is not None else np.asarray(logits)
+        t1 = time.perf_counter()
         out = []
         for j, x in enumerate(batch):
-            n = x.size
-            kv = {}
-            if return_kv:
+            lg = logits[j]
+            first = int(np.argmax(lg))
+            lse = float(np.log(np.sum(np.exp(lg.astype(np.float64) - lg.max()))) + lg.max())
+            top = np.argsort(-lg, kind="stable")[:top_k]
+            out.append(PrefillResult(first, lg, int(x.size), {}, logprob=float(lg[first]) - lse,
+                                     top_k=[(int(i), float(lg[i])) for i in top], compile_ms=compile_ms,
+                                     queue_ms=1e3 * (t0 - arrival[j]), compute_ms=1e3 * (t1 - t0)))
+        if kv_dir is not None:
+            for j, res in enumerate(out):
+                e0 = time.perf_counter()
+                res.kv_path = self._export(kv_dir, ids[j], batch[j], j, k, v, kv_full, res.first_token)
+                res.export_ms = 1e3 * (time.perf_counter() - e0)
+        if return_kv:
+            kh, vh = self._gather_kv(k, v)
+            for j, res in enumerate(out):
+                n = res.num_tokens
                 for entry, layer in enumerate(self.plan.flat):
                     if layer >= 0:
-                        kv[layer] = LayerKV(k[j, entry, :n], v[j, entry, :n], np.arange(n, dtype=np.int32),
-                                            self.cfg.layer_types[layer])
-            out.append(PrefillResult(int(np.argmax(logits[j])), logits[j], n, dict(sorted(kv.items()))))
+                        res.kv[layer] = LayerKV(kh[j, entry, :n], vh[j, entry, :n], np.arange(n, dtype=np.int32),
+                                                self.cfg.layer_types[layer])
+                res.kv = dict(sorted(res.kv.items()))
         return out
+
+    def _gather_kv(self, k, v):
+        """Whole K/V `[M, stack, T, K, H]` on the host, natural token order (gathers across processes if needed)."""
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            k, v = multihost_utils.process_allgather(k, tiled=True), multihost_utils.process_allgather(v, tiled=True)
+        k, v = np.asarray(k), np.asarray(v)
+        if self.mesh is not None:
+            R, U = self.parallel.ring, self.parallel.ulysses
+            k, v = layout.to_natural(k, R, U, axis=2), layout.to_natural(v, R, U, axis=2)
+        return k, v
+
+    def _layout_positions(self, t: int) -> np.ndarray:
+        if self.mesh is None:
+            return np.arange(t, dtype=np.int32)
+        return layout.layout_positions(t, self.parallel.ring, self.parallel.ulysses)
+
+    def _segments(self, index, rows_k, rows_v, j: int, n: int, full: bool, positions: np.ndarray):
+        """K/V pieces of request j in one shard (`index` into the global `[M, stack, T, K, H]`, data `rows_k/v`):
+        (layer, start, end, k, v) in natural token order, limited to the tokens an export keeps."""
+        stack_lo = index[1].indices(len(self.plan.flat))[0]
+        tok_lo = index[2].indices(len(positions))[0]
+        pos_local = positions[tok_lo:tok_lo + rows_k.shape[2]]
+        for e in range(rows_k.shape[1]):
+            layer = self.plan.flat[stack_lo + e]
+            if layer < 0:
+                continue
+            start, end = kvfmt.kept_range(n, self.cfg.layer_types[layer], self.cfg.sliding_window, full)
+            sel = np.nonzero((pos_local >= start) & (pos_local < end))[0]
+            sel = sel[np.argsort(pos_local[sel], kind="stable")]
+            for row0, a, b in kvfmt.runs(pos_local[sel]):
+                rows = sel[row0:row0 + (b - a)]
+                yield layer, a, b, rows_k[j, e, rows], rows_v[j, e, rows]
+
+    def _export(self, kv_dir: str, request_id: str, ids: np.ndarray, j: int, k, v, full: bool, first: int) -> str:
+        """Write request j's KV: this process's pieces, a barrier, then (process 0) the manifest."""
+        directory = os.path.join(kv_dir, request_id)
+        os.makedirs(directory, exist_ok=True)
+        me = jax.process_index()
+        positions = self._layout_positions(k.shape[2])
+        n = int(ids.size)
+        local = []
+        for sk, sv in zip(k.addressable_shards, v.addressable_shards):
+            local += self._segments(sk.index, np.asarray(sk.data), np.asarray(sv.data), j, n, full, positions)
+        if local:
+            kvfmt.write_shard_file(directory, me, local)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"slope_jax kv export {request_id}")
+        if me == 0:
+            records = self._all_segment_records(k, j, n, full, positions)
+            kvfmt.write_manifest(directory, request_id=request_id, token_ids=ids, cfg=self.cfg, dtype=self.dtype.name,
+                                 full=full, segments=records, files=[r["file"] for r in records], first_token=first)
+        return directory
+
+    def _all_segment_records(self, k, j: int, n: int, full: bool, positions: np.ndarray) -> list[dict]:
+        """Manifest records of every process's pieces, derived from the global sharding (no communication)."""
+        records, seen = [], set()
+        for device, index in k.sharding.devices_indices_map(k.shape).items():
+            key = tuple(s.indices(d) for s, d in zip(index, k.shape))
+            if key in seen:
+                continue
+            seen.add(key)
+            shape = [len(range(*sl)) for sl in key]
+            empty = np.zeros((shape[0], shape[1], shape[2], 0, 0), np.float32)  # shapes only: names, not data
+            fname = f"kv-p{device.process_index}.safetensors"
+            for layer, a, b, _, _ in self._segments(index, empty, empty, j, n, full, positions):
+                records.append({"layer": layer, "start": a, "end": b, "file": fname,
+                                "k": kvfmt.segment_name(layer, "k", a, b), "v": kvfmt.segment_name(layer, "v", a, b),
+                                "positions": kvfmt.segment_name(layer, "positions", a, b)})
+        return records
+
+
+_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+def check_request_id(request_id: str, where: str = "request") -> str:
+    """A request id doubles as a directory name under the KV dir: 1-128 characters of [A-Za-z0-9._-], not starting
+    with '.', so it can never escape that directory. Raises RequestError naming the rule."""
+    if not isinstance(request_id, str) or not 1 <= len(request_id) <= 128:
+        raise RequestError(f"{where}: id must be a string of 1-128 characters, got {request_id!r}")
+    if request_id.startswith(".") or not set(request_id) <= _ID_CHARS:
+        raise RequestError(f"{where}: id {request_id!r} may only use letters, digits, '.', '_', '-' and must not "
+                           "start with '.' (it names the request's KV directory)")
+    return request_id
