@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -39,19 +38,11 @@ def _device_bytes(params, device) -> int:
                if s.device == device)
 
 
-def _ticks(hlo: str) -> int:
-    pat = r'op_name="([^"]+)"[^\n]*?known_trip_count":\{"n":"(\d+)"|known_trip_count":\{"n":"(\d+)"[^\n]*?op_name="([^"]+)"'
-    for a, b, c, d in re.findall(pat, hlo):
-        name, n = (a, b) if a else (d, c)
-        if name.endswith("shard_map/while"):
-            return int(n)
-    return 1  # a single tick is not a loop
-
-
 def measured(p: int, cfg, host_params, tokens: int):
     import jax
     import numpy as np
 
+    from slope_jax import traffic
     from slope_jax.engine import PrefillEngine
     from slope_jax.parallel import ParallelConfig
 
@@ -64,7 +55,7 @@ def measured(p: int, cfg, host_params, tokens: int):
         compiled = eng.compiled(tokens, m)
         mem = compiled.memory_analysis()
         token_inputs = (m * tokens + tokens + m) * 4 // (8 // p)  # tokens, positions, num_tokens (per device)
-        rows.append({"requests": m, "ticks": _ticks(compiled.as_text()), "expected_ticks": m + p - 1,
+        rows.append({"requests": m, "ticks": traffic.schedule_ticks(compiled.as_text()), "expected_ticks": m + p - 1,
                      "bubble": (p - 1) / (m + p - 1),
                      "memory_analysis_argument_bytes": int(mem.argument_size_in_bytes),
                      "memory_analysis_param_bytes": int(mem.argument_size_in_bytes) - token_inputs,
@@ -134,13 +125,13 @@ def main(argv):
               f"{r['ideal_bytes'] / mib:>12.2f} {r['ratio_to_ideal']:>7.3f} "
               f"{r['schedule'][0]['memory_analysis_param_bytes'] / mib:>13.2f} "
               f"{r['memory_analysis_ratio_to_ideal']:>7.3f} {r['empty_slots']:>12}")
-    print(f"\nGPipe schedule (compiled tick-loop trip count): M requests on P stages")
+    print("\nGPipe schedule (compiled tick-loop trip count): M requests on P stages")
     print(f"{'P':>3} {'M':>3} {'ticks':>6} {'M+P-1':>6} {'bubble':>7}")
     for r in rows:
         for s in r["schedule"]:
             print(f"{r['pipeline']:>3} {s['requests']:>3} {s['ticks']:>6} {s['expected_ticks']:>6} {s['bubble']:>7.1%}")
     decl = declared("gpt-oss-20b", [1, 2, 4, 8]) + declared("gpt-oss-120b", [1, 2, 4, 8])
-    print(f"\ndeclared parameter bytes per device (bf16 + MXFP4 experts), no activations or KV")
+    print("\ndeclared parameter bytes per device (bf16 + MXFP4 experts), no activations or KV")
     print(f"{'model':>14} {'P':>3} {'GiB/device':>11} {'total/P GiB':>12} {'ratio':>7} {'empty slots':>12}")
     for d in decl:
         print(f"{d['model']:>14} {d['pipeline']:>3} {d['per_device_bytes'] / 2**30:>11.2f} "

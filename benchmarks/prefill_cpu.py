@@ -2,6 +2,7 @@
 
     python benchmarks/prefill_cpu.py                       # mid-size config, T in {512, 2048}
     python benchmarks/prefill_cpu.py --lengths 512 --dtype bfloat16
+    python benchmarks/prefill_cpu.py --checkpoint /tmp/gpt-oss-20b-2l     # a cut written by make_checkpoint.py
 
 Steps, all in one run so that ratios are comparable:
   1. a float32 matmul peak (XLA `jnp.dot` and NumPy, 2048³, best of several) on this machine;
@@ -31,6 +32,8 @@ flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights/activati
                   "without bf16 units).")
 flags.DEFINE_integer("repeats", 3, "Timed runs per length (best is reported).")
 flags.DEFINE_string("out", "benchmarks/results/prefill_cpu.json", "JSON output path.")
+flags.DEFINE_string("checkpoint", None, "Benchmark this checkpoint (e.g. a gpt-oss-20b cut written by "
+                    "checkpoints/make_checkpoint.py) instead of a generated mid-size one.")
 flags.DEFINE_string("load_only", None, "Internal: load this checkpoint and exit (peak-RSS child).")
 
 # A mid-size gpt-oss: real head_dim/window/YaRN, 1/3 of the real width, 16 experts.
@@ -102,8 +105,8 @@ def _reset_peak_rss() -> None:
 def load_in_child(path: str) -> dict[str, float]:
     """Load `path` in a fresh process; return its load time and peak RSS during the load (bytes)."""
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), f"--load_only={path}"], check=True,
-                         capture_output=True, text=True)
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), f"--load_only={path}", f"--dtype={FLAGS.dtype}"],
+                         check=True, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     child = json.loads(out.stdout.strip().splitlines()[-1])
     peak = child["peak_rss_bytes"]
@@ -126,7 +129,7 @@ def main(argv):
         rss0, anon0 = _proc_status("VmRSS"), _proc_status("RssAnon")
         sampler = _PeakSampler("RssAnon")
         t0 = time.perf_counter()
-        _, params = slope_jax.load_checkpoint(FLAGS.load_only, "float32", progress=False)
+        _, params = slope_jax.load_checkpoint(FLAGS.load_only, FLAGS.dtype, progress=False)
         jax.block_until_ready(params)
         load_s = time.perf_counter() - t0
         nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
@@ -141,14 +144,18 @@ def main(argv):
     from slope_jax import checkpoint_writer, flops
     from slope_jax.engine import PrefillEngine
 
-    cfg = mid_config()
     peak = matmul_peak()
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = os.path.join(tmp, "mid")
-        checkpoint_writer.write_hf(ckpt, cfg, checkpoint_writer.random_params(cfg, 0), num_shards=2)
-        size = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt))
+        if FLAGS.checkpoint:
+            ckpt = FLAGS.checkpoint
+        else:
+            ckpt = os.path.join(tmp, "mid")
+            cfg = mid_config()
+            checkpoint_writer.write_hf(ckpt, cfg, checkpoint_writer.random_params(cfg, 0), num_shards=2)
+        size = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt) if f.endswith(".safetensors"))
         load = load_in_child(ckpt)
         engine = PrefillEngine.from_checkpoint(ckpt, dtype=FLAGS.dtype, progress=False)
+        cfg = engine.cfg
 
     rows = []
     for t in (int(x) for x in FLAGS.lengths):
@@ -165,7 +172,7 @@ def main(argv):
                      "mfu_vs_xla_peak": achieved / peak["xla_f32_flops"],
                      "mfu_vs_numpy_peak": achieved / peak["numpy_f32_flops"]})
 
-    result = {"config": MID, "dtype": FLAGS.dtype, "jax": jax.__version__, "backend": jax.default_backend(),
+    result = {"config": cfg.to_dict(), "checkpoint": FLAGS.checkpoint or "generated mid-size", "dtype": FLAGS.dtype, "jax": jax.__version__, "backend": jax.default_backend(),
               "devices": jax.device_count(), "cpu_count": os.cpu_count(),
               "matmul_peak_gflops": {k: v / 1e9 for k, v in peak.items()},
               "checkpoint_bytes": size, "load": load, "prefill": rows}

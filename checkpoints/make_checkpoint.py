@@ -1,4 +1,4 @@
-"""Write a deterministic random gpt-oss checkpoint in the released Hugging Face layout.
+r"""Write a deterministic random gpt-oss checkpoint in the released Hugging Face layout.
 
   # the shipped tiny checkpoint (committed as checkpoints/tiny-gpt-oss), with a BPE tokenizer trained on
   # checkpoints/corpus.txt (public-domain texts):

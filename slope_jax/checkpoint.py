@@ -262,8 +262,7 @@ def open_checkpoint(path: str | os.PathLike, layout: str = "auto") -> Checkpoint
         if dense and packed:
             raise CheckpointError(f"{path}: holds both MXFP4 (_blocks/_scales) and unquantized expert tensors")
         fmt = "dense" if dense else "mxfp4"
-        if fmt != cfg.expert_format and cfg.expert_format == "mxfp4" and dense and \
-                _declares_mxfp4(cfg_path):
+        if dense and _declares_mxfp4(cfg_path):
             raise CheckpointError(f"{cfg_path}: quantization_config declares mxfp4 but the tensors hold "
                                   "unquantized experts (mlp.experts.gate_up_proj)")
         try:

@@ -97,17 +97,18 @@ def preflight(address: str, num_processes: int, process_id: int, timeout_s: floa
         try:
             conn = socket.create_connection((host, port), timeout=max(0.1, min(1.0, deadline - time.monotonic())))
             break
-        except OSError:
+        except OSError as e:
             if time.monotonic() > deadline:
                 raise StartupError(f"process {process_id}: coordinator {address} (process 0) is not reachable after "
-                                   f"{timeout_s:.0f} s (--init_timeout); is process 0 running on that address?")
+                                   f"{timeout_s:.0f} s (--init_timeout); is process 0 running on that address?") from e
             time.sleep(0.2)
     try:
         conn.sendall(f"HELLO {process_id} {num_processes}\n".encode())
         reply = _recv_line(conn, deadline)
     except (ConnectionError, socket.timeout, OSError) as e:
         raise StartupError(f"process {process_id}: process 0 at {address} did not confirm that all "
-                           f"{num_processes} processes arrived within {timeout_s:.0f} s ({e}); a peer is missing") from e
+                           f"{num_processes} processes arrived within {timeout_s:.0f} s ({e}); "
+                           "a peer is missing") from e
     finally:
         conn.close()
     if reply != "GO":

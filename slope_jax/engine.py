@@ -145,7 +145,8 @@ class PrefillEngine:
                             is_leaf=lambda x: isinstance(x, model_lib.ParamSpec) or not isinstance(x, dict))
 
     def _place(self, params):
-        """Host params `[L, …]` → device params: each stage's stack `[n, …]` (`plan.flat` order), sharded over the mesh."""
+        """Host params `[L, …]` → device params: each stage's stack `[n, …]` (`plan.flat` order), sharded over the
+        mesh."""
         slots = np.asarray(self.plan.flat)
         rows = pipe_lib.vocab_rows(self.cfg, self.parallel.pipeline)
         specs = model_lib.param_specs(self.cfg, self.dtype, num_layers=len(slots), vocab_rows=rows)
@@ -226,6 +227,38 @@ class PrefillEngine:
     @property
     def num_compiled(self) -> int:
         return len(self._compiled)
+
+    def device_memory_limit(self) -> int | None:
+        """Bytes one device can hold (the smallest over this process's devices), from `Device.memory_stats()`;
+        None where the backend does not report it (CPU)."""
+        devices = [d for d in (self.mesh.devices.reshape(-1) if self.mesh is not None else jax.local_devices()[:1])
+                   if d.process_index == jax.process_index()]
+        limits = []
+        for d in devices:
+            stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+            if stats and stats.get("bytes_limit"):
+                limits.append(int(stats["bytes_limit"]))
+        return min(limits) if limits else None
+
+    def memory_per_device(self, n: int, m: int = 1) -> int:
+        """Bytes per device XLA plans for an n-token prompt's step (arguments incl. weights + outputs + temps), from
+        `compiled.memory_analysis()` of its bucket (compiling it if needed)."""
+        mem = self.compiled(self.bucket(n), m).memory_analysis()
+        return int(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+                   - mem.alias_size_in_bytes)
+
+    def check_fits(self, n: int, limit_bytes: int | None = None) -> None:
+        """Raise RequestError if an n-token prompt's step needs more memory per device than `limit_bytes` (default:
+        what the device reports; no check where it reports nothing)."""
+        limit = limit_bytes if limit_bytes is not None else self.device_memory_limit()
+        if limit is None:
+            return
+        m = 1 if self.mesh is None else self.parallel.in_flight
+        need = self.memory_per_device(n, m)
+        if need > limit:
+            raise RequestError(f"{n} tokens (bucket {self.bucket(n)}) need {_mib(need)} per device for the compiled "
+                               f"step, devices have {_mib(limit)}: use more context-parallel devices, more pipeline "
+                               "stages, or a shorter prompt")
 
     def prefill(self, prompts: Sequence[Sequence[int]], kv_dir: str | None = None, *,
                 ids: Sequence[str] | None = None, kv_full: bool = False, return_kv: bool | None = None,
@@ -393,6 +426,10 @@ class PrefillEngine:
                                 "k": kvfmt.segment_name(layer, "k", a, b), "v": kvfmt.segment_name(layer, "v", a, b),
                                 "positions": kvfmt.segment_name(layer, "positions", a, b)})
         return records
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 _ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")

@@ -1,4 +1,4 @@
-"""slope_jax launcher: run once per host (process). Process 0 reads requests and writes results; every process
+r"""slope_jax launcher: run once per host (process). Process 0 reads requests and writes results; every process
 computes its share of each prefill and writes the KV pieces it holds.
 
   # one process, the shipped checkpoint on 8 virtual CPU devices
@@ -47,6 +47,9 @@ flags.DEFINE_string("logits_dir", None, "Also save each request's last-position 
 flags.DEFINE_integer("top_k", 5, "Number of (token, logit) pairs per result.")
 flags.DEFINE_integer("batch_size", 8, "Requests per engine call (grouped by length bucket inside).")
 flags.DEFINE_integer("max_tokens", None, "Longest accepted prompt (default: the model's max_position_embeddings).")
+flags.DEFINE_float("device_memory_gib", None, "Per-device memory budget for admitting a request: its length bucket's "
+                   "compiled step (weights, KV, activations, from XLA's memory analysis) must fit. Default: what the "
+                   "device reports (no check on CPU).")
 flags.DEFINE_string("coordinator_address", "127.0.0.1:23456", "HOST:PORT of process 0 (multi-process runs).")
 flags.DEFINE_integer("num_processes", 1, "Number of processes (hosts) in the run.")
 flags.DEFINE_integer("process_id", 0, "This process's id, 0..num_processes-1; process 0 is the coordinator.")
@@ -95,8 +98,9 @@ class _Broadcast:
         return json.loads(out[:n].tobytes().decode())
 
 
-def _read_batch(lines, state, limit, *, vocab, max_tokens, tokenizer, emit_error):
-    """Up to `limit` valid requests from the line iterator; bad lines go to `emit_error`. None at end of input."""
+def _read_batch(lines, state, limit, *, vocab, max_tokens, tokenizer, emit_error, fits=None):
+    """Up to `limit` valid requests from the line iterator; bad lines go to `emit_error`. None at end of input.
+    `fits(n)` raises RequestError when an n-token prompt does not fit the memory plan."""
     from slope_jax import requests
     from slope_jax.engine import RequestError
 
@@ -109,8 +113,14 @@ def _read_batch(lines, state, limit, *, vocab, max_tokens, tokenizer, emit_error
         if not line.strip():
             continue
         try:
-            batch.append(requests.parse(line, state["lineno"], vocab_size=vocab, max_tokens=max_tokens,
-                                        tokenizer=tokenizer, seen_ids=state["ids"]))
+            req = requests.parse(line, state["lineno"], vocab_size=vocab, max_tokens=max_tokens,
+                                 tokenizer=tokenizer, seen_ids=state["ids"])
+            if fits is not None:
+                try:
+                    fits(req.tokens.size)
+                except RequestError as e:
+                    raise RequestError(f"line {req.line} ({req.id}): {e}") from e
+            batch.append(req)
         except RequestError as e:
             rid = None
             try:
@@ -216,11 +226,15 @@ def _serve():
 
         if FLAGS.logits_dir:
             os.makedirs(FLAGS.logits_dir, exist_ok=True)
+        budget = None if FLAGS.device_memory_gib is None else int(FLAGS.device_memory_gib * 2**30)
+
+        def fits(n):
+            engine.check_fits(n, budget)
     while True:
         payload = None
         if me == 0:
             batch = _read_batch(lines, state, FLAGS.batch_size, vocab=cfg.vocab_size, max_tokens=max_tokens,
-                                tokenizer=tokenizer, emit_error=emit)
+                                tokenizer=tokenizer, emit_error=emit, fits=fits)
             if batch is not None:
                 payload = [[r.id, r.tokens.tolist()] for r in batch]
         payload = broadcast(payload)
@@ -265,6 +279,10 @@ def _serve():
 
 def run():
     """Console-script entry point (`slope-jax`)."""
+    # absl's --help lists the flags of the module named by argv[0]; for a console script that is the wrapper, so
+    # register this module's flags under that name too.
+    for flag in FLAGS.flags_by_module_dict().get(__name__, []):
+        FLAGS.register_key_flag_for_module(sys.argv[0], flag)
     app.run(main)
 
 

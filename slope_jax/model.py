@@ -107,7 +107,8 @@ def param_specs(cfg: ModelConfig, dtype="bfloat16", num_layers: int | None = Non
             node = out
             for key in path[:-1]:
                 node = node.setdefault(str(key), {})
-            node[str(path[-1])] = ParamSpec(tuple(value.shape), np.dtype(value.dtype), tuple(var.get_metadata()["axes"]))
+            axes = tuple(var.get_metadata()["axes"])
+            node[str(path[-1])] = ParamSpec(tuple(value.shape), np.dtype(value.dtype), axes)
     return out
 
 

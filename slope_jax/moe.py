@@ -4,9 +4,9 @@ Notable:
 - Router: top-k of the logits first, then softmax over those k (spec §2.4 step 2, pitfall 3); float32.
 - SwiGLU: gate/up interleaved (`gu[0::2]`, `gu[1::2]`), gate clamped above only, up clamped both sides,
   `gate·σ(α·gate)·(up + 1)`; the down-projection bias is added before the routing weight (pitfalls 4-7).
-- Grouped compute: the T·k (token, expert) assignments are sorted by expert; each expert dequantizes its weights once
-  and runs its rows in tiles of `tile` tokens (a dynamic number of tiles per expert). Work is O(T·k·tile-padding),
-  never O(T·E) — no dense compute over all experts, and no token is dropped.
+- Grouped compute: the T·k (token, expert) assignments are sorted by expert; each expert that was picked dequantizes
+  its weights once and runs its rows in tiles of `tile` tokens (a dynamic number of tiles per expert). Work is
+  O(T·k + tile padding), never O(T·E) — no dense compute over all experts, and no token is dropped.
 - Tokens marked invalid (padding) are routed to expert 0 with weight 0, so the grouping of the real tokens does not
   depend on pad values and pads change no real output bit.
 """
@@ -103,4 +103,7 @@ def moe(h: jax.Array, valid: jax.Array, p: dict, *, experts_per_token: int, alph
         n_tiles = (counts[e] + tile - 1) // tile
         return jax.lax.fori_loop(0, n_tiles, per_tile, out)
 
-    return jax.lax.fori_loop(0, n_exp, per_expert, jnp.zeros((t, d), jnp.float32))
+    def maybe_expert(e, out):  # an expert no token picked is not even dequantized (short prompts, many experts)
+        return jax.lax.cond(counts[e] > 0, per_expert, lambda e, out: out, e, out)
+
+    return jax.lax.fori_loop(0, n_exp, maybe_expert, jnp.zeros((t, d), jnp.float32))

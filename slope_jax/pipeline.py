@@ -170,8 +170,8 @@ def build_prefill_step(cfg: ModelConfig, parallel: ParallelConfig, mesh, plan: S
     Signature of the returned function:
       `(params, tokens [M, T] int32 layout order, positions [T] int32 layout order, num_tokens [M] int32)
        → (logits [M, V] float32 replicated, k [M, P·n, T, K, H], v [M, P·n, T, K, H])`
-    with K/V in layout order, stack entries (`plan.flat`) sharded over `pipeline` and tokens over `(ring, ulysses)`. The embedding and
-    unembedding tables are sharded over `pipeline` by vocabulary rows.
+    with K/V in layout order, stack entries (`plan.flat`) sharded over `pipeline` and tokens over `(ring, ulysses)`.
+    The embedding and unembedding tables are sharded over `pipeline` by vocabulary rows.
     """
     P = parallel.pipeline
     active_table = jnp.asarray(plan.slot_layers >= 0)

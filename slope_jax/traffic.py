@@ -137,6 +137,18 @@ def hlo_collectives(hlo_text: str) -> list[HloCollective]:
     return out
 
 
+def schedule_ticks(hlo_text: str) -> int:
+    """Trip count of the pipeline schedule's tick loop (the outermost `while` of the step; 1 if XLA removed it)."""
+    for line in hlo_text.splitlines():
+        if " while(" not in line:
+            continue
+        name = re.search(r'op_name="([^"]+)"', line)
+        trip = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
+        if name and trip and name.group(1).endswith("shard_map/while"):
+            return int(trip.group(1))
+    return 1
+
+
 def hlo_bytes_by_scope(hlo_text: str) -> dict[str, int]:
     """Total operand bytes per device, by scope and by collective kind, plus "total"."""
     out: dict[str, int] = collections.defaultdict(int)

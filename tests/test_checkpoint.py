@@ -100,8 +100,9 @@ def test_config_contradicting_tensors(ckpt):
     d["intermediate_size"] = 128  # tensors were written for 96
     with open(p, "w") as fh:
         json.dump(d, fh)
-    with pytest.raises(CheckpointError, match=r"gate_up_proj_bias' has shape \[6, 192\], expected \[6, 256\] = "
-                                              r"\[6 \(num_experts\), 256 \(2\*intermediate_size\)\] from .*config\.json"):
+    want = (r"gate_up_proj_bias' has shape \[6, 192\], expected \[6, 256\] = "
+            r"\[6 \(num_experts\), 256 \(2\*intermediate_size\)\] from .*config\.json")
+    with pytest.raises(CheckpointError, match=want):
         open_checkpoint(ckpt)
 
 

@@ -108,7 +108,8 @@ def test_pad_ids_change_no_real_bit(ring, ulysses, references):
         tokens[0, :ids.size] = ids
         sh = NamedSharding(eng.mesh, Ps(None, ("ring", "ulysses")))
         tok = jax.device_put(layout.to_layout(tokens, ring, ulysses, axis=1), sh)
-        pos = jax.device_put(layout.layout_positions(t, ring, ulysses), NamedSharding(eng.mesh, Ps(("ring", "ulysses"))))
+        pos = jax.device_put(layout.layout_positions(t, ring, ulysses),
+                             NamedSharding(eng.mesh, Ps(("ring", "ulysses"))))
         logits, k, v = eng.compiled(t, 1)(eng.params, tok, pos, jnp.array([ids.size], jnp.int32))
         real = np.argsort(layout.layout_positions(t, ring, ulysses))[:ids.size]
         outs.append((np.asarray(logits), np.asarray(k)[:, :, real], np.asarray(v)[:, :, real]))

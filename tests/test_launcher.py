@@ -169,6 +169,22 @@ def test_missing_peer_at_startup_is_a_clear_error():
     assert r.returncode == 2 and "process(es) [1, 2] did not connect" in r.stderr
 
 
+def test_request_over_the_memory_budget_gets_an_error_record(tmp_path):
+    """--device_memory_gib: a prompt whose bucket's compiled step (XLA memory analysis) needs more is refused; the
+    others run. Single device: ~11 MiB at 20 tokens, ~40 MiB at 4000 on the shipped checkpoint (bf16)."""
+    reqs = tmp_path / "r.jsonl"
+    reqs.write_text(json.dumps({"id": "small", "tokens": list(range(20))}) + "\n"
+                    + json.dumps({"id": "huge", "tokens": [7] * 4000}) + "\n")
+    r = subprocess.run([sys.executable, "-m", "slope_jax.launch", "--cpu_devices=1", f"--requests={reqs}",
+                        f"--results={tmp_path / 'out.jsonl'}", "--device_memory_gib=0.02"], cwd=REPO, env=_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = {json.loads(x)["id"]: json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()}
+    assert "first_token" in out["small"]
+    assert "need" in out["huge"]["error"] and "per device for the compiled step, devices have 20.5 MiB" in \
+        out["huge"]["error"]
+
+
 def test_help_explains_the_flags():
     r = subprocess.run([sys.executable, "-m", "slope_jax.launch", "--helpfull"], cwd=REPO, env=_env(),
                        capture_output=True, text=True, timeout=120)
@@ -177,3 +193,6 @@ def test_help_explains_the_flags():
                  "--coordinator_address", "--num_processes", "--process_id", "--init_timeout", "--heartbeat_timeout",
                  "--dtype"):
         assert flag in text, flag
+    script = os.path.join(os.path.dirname(sys.executable), "slope-jax")  # the console script of pyproject.toml
+    r = subprocess.run([script, "--help"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "--coordinator_address" in r.stdout + r.stderr
