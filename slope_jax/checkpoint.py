@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"
+_CHUNK_BYTES = 128 << 20  # rows of the embedding tables are read in chunks of this size
 
 
 class CheckpointError(ValueError):
@@ -375,23 +376,26 @@ def load_params(ckpt: CheckpointDir, dtype="bfloat16", *, shardings: dict | None
         entries = by_param[pname]
         sharding = flat_shard.get(pname, default)
 
-        def read_one(entry: TensorEntry, rows: tuple[int, int] | None = None, spec=spec) -> np.ndarray:
+        def read_one(entry: TensorEntry, rows: tuple[int, int] | None = None) -> np.ndarray:
             h = ckpt.source.handle(entry.name)
-            arr = h.get_slice(entry.name)[rows[0]:rows[1]] if rows else entry.read(h, entry.name)
-            return arr.astype(spec.dtype) if arr.dtype != spec.dtype else arr
+            return h.get_slice(entry.name)[rows[0]:rows[1]] if rows else entry.read(h, entry.name)
 
         def shard(index, entries=entries, spec=spec, read_one=read_one, pname=pname) -> np.ndarray:
+            # The block is allocated once in the target dtype and filled piece by piece (assignment converts the
+            # dtype): host memory peaks at the block plus one layer tensor or one chunk of table rows.
             first = index[0] if index else slice(None)
             lo, hi, _ = first.indices(spec.shape[0])
-            block = np.zeros((hi - lo, *spec.shape[1:]), spec.dtype)  # filled in place: no second copy
+            block = np.zeros((hi - lo, *spec.shape[1:]), spec.dtype)
             if pname.startswith("layers/"):
                 for j, g in enumerate(stack[lo:hi]):
                     if g >= 0:
                         block[j] = read_one(entries[g])
             elif spec.axes[0] == "vocab":  # row range of the table; rows past V are padding
                 stop = min(hi, cfg.vocab_size)
-                if stop > lo:
-                    block[:stop - lo] = read_one(entries[None], rows=(lo, stop))
+                step = max(1, _CHUNK_BYTES // max(1, int(np.prod(spec.shape[1:])) * spec.dtype.itemsize))
+                for a in range(lo, stop, step):
+                    b = min(stop, a + step)
+                    block[a - lo:b - lo] = read_one(entries[None], rows=(a, b))
             else:
                 block[...] = read_one(entries[None])
             return block[(slice(None), *index[1:])]

@@ -18,6 +18,8 @@ BLOCK = 32  # elements per block (OCP MX block size)
 FP4_VALUES = (+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0,
               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # E2M1 code table, bit 3 = sign (spec §3.3)
 SCALE_BIAS = 127  # E8M0: byte s encodes 2^(s - 127)
+_BYTE_PAIRS = np.stack([np.asarray(FP4_VALUES, np.float32)[np.arange(256) & 0x0F],
+                        np.asarray(FP4_VALUES, np.float32)[np.arange(256) >> 4]], axis=-1)  # [256, 2]
 
 
 def decode(blocks: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
@@ -31,13 +33,13 @@ def decode(blocks: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax.Arra
       `[..., O, G*32]` in `dtype`, i.e. `W[..., o, 32g + 2j] = LUT[lo(B[..., o, g, j])] · 2^(S[..., o, g] − 127)` and
       the high nibble at `32g + 2j + 1` (spec §3.3).
     """
-    lut = jnp.asarray(FP4_VALUES, dtype=jnp.float32)
-    lo = (blocks & 0x0F).astype(jnp.int32)
-    hi = (blocks >> 4).astype(jnp.int32)
-    codes = jnp.stack([lo, hi], axis=-1).reshape(*blocks.shape[:-1], 2 * blocks.shape[-1])  # [..., O, G, 32]
-    vals = lut[codes]
-    exp = scales.astype(jnp.int32) - SCALE_BIAS
-    vals = jnp.ldexp(vals, exp[..., None])
+    # one gather per byte from a 256-entry table of (low nibble, high nibble) values: [..., O, G, 16, 2]
+    vals = jnp.asarray(_BYTE_PAIRS)[blocks.astype(jnp.int32)].reshape(*blocks.shape[:-1], BLOCK)
+    # 2^(s−127) built from its exponent bits (exact for s = 1…254); s = 255 is 2^127 · 2, so that 0 · 2^128 stays 0
+    # and the rest overflows to ±inf exactly as ldexp does. s = 0 gives 0 (2^-127 is subnormal; XLA flushes it).
+    s = scales.astype(jnp.int32)
+    pow2 = jax.lax.bitcast_convert_type(jnp.minimum(s, 254) << 23, jnp.float32)
+    vals = vals * pow2[..., None] * jnp.where(s == 255, 2.0, 1.0).astype(jnp.float32)[..., None]
     return vals.reshape(*blocks.shape[:-2], blocks.shape[-2] * BLOCK).astype(dtype)
 
 
