@@ -147,18 +147,19 @@ class PrefillEngine:
     def _place(self, params):
         """Host params `[L, …]` → device params: each stage's stack `[n, …]` (`plan.flat` order), sharded over the
         mesh."""
-        slots = np.asarray(self.plan.flat)
+        entries = np.asarray(self.plan.flat)
         rows = pipe_lib.vocab_rows(self.cfg, self.parallel.pipeline)
-        specs = model_lib.param_specs(self.cfg, self.dtype, num_layers=len(slots), vocab_rows=rows)
+        specs = model_lib.param_specs(self.cfg, self.dtype, num_layers=len(entries), vocab_rows=rows)
         shardings = self._shardings(self.cfg, self.dtype, self.mesh, self.plan)
 
         def put(path, a, spec, sh):
             a = np.asarray(a)
             if path[0].key == "layers":
-                a = np.where((slots >= 0).reshape(-1, *([1] * (a.ndim - 1))), a[np.maximum(slots, 0)], 0)
+                a = np.where((entries >= 0).reshape(-1, *([1] * (a.ndim - 1))), a[np.maximum(entries, 0)], 0)
             elif spec.axes[0] == "vocab" and a.shape[0] < rows:
                 a = np.concatenate([a, np.zeros((rows - a.shape[0], *a.shape[1:]), a.dtype)])
-            return jax.device_put(a.astype(spec.dtype), sh)
+            a = a.astype(spec.dtype)
+            return jax.make_array_from_callback(a.shape, sh, lambda idx: a[idx])  # multi-process safe
 
         return jax.tree_util.tree_map_with_path(put, params, specs, shardings,
                                                 is_leaf=lambda x: not isinstance(x, dict))

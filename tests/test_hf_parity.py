@@ -102,7 +102,7 @@ def test_sinks_matter_on_the_reference_path(checkpoints, engines):
     for s in (3.0, -np.inf):
         params = jax.tree.map(lambda a: a, base.params)
         params["layers"]["sinks"] = jax.numpy.full_like(params["layers"]["sinks"], s)
-        eng = PrefillEngine(cfg, params, dtype="float32", _placed=True, **TILES)
+        eng = PrefillEngine(cfg, params, dtype="float32", **TILES)
         outs.append(eng.prefill([ids])[0].logits)
     assert np.all(np.isfinite(outs[1]))
     assert np.abs(outs[0] - outs[1]).max() > 1e-3

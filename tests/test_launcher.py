@@ -79,7 +79,7 @@ def test_two_processes_equal_one_process_and_single_device(runs):
     assert set(two) == set(one) == set(reqs)
     assert "outside the vocabulary" in two["bad-token"]["error"] and "first_token" not in two["bad-token"]
     cfg, params = load_checkpoint(SHIPPED, "float32", progress=False)
-    single = PrefillEngine(cfg, params, ParallelConfig(), "float32", _placed=True)
+    single = PrefillEngine(cfg, params, ParallelConfig(), "float32")
     good = [r for r in reqs if r != "bad-token"]
     for rid in good:
         a, b = two[rid], one[rid]
@@ -105,7 +105,7 @@ def test_two_processes_equal_one_process_and_single_device(runs):
 def test_decode_continuation_of_every_export(runs):
     base, reqs, out = runs
     cfg, params = load_checkpoint(SHIPPED, "float32", progress=False)
-    single = PrefillEngine(cfg, params, ParallelConfig(), "float32", _placed=True)
+    single = PrefillEngine(cfg, params, ParallelConfig(), "float32")
     for rid, rec in out["two_procs"].items():
         if "error" in rec or rid == "text":
             continue
