@@ -172,7 +172,8 @@ def main(argv):
                      "mfu_vs_xla_peak": achieved / peak["xla_f32_flops"],
                      "mfu_vs_numpy_peak": achieved / peak["numpy_f32_flops"]})
 
-    result = {"config": cfg.to_dict(), "checkpoint": FLAGS.checkpoint or "generated mid-size", "dtype": FLAGS.dtype, "jax": jax.__version__, "backend": jax.default_backend(),
+    result = {"config": cfg.to_dict(), "checkpoint": FLAGS.checkpoint or "generated mid-size", "dtype": FLAGS.dtype,
+              "jax": jax.__version__, "backend": jax.default_backend(),
               "devices": jax.device_count(), "cpu_count": os.cpu_count(),
               "matmul_peak_gflops": {k: v / 1e9 for k, v in peak.items()},
               "checkpoint_bytes": size, "load": load, "prefill": rows}

@@ -61,11 +61,6 @@ class ModelConfig:
         _validate(self)
 
     # ----------------------------------------------------------------------------------------------------------
-    @property
-    def q_per_kv(self) -> int:
-        """GQA group size G = query heads per KV head."""
-        return self.num_attention_heads // self.num_key_value_heads
-
     def is_sliding(self, layer: int) -> bool:
         """Whether global layer `layer` uses the sliding window (spec §1: even layers in the released models)."""
         return self.layer_types[layer] == SLIDING
@@ -74,9 +69,6 @@ class ModelConfig:
     def sliding_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == SLIDING)
 
-    @property
-    def full_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -50,11 +50,6 @@ class ParallelConfig:
         return self.pipeline * self.ring * self.ulysses
 
     @property
-    def cp(self) -> int:
-        """Context-parallel degree R·U: the number of devices one sequence is split over."""
-        return self.ring * self.ulysses
-
-    @property
     def in_flight(self) -> int:
         return self.microbatches or self.pipeline
 
