@@ -316,11 +316,9 @@ class PrefillEngine:
         for j, x in enumerate(batch):
             tokens[j, :x.size] = x
         n_tok = np.asarray([x.size for x in batch], np.int32)
+        positions = self._layout_positions(t)
         if self.mesh is not None:
-            positions = layout.layout_positions(t, R, U)
             tokens = layout.to_layout(tokens, R, U, axis=1)
-        else:
-            positions = np.arange(t, dtype=np.int32)
         c0 = time.perf_counter()
         step = self.compiled(t, m)
         compile_ms = 1e3 * (time.perf_counter() - c0)
