@@ -45,9 +45,10 @@ def measure(cfg, params, layout, tokens, work_tokens, dtype, tile):
     import jax.numpy as jnp
     import numpy as np
 
-    from slope_jax import attention, traffic
-    from slope_jax.engine import PrefillEngine
-    from slope_jax.parallel import ParallelConfig
+    from slope_jax.model import attention
+    from slope_jax.parallel.config import ParallelConfig
+    from slope_jax.plan import traffic
+    from slope_jax.serve.engine import PrefillEngine
 
     p, r, u = layout
     par = ParallelConfig(pipeline=p, ring=r, ulysses=u)
@@ -84,8 +85,8 @@ def main(argv):
     import jax
     import numpy as np
 
-    from slope_jax import model
-    from slope_jax.config import FULL, SLIDING, ModelConfig
+    from slope_jax.model import gpt_oss as model
+    from slope_jax.model.config import FULL, SLIDING, ModelConfig
 
     cfg = ModelConfig(**SHAPES, layer_types=tuple(SLIDING if i % 2 == 0 else FULL for i in range(4)))
     params = jax.tree.map(np.asarray, model.init_params(cfg, jax.random.key(0), FLAGS.dtype))

@@ -42,9 +42,9 @@ def measured(p: int, cfg, host_params, tokens: int):
     import jax
     import numpy as np
 
-    from slope_jax import traffic
-    from slope_jax.engine import PrefillEngine
-    from slope_jax.parallel import ParallelConfig
+    from slope_jax.parallel.config import ParallelConfig
+    from slope_jax.plan import traffic
+    from slope_jax.serve.engine import PrefillEngine
 
     par = ParallelConfig(pipeline=p, ulysses=8 // p, microbatches=max(p, 1))
     eng = PrefillEngine(cfg, host_params, par, "bfloat16", q_tile=128, kv_tile=128, moe_tile=64)
@@ -72,9 +72,9 @@ def measured(p: int, cfg, host_params, tokens: int):
 def declared(name: str, pipelines) -> list[dict]:
     import numpy as np
 
-    from slope_jax import model
-    from slope_jax import pipeline as pipe_lib
-    from slope_jax.config import ModelConfig
+    from slope_jax.model import gpt_oss as model
+    from slope_jax.model.config import ModelConfig
+    from slope_jax.parallel import pipeline as pipe_lib
 
     cfg = ModelConfig.from_json(os.path.join(os.path.dirname(__file__), "..", "configs", f"{name}.json"))
     out = []
@@ -108,8 +108,8 @@ def main(argv):
     import jax
     import numpy as np
 
-    from slope_jax import checkpoint_writer
-    from slope_jax.config import FULL, SLIDING, ModelConfig
+    from slope_jax.checkpoints import writer as checkpoint_writer
+    from slope_jax.model.config import FULL, SLIDING, ModelConfig
 
     cfg = ModelConfig(**SMALL, layer_types=tuple(SLIDING if i % 2 == 0 else FULL for i in range(24)))
     host = checkpoint_writer.random_params(cfg, 0)  # bf16 + MXFP4, as released

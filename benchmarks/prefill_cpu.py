@@ -42,7 +42,7 @@ MID = dict(num_hidden_layers=4, num_experts=16, experts_per_token=4, vocab_size=
 
 
 def mid_config():
-    from slope_jax.config import FULL, SLIDING, ModelConfig
+    from slope_jax.model.config import FULL, SLIDING, ModelConfig
 
     return ModelConfig(**MID, layer_types=tuple(SLIDING if i % 2 == 0 else FULL for i in range(4)))
 
@@ -141,8 +141,9 @@ def main(argv):
     import jax
     import numpy as np
 
-    from slope_jax import checkpoint_writer, flops
-    from slope_jax.engine import PrefillEngine
+    from slope_jax.checkpoints import writer as checkpoint_writer
+    from slope_jax.plan import flops
+    from slope_jax.serve.engine import PrefillEngine
 
     peak = matmul_peak()
     with tempfile.TemporaryDirectory() as tmp:

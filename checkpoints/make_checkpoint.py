@@ -23,8 +23,8 @@ from absl import app, flags, logging
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from slope_jax import checkpoint_writer  # noqa: E402
-from slope_jax.config import FULL, SLIDING, ModelConfig  # noqa: E402
+from slope_jax.checkpoints import writer as checkpoint_writer  # noqa: E402
+from slope_jax.model.config import FULL, SLIDING, ModelConfig  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "configs/tiny.json", "HF-style config.json describing the model to write.")

@@ -13,8 +13,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from slope_jax import checkpoint_writer  # noqa: E402
-from slope_jax.config import FULL, SLIDING, ModelConfig  # noqa: E402
+from slope_jax.checkpoints import writer as checkpoint_writer  # noqa: E402
+from slope_jax.model.config import FULL, SLIDING, ModelConfig  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -63,7 +63,7 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def reference_engines(checkpoints):
     """Single-device float32 engines (the reference path) per config, from the MXFP4 checkpoint."""
-    from slope_jax.engine import PrefillEngine
+    from slope_jax.serve.engine import PrefillEngine
 
     return {name: PrefillEngine.from_checkpoint(c["mxfp4"], dtype="float32", progress=False, **TILES)
             for name, c in checkpoints.items()}

@@ -6,12 +6,14 @@ import shutil
 
 import numpy as np
 import pytest
+from conftest import CONFIG_A, SHIPPED
 from safetensors.numpy import load_file, save_file
 
-from conftest import CONFIG_A, SHIPPED
-from slope_jax import checkpoint_writer, load_checkpoint, model
-from slope_jax.checkpoint import CheckpointError, open_checkpoint
-from slope_jax.config import ConfigError, ModelConfig
+from slope_jax import load_checkpoint
+from slope_jax.checkpoints import writer as checkpoint_writer
+from slope_jax.checkpoints.hf import CheckpointError, open_checkpoint
+from slope_jax.model import gpt_oss as model
+from slope_jax.model.config import ConfigError, ModelConfig
 
 
 @pytest.fixture()

@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import REPO
-from slope_jax import attention as attn
-from slope_jax import moe, mxfp4, rope
-from slope_jax.config import ModelConfig
+
+from slope_jax.model import attention as attn
+from slope_jax.model import moe, mxfp4, rope
+from slope_jax.model.config import ModelConfig
 
 RELEASED = ModelConfig.from_json(os.path.join(REPO, "configs", "gpt-oss-120b.json"))
 

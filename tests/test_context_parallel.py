@@ -9,13 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import CONFIGS, random_prompt
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as Ps
 
-from conftest import CONFIGS, random_prompt
-from slope_jax import collectives, layout
-from slope_jax.engine import PrefillEngine
-from slope_jax.parallel import LayoutError, ParallelConfig, make_mesh
+from slope_jax.parallel import collectives, layout
+from slope_jax.parallel.config import LayoutError, ParallelConfig
+from slope_jax.parallel.mesh import make_mesh
+from slope_jax.serve.engine import PrefillEngine
 
 CP_TILES = dict(q_tile=64, kv_tile=48, moe_tile=32)  # tiles that divide neither the pieces nor the prompts
 F32_TOL = 1e-5  # measured max |Δ| logits 3e-6, K/V 3e-6

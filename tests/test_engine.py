@@ -3,10 +3,11 @@
 import jax
 import numpy as np
 import pytest
+from conftest import CONFIG_A, SHIPPED, TILES, random_prompt
 
 import slope_jax
-from conftest import CONFIG_A, SHIPPED, TILES, random_prompt
-from slope_jax.engine import PrefillEngine, RequestError
+from slope_jax.serve.engine import PrefillEngine
+from slope_jax.serve.requests import RequestError
 
 
 @pytest.fixture(scope="module")

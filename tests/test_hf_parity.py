@@ -8,9 +8,9 @@ transformers' cache (which keeps the last W−1 tokens on sliding layers).
 import numpy as np
 import pytest
 import torch
-
 from conftest import CONFIGS, TILES, random_prompt
-from slope_jax.engine import PrefillEngine
+
+from slope_jax.serve.engine import PrefillEngine
 
 # measured max |Δ| on these configs: logits 1.4e-6, K/V 3e-6 (float32); asserted with margin:
 LOGIT_TOL = 2e-5

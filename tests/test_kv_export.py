@@ -5,12 +5,14 @@ import os
 
 import numpy as np
 import pytest
-
 from conftest import CONFIG_A, TILES, random_prompt
-from slope_jax import decode, kv
-from slope_jax import requests as req_lib
-from slope_jax.engine import PrefillEngine, RequestError
-from slope_jax.parallel import ParallelConfig
+
+from slope_jax import kv
+from slope_jax.kv import decode
+from slope_jax.parallel.config import ParallelConfig
+from slope_jax.serve import requests as req_lib
+from slope_jax.serve.engine import PrefillEngine
+from slope_jax.serve.requests import RequestError
 
 DECODE_TOL = 1e-4  # measured max |Δlogit| 1.3e-6 (float32)
 
@@ -175,9 +177,8 @@ def test_bad_request_lines(line, match):
 
 
 def test_duplicate_ids_and_text_requests():
-    from tokenizers import Tokenizer
-
     from conftest import SHIPPED
+    from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(os.path.join(SHIPPED, "tokenizer.json"))
     seen = set()

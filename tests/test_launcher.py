@@ -11,11 +11,12 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import REPO, SHIPPED
-from slope_jax import decode, kv, load_checkpoint
-from slope_jax.engine import PrefillEngine
-from slope_jax.parallel import ParallelConfig
+
+from slope_jax import kv, load_checkpoint
+from slope_jax.kv import decode
+from slope_jax.parallel.config import ParallelConfig
+from slope_jax.serve.engine import PrefillEngine
 
 LAYOUT = ["--ring=2", "--ulysses=4"]
 COMMON = ["--dtype=float32", "--q_tile=32", "--kv_tile=32", "--moe_tile=32", "--heartbeat_timeout=10",

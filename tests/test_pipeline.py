@@ -4,13 +4,13 @@ results equal to the single-device path. CONFIG_B has 9 layers, so stages hold o
 import jax
 import numpy as np
 import pytest
-
 from conftest import CONFIG_B, CONFIGS, random_prompt
-from slope_jax import checkpoint as ckpt_lib
-from slope_jax import pipeline as pipe_lib
-from slope_jax.config import ModelConfig
-from slope_jax.engine import PrefillEngine
-from slope_jax.parallel import ParallelConfig
+
+from slope_jax.checkpoints import hf as ckpt_lib
+from slope_jax.model.config import ModelConfig
+from slope_jax.parallel import pipeline as pipe_lib
+from slope_jax.parallel.config import ParallelConfig
+from slope_jax.serve.engine import PrefillEngine
 
 TILES = dict(q_tile=32, kv_tile=24, moe_tile=16)
 F32_TOL = 1e-5  # measured max |Δ| logits and K/V ~3e-6
@@ -115,7 +115,8 @@ def test_loader_reads_each_stage_tensor_once(checkpoints, monkeypatch):
 @pytest.mark.parametrize("p", [1, 2, 4, 8])
 def test_schedule_steps(p):
     """GPipe takes M + P − 1 ticks for M requests on P stages: the trip count of the compiled tick loop."""
-    from slope_jax import model, traffic
+    from slope_jax.model import gpt_oss as model
+    from slope_jax.plan import traffic
 
     cfg = CONFIGS["B"]
     params = jax.tree.map(np.asarray, model.init_params(cfg, jax.random.key(0), "float32"))

@@ -3,11 +3,13 @@
 import jax
 import numpy as np
 import pytest
-
 from conftest import CONFIG_A
-from slope_jax import attention, model, traffic
-from slope_jax.engine import PrefillEngine
-from slope_jax.parallel import ParallelConfig
+
+from slope_jax.model import attention
+from slope_jax.model import gpt_oss as model
+from slope_jax.parallel.config import ParallelConfig
+from slope_jax.plan import traffic
+from slope_jax.serve.engine import PrefillEngine
 
 
 @pytest.fixture(scope="module")

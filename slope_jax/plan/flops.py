@@ -8,7 +8,7 @@ gpt-oss-120b: 9.1 GFLOP/token of matmuls (design §8).
 
 from __future__ import annotations
 
-from slope_jax.config import ModelConfig
+from slope_jax.model.config import ModelConfig
 
 
 def per_token_matmul(cfg: ModelConfig) -> float:

@@ -27,8 +27,8 @@ import jax
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from slope_jax import model as model_lib
-from slope_jax.config import ConfigError, ModelConfig
+from slope_jax.model import gpt_oss as model_lib
+from slope_jax.model.config import ConfigError, ModelConfig
 
 log = logging.getLogger(__name__)
 

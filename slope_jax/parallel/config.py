@@ -1,4 +1,4 @@
-"""Parallel layout: `ParallelConfig(pipeline, ring, ulysses)`, its validation, and the device mesh.
+"""Parallel layout: `ParallelConfig(pipeline, ring, ulysses)` and its validation (no JAX needed to import).
 
 Mesh axes, outermost first: `pipeline` (stages of layers), `ring` (ring attention over zigzag sequence chunks),
 `ulysses` (all-to-all that trades sequence shards for head shards). `ulysses` is innermost so that its all-to-all
@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-import numpy as np
-from jax.sharding import AxisType, Mesh
-
-from slope_jax.config import ModelConfig
+from slope_jax.model.config import ModelConfig
 
 AXES = ("pipeline", "ring", "ulysses")
 CP_AXES = ("ring", "ulysses")  # the axes a sequence is split over
@@ -29,6 +25,8 @@ class ParallelConfig:
 
     pipeline: stages of consecutive layers (P). ring: ring-attention ranks (R). ulysses: Ulysses ranks (U).
     microbatches: requests in flight through the pipeline per compiled step (default: `pipeline`).
+    expert: expert-parallel degree (EP): each stage's experts are split over this many of its ring × Ulysses devices
+      (default None = R·U when it divides num_experts, else 1; see `expert_degree`).
     The mesh needs exactly P·R·U devices.
     """
 
@@ -36,6 +34,7 @@ class ParallelConfig:
     ring: int = 1
     ulysses: int = 1
     microbatches: int | None = None
+    expert: int | None = None
 
     def __post_init__(self):
         for name in ("pipeline", "ring", "ulysses"):
@@ -44,6 +43,16 @@ class ParallelConfig:
                 raise LayoutError(f"{name}={v!r}: must be a positive integer")
         if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
             raise LayoutError(f"microbatches={self.microbatches!r}: must be a positive integer or None")
+        if self.expert is not None and (not isinstance(self.expert, int) or isinstance(self.expert, bool)
+                                        or self.expert < 1):
+            raise LayoutError(f"expert={self.expert!r}: must be a positive integer or None")
+
+    def expert_degree(self, cfg: ModelConfig) -> int:
+        """The EP degree for this model: `expert` if set, else R·U when it divides num_experts, else 1."""
+        if self.expert is not None:
+            return self.expert
+        cp = self.ring * self.ulysses
+        return cp if cfg.num_experts % cp == 0 else 1
 
     @property
     def num_devices(self) -> int:
@@ -76,15 +85,3 @@ class ParallelConfig:
             raise LayoutError(f"pipeline={self.pipeline} exceeds num_hidden_layers={cfg.num_hidden_layers}: "
                               "a stage would hold no layer")
         return self
-
-
-def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
-    """A `(pipeline, ring, ulysses)` mesh over `devices` (default: all devices, ordered by process then id, so
-    that consecutive devices — the Ulysses group — share a host). Raises LayoutError on a device-count mismatch."""
-    devices = list(jax.devices() if devices is None else devices)
-    if len(devices) != parallel.num_devices:
-        raise LayoutError(f"pipeline*ring*ulysses = {parallel.num_devices} devices, but {len(devices)} are "
-                          "available: the mesh must use every device exactly once")
-    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
-    grid = np.array(devices, dtype=object).reshape(parallel.pipeline, parallel.ring, parallel.ulysses)
-    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 3)

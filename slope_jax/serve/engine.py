@@ -23,30 +23,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from slope_jax import checkpoint as ckpt_lib
 from slope_jax import kv as kvfmt
-from slope_jax import layout
-from slope_jax import model as model_lib
-from slope_jax import pipeline as pipe_lib
-from slope_jax.config import ModelConfig
-from slope_jax.parallel import ParallelConfig, make_mesh
+from slope_jax.checkpoints import hf as ckpt_lib
+from slope_jax.kv.format import LayerKV
+from slope_jax.model import gpt_oss as model_lib
+from slope_jax.model.config import ModelConfig
+from slope_jax.parallel import layout
+from slope_jax.parallel import pipeline as pipe_lib
+from slope_jax.parallel.config import ParallelConfig
+from slope_jax.parallel.mesh import make_mesh
+from slope_jax.serve.requests import RequestError, check_request_id
 
 log = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """A prompt is invalid (empty, a token id out of range, too long); the message names the prompt and the limit."""
-
-
-@dataclasses.dataclass
-class LayerKV:
-    """One layer's KV cache for one prompt: post-RoPE `k`, `v` `[T, K, H]` (activation dtype) in natural token order,
-    `positions` int32 `[T]` (0…T−1), `kind` "sliding_attention" or "full_attention"."""
-
-    k: np.ndarray
-    v: np.ndarray
-    positions: np.ndarray
-    kind: str
 
 
 @dataclasses.dataclass
@@ -429,17 +417,3 @@ class PrefillEngine:
 
 def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
-
-
-_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
-
-
-def check_request_id(request_id: str, where: str = "request") -> str:
-    """A request id doubles as a directory name under the KV dir: 1-128 characters of [A-Za-z0-9._-], not starting
-    with '.', so it can never escape that directory. Raises RequestError naming the rule."""
-    if not isinstance(request_id, str) or not 1 <= len(request_id) <= 128:
-        raise RequestError(f"{where}: id must be a string of 1-128 characters, got {request_id!r}")
-    if request_id.startswith(".") or not set(request_id) <= _ID_CHARS:
-        raise RequestError(f"{where}: id {request_id!r} may only use letters, digits, '.', '_', '-' and must not "
-                           "start with '.' (it names the request's KV directory)")
-    return request_id

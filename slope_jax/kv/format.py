@@ -21,18 +21,31 @@ a crash never leaves a valid-looking partial export.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
-import tempfile
 from typing import Iterable
 
 import numpy as np
+
+from slope_jax.atomic import atomic_json, atomic_write
 
 FORMAT = "slope_jax.kv"
 VERSION = 1
 AXES = ["token", "kv_head", "head_dim"]
 MANIFEST = "manifest.json"
+
+
+@dataclasses.dataclass
+class LayerKV:
+    """One layer's KV cache for one prompt: post-RoPE `k`, `v` `[T, K, H]` (activation dtype) in natural token order,
+    `positions` int32 `[T]` (0…T−1), `kind` "sliding_attention" or "full_attention"."""
+
+    k: np.ndarray
+    v: np.ndarray
+    positions: np.ndarray
+    kind: str
 
 
 class KVFormatError(ValueError):
@@ -63,19 +76,6 @@ def runs(positions: np.ndarray) -> list[tuple[int, int, int]]:
     return out
 
 
-def _atomic_write(path: str, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def segment_name(layer: int, what: str, start: int, end: int) -> str:
     return f"layer.{layer}.{what}.{start}-{end}"
 
@@ -97,7 +97,7 @@ def write_shard_file(directory: str, process: int, segments: Iterable[tuple[int,
         tensors[rec["positions"]] = np.arange(start, end, dtype=np.int32)
         records.append(rec)
     os.makedirs(directory, exist_ok=True)
-    _atomic_write(os.path.join(directory, name), lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT}))
+    atomic_write(os.path.join(directory, name), lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT}))
     return name, records
 
 
@@ -127,14 +127,8 @@ def write_manifest(directory: str, *, request_id: str, token_ids: np.ndarray, cf
         "files": sorted(set(files)), "layers": layers,
     }
     path = os.path.join(directory, MANIFEST)
-    _atomic_write(path, lambda tmp: _dump_json(tmp, manifest))
+    atomic_json(path, manifest)
     return path
-
-
-def _dump_json(path: str, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -169,8 +163,6 @@ def load(path: str) -> dict:
     disagrees with its declared token range, or token ranges that do not tile the layer's kept range.
     """
     from safetensors import safe_open
-
-    from slope_jax.engine import LayerKV
 
     m = read_manifest(path)
     n_layers = m["model"]["num_hidden_layers"]

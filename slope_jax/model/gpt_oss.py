@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from slope_jax import attention as attn_lib
-from slope_jax import moe as moe_lib
-from slope_jax import rope
-from slope_jax.config import ModelConfig
+from slope_jax.model import attention as attn_lib
+from slope_jax.model import moe as moe_lib
+from slope_jax.model import rope
+from slope_jax.model.config import ModelConfig
 
 
 # ---------------------------------------------------------------------------------------------------------------

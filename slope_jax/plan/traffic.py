@@ -23,8 +23,8 @@ import dataclasses
 import math
 import re
 
-from slope_jax.config import ModelConfig
-from slope_jax.parallel import ParallelConfig
+from slope_jax.model.config import ModelConfig
+from slope_jax.parallel.config import ParallelConfig
 
 COLLECTIVES = ("all-to-all", "collective-permute", "all-gather", "all-reduce", "reduce-scatter")
 _DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "u32": 4, "s64": 8, "u64": 8, "s8": 1, "u8": 1,

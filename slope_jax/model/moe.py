@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from slope_jax import mxfp4
+from slope_jax.model import mxfp4
 
 
 def route(h: jax.Array, w: jax.Array, b: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

@@ -16,7 +16,24 @@ import time
 
 import numpy as np
 
-from slope_jax.engine import RequestError, check_request_id
+
+class RequestError(ValueError):
+    """A prompt is invalid (empty, a token id out of range, too long); the message names the prompt and the limit."""
+
+
+_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+def check_request_id(request_id: str, where: str = "request") -> str:
+    """A request id doubles as a directory name under the KV dir: 1-128 characters of [A-Za-z0-9._-], not starting
+    with '.', so it can never escape that directory. Raises RequestError naming the rule."""
+    if not isinstance(request_id, str) or not 1 <= len(request_id) <= 128:
+        raise RequestError(f"{where}: id must be a string of 1-128 characters, got {request_id!r}")
+    if request_id.startswith(".") or not set(request_id) <= _ID_CHARS:
+        raise RequestError(f"{where}: id {request_id!r} may only use letters, digits, '.', '_', '-' and must not "
+                           "start with '.' (it names the request's KV directory)")
+    return request_id
+
 
 _FIELDS = {"id", "tokens", "text", "ttft_slo_ms"}
 

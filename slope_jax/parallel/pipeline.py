@@ -28,10 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as Ps
 
-from slope_jax import collectives, context_parallel, rope
-from slope_jax import model as model_lib
-from slope_jax.config import ModelConfig
-from slope_jax.parallel import CP_AXES, ParallelConfig
+from slope_jax.model import gpt_oss as model_lib
+from slope_jax.model import rope
+from slope_jax.model.config import ModelConfig
+from slope_jax.parallel import collectives, context_parallel
+from slope_jax.parallel.config import CP_AXES, ParallelConfig
 
 # logical axis -> mesh axis; every other logical axis is replicated (context parallelism replicates weights).
 # Layers are split into stages; the embedding/unembedding vocabulary rows are split over the same stages.

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from slope_jax.config import ModelConfig
+from slope_jax.model.config import ModelConfig
 
 
 def yarn_correction_range(cfg: ModelConfig) -> tuple[float, float]:

@@ -26,8 +26,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from slope_jax import attention as attn_lib
-from slope_jax import collectives
+from slope_jax.model import attention as attn_lib
+from slope_jax.parallel import collectives
 
 
 class CPPositions(NamedTuple):

@@ -8,17 +8,15 @@ sharded with `model.safetensors.index.json`); "hf-dense" — HF's unquantized la
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 
 import ml_dtypes
 import numpy as np
-from safetensors.numpy import save_file
 
-from slope_jax import mxfp4
-from slope_jax.checkpoint import HF_INDEX, HF_SINGLE
-from slope_jax.config import ModelConfig
+from slope_jax.atomic import atomic_json, atomic_safetensors
+from slope_jax.checkpoints.hf import HF_INDEX, HF_SINGLE
+from slope_jax.model import mxfp4
+from slope_jax.model.config import ModelConfig
 
 BF16 = ml_dtypes.bfloat16
 
@@ -54,23 +52,6 @@ def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
     }
     return {"embed": n(V, D), "layers": layers,
             "final_norm": (1 + 0.1 * rng.standard_normal(D)).astype(BF16), "unembed": n(V, D, std=D ** -0.5)}
-
-
-def _atomic_json(path: str, obj) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-
-
-def _atomic_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict | None = None) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".safetensors")
-    os.close(fd)
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp, metadata=metadata)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
 
 
 def hf_tensors(cfg: ModelConfig, params: dict, experts: str = "mxfp4") -> dict[str, np.ndarray]:
@@ -163,21 +144,21 @@ def write_hf(directory: str, cfg: ModelConfig, params: dict, *, experts: str = "
     import dataclasses
     c = dataclasses.replace(cfg, expert_format="mxfp4" if experts == "mxfp4" else "dense")
     if num_shards <= 1:
-        _atomic_safetensors(os.path.join(directory, HF_SINGLE), tensors, {"format": "pt"})
+        atomic_safetensors(os.path.join(directory, HF_SINGLE), tensors, {"format": "pt"})
     else:
         weight_map = {}
         groups = _shard_names(tensors, num_shards)
         for i, names in enumerate(groups):
             fname = f"model-{i:05d}-of-{len(groups) - 1:05d}.safetensors"
-            _atomic_safetensors(os.path.join(directory, fname), {n: tensors[n] for n in names}, {"format": "pt"})
+            atomic_safetensors(os.path.join(directory, fname), {n: tensors[n] for n in names}, {"format": "pt"})
             weight_map.update({n: fname for n in names})
         total = int(sum(t.nbytes for t in tensors.values()))
-        _atomic_json(os.path.join(directory, HF_INDEX), {"metadata": {"total_size": total}, "weight_map": weight_map})
+        atomic_json(os.path.join(directory, HF_INDEX), {"metadata": {"total_size": total}, "weight_map": weight_map})
     if generation_config:
         gen = {"bos_token_id": None, "eos_token_id": list(cfg.eos_token_ids), "pad_token_id": cfg.pad_token_id,
                "do_sample": False}
-        _atomic_json(os.path.join(directory, "generation_config.json"), gen)
-    _atomic_json(os.path.join(directory, "config.json"), c.to_hf_dict())
+        atomic_json(os.path.join(directory, "generation_config.json"), gen)
+    atomic_json(os.path.join(directory, "config.json"), c.to_hf_dict())
 
 
 def write_original(directory: str, cfg: ModelConfig, params: dict) -> None:
@@ -185,7 +166,7 @@ def write_original(directory: str, cfg: ModelConfig, params: dict) -> None:
     model.safetensors."""
     os.makedirs(directory, exist_ok=True)
     tensors = original_tensors(cfg, params)
-    _atomic_safetensors(os.path.join(directory, "model.safetensors"), tensors)
+    atomic_safetensors(os.path.join(directory, "model.safetensors"), tensors)
     dtypes = {n: ("FP4" if n.endswith(".blocks") else "UE8" if n.endswith(".scales") else "BF16") for n in tensors}
-    _atomic_json(os.path.join(directory, "dtypes.json"), dtypes)
-    _atomic_json(os.path.join(directory, "config.json"), cfg.to_original_dict())
+    atomic_json(os.path.join(directory, "dtypes.json"), dtypes)
+    atomic_json(os.path.join(directory, "config.json"), cfg.to_original_dict())

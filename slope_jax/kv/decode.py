@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from slope_jax import attention as attn_lib
-from slope_jax import model as model_lib
-from slope_jax import rope
-from slope_jax.config import ModelConfig
+from slope_jax.model import attention as attn_lib
+from slope_jax.model import gpt_oss as model_lib
+from slope_jax.model import rope
+from slope_jax.model.config import ModelConfig
 
 
 def decode_step(cfg: ModelConfig, params: dict, kv: dict, token: int, position: int) -> np.ndarray:

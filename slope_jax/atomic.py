@@ -1,0 +1,50 @@
+"""Atomic file writes: write to a temporary file in the target's directory, fsync, then `os.replace` — a reader sees
+the old file, the new file, or none, never a torn one. The one helper every writer in slope_jax uses (KV export,
+checkpoint writer). Needs only the standard library and numpy/safetensors when those formats are written."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Callable
+
+
+def atomic_write(path: str, write: Callable[[str], None], *, mode: int = 0o644) -> None:
+    """Call `write(tmp_path)` to produce the file, then rename it to `path` atomically.
+
+    The temporary file sits in `path`'s directory (same filesystem, so the rename is atomic) with a `.tmp-` prefix;
+    it is removed if `write` raises, and the exception propagates.
+    """
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def atomic_json(path: str, obj, *, indent: int = 1) -> None:
+    """Write `obj` as strict JSON (NaN/Infinity are refused with ValueError) atomically to `path`."""
+
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=indent, allow_nan=False)
+            f.write("\n")
+
+    atomic_write(path, write)
+
+
+def atomic_safetensors(path: str, tensors: dict, metadata: dict | None = None) -> None:
+    """Write numpy `tensors` as one safetensors file atomically to `path`."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    atomic_write(path, lambda tmp: save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp,
+                                             metadata=metadata))

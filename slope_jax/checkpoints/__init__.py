@@ -1,0 +1,1 @@
+"""Checkpoint readers (HF safetensors, OpenAI `original/`) and the writer of real-format test checkpoints."""

@@ -1,0 +1,1 @@
+"""Analytic counts for planning and benchmarks: FLOPs and collective bytes per device (no JAX needed)."""

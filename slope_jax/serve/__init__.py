@@ -1,0 +1,1 @@
+"""Serving: the `PrefillEngine` API, the request boundary, multi-process start-up and the per-host launcher."""
