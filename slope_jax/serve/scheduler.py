@@ -1,0 +1,350 @@
+"""SLO-aware request scheduling: earliest-deadline-first order, admission by predicted finish, bounded batch wait,
+and the SLO metrics of a run (attainment, goodput, TTFT percentiles). Pure Python + numpy; no JAX.
+
+Terms. A request's TTFT SLO `ttft_slo_ms` gives its deadline `arrival_s + ttft_slo_ms / 1000` (seconds on the
+`time.perf_counter()` clock). `predict_ms(lengths)` is the cost model of one batch: the engine's compute time in ms
+for prompts of these token counts (`slope_jax.plan.predict` per bucket, or a measured per-bucket fit). The
+scheduler treats every member of a batch as finishing when the whole batch does (conservative: the engine emits the
+first token of each bucket group as soon as that group's step ends).
+
+Policy (design.md §7, "the request loop uses the same model"):
+  * Order: `order="edf"` serves the earliest deadline first; requests without an SLO come after all requests with
+    one; ties (and requests without SLO) go first-come first-served. `order="fcfs"` serves in arrival order.
+  * Admission (`slo_policy="reject"`): the queue is planned as consecutive batches of `batch_size` in that order,
+    the first starting when the engine is free (`max(now, predicted end of the batch in flight)`). A new request is
+    admitted only if, with it in the plan, its predicted finish (queue ahead + its batch's compute) and that of
+    every request admitted before it meet their deadlines. Otherwise it is rejected at once, by the first
+    `take_batch` call after its `add`, with a reason naming the predicted and the allowed TTFT in ms. An admitted
+    request is dropped later only if work ahead ran longer than predicted so that it can no longer make its
+    deadline (the reason says so); serving it would spend compute that on-time requests need.
+    `slo_policy="serve_late"`: such a request is served instead, flagged `late=True`, and moved behind every
+    request that can still meet its deadline (so one late request never makes others late).
+    `slo_policy="none"`: no admission and no flags (the baseline: order + batching only).
+  * Release: the head batch (the first `batch_size` requests in order) is released when it is full, when the
+    stream is closed, when its oldest member has waited `batch_wait_ms`, or when waiting any longer would make a
+    planned request miss its deadline (its slack is used up). A request is never held back waiting for a later
+    one beyond `batch_wait_ms`. While a batch is in flight no batch is released; the call still admits/rejects.
+  * `take_batch` marks the batch it returns as in flight with its predicted busy time; the loop calls
+    `finished(now)` when the engine returns, so admission always counts the work ahead.
+
+Example (a synchronous loop; `queue_lines` yields `Pending` items stamped by a reader thread):
+
+    sched = Scheduler(predict_ms, batch_size=8, batch_wait_ms=5, default_slo_ms=1000)
+    while True:
+        for item in queue_lines(timeout=wait_s):          # block at most wait_s (None: until a line or EOF)
+            sched.add(item)
+        batch, rejected, wait_s = sched.take_batch(time.perf_counter(), closed=reader_done)
+        for item, reason in rejected:
+            emit({"id": item.id, "error": reason, "rejected": True, "ttft_slo_ms": item.slo_ms})
+        if batch:
+            results = engine.prefill([p.request for p in batch], arrival_times=[p.arrival_s for p in batch])
+            sched.finished(time.perf_counter())           # engine free again
+        elif reader_done and not sched.pending:
+            break
+
+Metrics: `slo_stats(records, wall_s)` over result records (dicts with `num_tokens`, `ttft_ms`, optional
+`ttft_slo_ms`, and `error` for failed or rejected requests) gives `SLOStats`; `SLOStats.summary_line()` is one line
+for the launcher's summary. Definitions (DistServe, Zhong et al. 2024, §2): SLO attainment = requests that carry an
+SLO and were served within it / all requests that carry an SLO (rejected and failed ones count as missed);
+goodput = prompt tokens per second of wall time of served requests that met their SLO (or had none).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+ORDERS = ("edf", "fcfs")
+SLO_POLICIES = ("reject", "serve_late", "none")
+_EPS_S = 1e-9  # clock resolution for "due" comparisons, so a wait of ~0 s cannot spin
+
+
+@dataclasses.dataclass
+class Pending:
+    """One queued request.
+
+    request: the caller's payload (opaque here); id: request id (for records); num_tokens: prompt length (tokens);
+    arrival_s: `time.perf_counter()` when it arrived; deadline_s: arrival_s + ttft_slo_ms / 1000, or None (no SLO;
+    `Scheduler.add` fills it from `default_slo_ms`).
+    Set by the scheduler: late (serve_late: predicted to miss its deadline, served behind on-time requests);
+    predicted_ttft_ms / predicted_compute_ms (when released: the model's TTFT from arrival, and its batch's compute),
+    to write next to the measured TTFT.
+    """
+
+    request: Any
+    id: str
+    num_tokens: int
+    arrival_s: float
+    deadline_s: float | None = None
+    late: bool = False
+    predicted_ttft_ms: float | None = None
+    predicted_compute_ms: float | None = None
+    seq: int = -1  # arrival order, set by `add` (FCFS tie-break)
+
+    @property
+    def slo_ms(self) -> float | None:
+        """The TTFT SLO in ms (deadline − arrival), or None."""
+        return None if self.deadline_s is None else (self.deadline_s - self.arrival_s) * 1e3
+
+
+class Scheduler:
+    """Orders, admits and batches requests by their TTFT deadlines (see the module docstring for the policy).
+
+    Args:
+      predict_ms: `predict_ms(lengths: list[int]) -> float`, the predicted compute time in ms of one batch of
+        prompts with these token counts. Called often: make it cheap (memoise per bucket).
+      batch_size: most requests per batch (>= 1).
+      batch_wait_ms: longest time the oldest request of a batch waits for the batch to fill (>= 0).
+      order: "edf" (earliest deadline first) or "fcfs" (arrival order).
+      slo_policy: "reject" (admission control), "serve_late" (serve and flag), or "none" (no admission).
+      default_slo_ms: TTFT SLO for requests added without a deadline (None: they have none).
+    Raises:
+      ValueError naming the argument and its allowed values.
+    Thread safety: `add` may be called from a reader thread while the loop calls `take_batch`.
+    """
+
+    def __init__(self, predict_ms: Callable[[list[int]], float], *, batch_size: int, batch_wait_ms: float,
+                 order: str = "edf", slo_policy: str = "reject", default_slo_ms: float | None = None):
+        if order not in ORDERS:
+            raise ValueError(f"order={order!r}: must be one of {ORDERS}")
+        if slo_policy not in SLO_POLICIES:
+            raise ValueError(f"slo_policy={slo_policy!r}: must be one of {SLO_POLICIES}")
+        if int(batch_size) < 1:
+            raise ValueError(f"batch_size={batch_size}: must be >= 1")
+        if not batch_wait_ms >= 0 or math.isinf(batch_wait_ms):
+            raise ValueError(f"batch_wait_ms={batch_wait_ms}: must be a finite number >= 0")
+        if default_slo_ms is not None and not (0 < default_slo_ms < math.inf):
+            raise ValueError(f"default_slo_ms={default_slo_ms}: must be a finite number > 0 (or None)")
+        self.predict_ms = predict_ms
+        self.batch_size = int(batch_size)
+        self.batch_wait_s = batch_wait_ms / 1e3
+        self.order = order
+        self.slo_policy = slo_policy
+        self.default_slo_ms = default_slo_ms
+        self._queue: list[Pending] = []  # admitted (or not yet checked) requests, unsorted
+        self._new: list[Pending] = []  # added since the last take_batch: not yet admitted
+        self._seq = 0
+        self._busy_until: float | None = None  # predicted end of the batch in flight; None when idle
+        self._lock = threading.Lock()
+
+    # ---- public API -------------------------------------------------------------------------------------------
+    def add(self, item: Pending) -> None:
+        """Queue a request. Its admission is decided by the next `take_batch` call."""
+        with self._lock:
+            if item.deadline_s is None and self.default_slo_ms is not None:
+                item.deadline_s = item.arrival_s + self.default_slo_ms / 1e3
+            item.seq = self._seq
+            self._seq += 1
+            self._new.append(item)
+
+    @property
+    def pending(self) -> int:
+        """Requests queued (admitted or awaiting admission), not counting the batch in flight."""
+        with self._lock:
+            return len(self._queue) + len(self._new)
+
+    @property
+    def busy(self) -> bool:
+        """True between `take_batch` returning a batch and `finished`."""
+        return self._busy_until is not None
+
+    def finished(self, now: float) -> None:
+        """The batch in flight has finished at `now` (perf_counter seconds): the engine is free."""
+        with self._lock:
+            self._busy_until = None
+
+    def take_batch(self, now: float, closed: bool = False
+                   ) -> tuple[list[Pending], list[tuple[Pending, str]], float | None]:
+        """Admit new requests and release the next batch if it is due.
+
+        Args:
+          now: current `time.perf_counter()` seconds.
+          closed: no more requests will arrive (release what is queued without waiting).
+        Returns:
+          batch: requests to run now, in service order (empty if none is due or a batch is in flight); it is marked
+            in flight until `finished`. Each member has `predicted_ttft_ms` / `predicted_compute_ms` set.
+          rejected: (request, reason) for every request rejected by this call; write their records at once.
+          wait_s: seconds the loop may sleep before calling again if nothing arrives (None: nothing is waiting on
+            time — sleep until the next arrival or `finished`).
+        """
+        with self._lock:
+            rejected = self._admit(now)
+            if not self._queue or self._busy_until is not None:
+                return [], rejected, None
+            start = now
+            plan = self._plan(self._sorted(self._queue), start, head_only=self.slo_policy == "none")
+            head, head_compute_ms = plan[0][0], plan[0][2]
+            oldest = min(p.arrival_s for p in head)
+            wait_until = oldest + self.batch_wait_s
+            slack = _slack(plan)
+            due = closed or len(head) >= self.batch_size or now >= wait_until - _EPS_S or slack <= _EPS_S
+            if not due:
+                return [], rejected, max(0.0, min(wait_until - now, slack))
+            taken = {id(p) for p in head}
+            self._queue = [p for p in self._queue if id(p) not in taken]
+            for p in head:
+                p.predicted_compute_ms = head_compute_ms
+                p.predicted_ttft_ms = (now + head_compute_ms / 1e3 - p.arrival_s) * 1e3
+            self._busy_until = now + head_compute_ms / 1e3
+            return head, rejected, None
+
+    # ---- internals --------------------------------------------------------------------------------------------
+    def _key(self, p: Pending):
+        if self.order == "fcfs":
+            return (p.arrival_s, p.seq)
+        if p.deadline_s is None or p.late:
+            return (1, 0.0, p.arrival_s, p.seq)
+        return (0, p.deadline_s, p.arrival_s, p.seq)
+
+    def _sorted(self, items: Iterable[Pending]) -> list[Pending]:
+        return sorted(items, key=self._key)
+
+    def _start(self, now: float) -> float:
+        return now if self._busy_until is None else max(now, self._busy_until)
+
+    def _plan(self, ordered: Sequence[Pending], start: float, head_only: bool = False):
+        """Consecutive batches of `batch_size` in service order: [(batch, finish_s, compute_ms)]."""
+        plan, t = [], start
+        for i in range(0, len(ordered), self.batch_size):
+            batch = list(ordered[i:i + self.batch_size])
+            ms = float(self.predict_ms([p.num_tokens for p in batch]))
+            t += ms / 1e3
+            plan.append((batch, t, ms))
+            if head_only:
+                break
+        return plan
+
+    def _misses(self, plan) -> list[tuple[Pending, float]]:
+        """(request, predicted finish) for each on-time-class request of the plan that would miss its deadline."""
+        return [(p, fin) for batch, fin, _ in plan for p in batch
+                if p.deadline_s is not None and not p.late and fin > p.deadline_s + _EPS_S]
+
+    def _admit(self, now: float) -> list[tuple[Pending, str]]:
+        new, self._new = self._new, []
+        if self.slo_policy == "none":
+            self._queue.extend(new)
+            return []
+        rejected: list[tuple[Pending, str]] = []
+        start = self._start(now)
+        # 1. Requests admitted earlier that can no longer make it (work ahead ran over its prediction).
+        while True:
+            misses = self._misses(self._plan(self._sorted(self._queue), start))
+            if not misses:
+                break
+            p, fin = misses[0]  # the earliest in service order; re-plan, since dropping it may save the others
+            if self.slo_policy == "reject":
+                self._queue.remove(p)
+                rejected.append((p, _reason(p, fin, start - now, note="work ahead ran longer than predicted; ")))
+            else:
+                p.late = True
+        # 2. New requests, in service order: admit each only if the plan with it keeps every deadline.
+        for p in self._sorted(new):
+            if p.deadline_s is None:
+                self._queue.append(p)
+                continue
+            trial = self._plan(self._sorted(self._queue + [p]), start)
+            misses = self._misses(trial)
+            if not misses:
+                self._queue.append(p)
+                continue
+            own = next((fin for batch, fin, _ in trial if any(q is p for q in batch)))
+            if self.slo_policy == "serve_late":
+                p.late = True
+                self._queue.append(p)
+                continue
+            rejected.append((p, _reason(p, own, start - now, len(misses) if own <= p.deadline_s else 0)))
+        return rejected
+
+
+def _slack(plan) -> float:
+    """Seconds the plan can be delayed before an on-time request misses its deadline (inf if none has one)."""
+    return min((p.deadline_s - fin for batch, fin, _ in plan for p in batch
+                if p.deadline_s is not None and not p.late), default=math.inf)
+
+
+def _reason(p: Pending, finish_s: float, busy_s: float, pushed: int = 0, note: str = "") -> str:
+    """The rejection message: predicted vs allowed TTFT in ms, and why."""
+    predicted = (finish_s - p.arrival_s) * 1e3
+    if pushed:
+        head = (f"rejected: predicted TTFT {predicted:.1f} ms is within the allowed {p.slo_ms:.1f} ms (ttft_slo_ms), "
+                f"but admitting it would make {pushed} admitted request(s) miss their deadline")
+    else:
+        head = f"rejected: predicted TTFT {predicted:.1f} ms exceeds the allowed {p.slo_ms:.1f} ms (ttft_slo_ms)"
+    return f"{head}; {note}{p.num_tokens} tokens, {busy_s * 1e3:.1f} ms of work in flight"
+
+
+# ---- metrics ----------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class SLOStats:
+    """SLO metrics of one run (see the module docstring for the definitions).
+
+    requests: records; served: without error; rejected: refused by admission (`rejected` true in the record);
+    failed: other errors; with_slo: records carrying `ttft_slo_ms`; met: of those, served within it; late: served but
+    past it; attainment: met / with_slo (None if no request has an SLO); goodput_tokens_per_s,
+    goodput_requests_per_s: met (or served without SLO) per wall second; throughput_tokens_per_s: all served;
+    ttft_p50/p90/p99_ms: percentiles of served TTFT (numpy linear interpolation; None if nothing was served).
+    """
+
+    requests: int
+    served: int
+    rejected: int
+    failed: int
+    with_slo: int
+    met: int
+    late: int
+    attainment: float | None
+    goodput_tokens_per_s: float
+    goodput_requests_per_s: float
+    throughput_tokens_per_s: float
+    ttft_p50_ms: float | None
+    ttft_p90_ms: float | None
+    ttft_p99_ms: float | None
+    wall_s: float
+
+    def summary_line(self) -> str:
+        att = "n/a (no request has ttft_slo_ms)" if self.attainment is None else (
+            f"{100 * self.attainment:.1f}% ({self.met}/{self.with_slo})")
+        pct = "n/a" if self.ttft_p50_ms is None else (
+            f"{self.ttft_p50_ms:.1f}/{self.ttft_p90_ms:.1f}/{self.ttft_p99_ms:.1f} ms")
+        return (f"SLO attainment {att}; goodput {self.goodput_tokens_per_s:.0f} tokens/s "
+                f"({self.goodput_requests_per_s:.2f} req/s); TTFT p50/p90/p99 {pct}; served {self.served}, "
+                f"late {self.late}, rejected {self.rejected}, failed {self.failed}; wall {self.wall_s:.1f} s")
+
+
+def slo_met(record: dict) -> bool | None:
+    """True/False whether a record met its TTFT SLO (an error counts as missed); None if it has no SLO."""
+    slo = record.get("ttft_slo_ms")
+    if slo is None:
+        return None
+    return "error" not in record and record.get("ttft_ms") is not None and record["ttft_ms"] <= slo
+
+
+def slo_stats(records: Sequence[dict], wall_s: float) -> SLOStats:
+    """SLO metrics from result records.
+
+    Args:
+      records: dicts with `num_tokens` (int), `ttft_ms` (float, served ones), optional `ttft_slo_ms`, `error` (str,
+        failed or rejected) and `rejected` (bool).
+      wall_s: wall time of the run in seconds (> 0), the goodput denominator.
+    """
+    if not wall_s > 0:
+        raise ValueError(f"wall_s={wall_s}: must be > 0")
+    served = [r for r in records if "error" not in r]
+    rejected = sum(1 for r in records if "error" in r and r.get("rejected"))
+    with_slo = [r for r in records if r.get("ttft_slo_ms") is not None]
+    met = [r for r in with_slo if slo_met(r)]
+    good = met + [r for r in served if r.get("ttft_slo_ms") is None]
+    ttft = np.array([r["ttft_ms"] for r in served], np.float64)
+    p50, p90, p99 = (float(x) for x in np.percentile(ttft, [50, 90, 99])) if ttft.size else (None, None, None)
+    return SLOStats(
+        requests=len(records), served=len(served), rejected=rejected, failed=len(records) - len(served) - rejected,
+        with_slo=len(with_slo), met=len(met), late=sum(1 for r in with_slo if "error" not in r and not slo_met(r)),
+        attainment=len(met) / len(with_slo) if with_slo else None,
+        goodput_tokens_per_s=sum(r["num_tokens"] for r in good) / wall_s,
+        goodput_requests_per_s=len(good) / wall_s,
+        throughput_tokens_per_s=sum(r["num_tokens"] for r in served) / wall_s,
+        ttft_p50_ms=p50, ttft_p90_ms=p90, ttft_p99_ms=p99, wall_s=wall_s)
