@@ -71,6 +71,7 @@ class Pending:
     arrival_s: `time.perf_counter()` when it arrived; deadline_s: arrival_s + ttft_slo_ms / 1000, or None (no SLO;
     `Scheduler.add` fills it from `default_slo_ms`).
     Set by the scheduler: late (serve_late: predicted to miss its deadline, served behind on-time requests);
+    dropped (rejected after admission because work ahead overran its prediction);
     predicted_ttft_ms / predicted_compute_ms (when released: the model's TTFT from arrival, and its batch's compute),
     to write next to the measured TTFT.
     """
@@ -83,6 +84,7 @@ class Pending:
     late: bool = False
     predicted_ttft_ms: float | None = None
     predicted_compute_ms: float | None = None
+    dropped: bool = False  # rejected after having been admitted (work ahead overran its prediction)
     seq: int = -1  # arrival order, set by `add` (FCFS tie-break)
 
     @property
@@ -238,6 +240,7 @@ class Scheduler:
             p, fin = misses[0]  # the earliest in service order; re-plan, since dropping it may save the others
             if self.slo_policy == "reject":
                 self._queue.remove(p)
+                p.dropped = True
                 rejected.append((p, _reason(p, fin, start - now, note="work ahead ran longer than predicted; ")))
             else:
                 p.late = True
@@ -275,6 +278,38 @@ def _reason(p: Pending, finish_s: float, busy_s: float, pushed: int = 0, note: s
     else:
         head = f"rejected: predicted TTFT {predicted:.1f} ms exceeds the allowed {p.slo_ms:.1f} ms (ttft_slo_ms)"
     return f"{head}; {note}{p.num_tokens} tokens, {busy_s * 1e3:.1f} ms of work in flight"
+
+
+class OnlineCorrection:
+    """A cost model corrected online by measured compute: `predict_ms(lengths) = base(lengths) × factor`, where
+    factor is an exponentially weighted mean (weight `alpha` per batch) of measured / predicted compute, clipped to
+    [1/max_factor, max_factor]. Makes admission track the machine's actual speed (contention, a calibration off by
+    a constant) without changing the model's shape across lengths.
+
+        predict = OnlineCorrection(base_predict_ms)
+        sched = Scheduler(predict, ...)
+        ...  # after each batch:
+        predict.observe([p.num_tokens for p in batch], measured_compute_ms)
+    """
+
+    def __init__(self, base: Callable[[list[int]], float], *, alpha: float = 0.2, max_factor: float = 10.0):
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha={alpha}: must be in (0, 1]")
+        if not max_factor >= 1:
+            raise ValueError(f"max_factor={max_factor}: must be >= 1")
+        self.base, self.alpha, self.max_factor = base, alpha, max_factor
+        self.factor = 1.0
+
+    def __call__(self, lengths: list[int]) -> float:
+        return float(self.base(lengths)) * self.factor
+
+    def observe(self, lengths: list[int], measured_ms: float) -> None:
+        """Fold in one finished batch: its prompt lengths and its measured compute time in ms."""
+        base = float(self.base(lengths))
+        if not (base > 0 and measured_ms > 0 and math.isfinite(measured_ms)):
+            return  # nothing to learn from (an empty or failed batch)
+        f = (1 - self.alpha) * self.factor + self.alpha * measured_ms / base
+        self.factor = min(self.max_factor, max(1 / self.max_factor, f))
 
 
 # ---- metrics ----------------------------------------------------------------------------------------------------

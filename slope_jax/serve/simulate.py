@@ -97,7 +97,8 @@ def simulate(trace: Sequence[TraceRequest], predict_ms: PredictMs, *, service_ms
     """Replay `trace` through a `Scheduler(predict_ms, ...)` with batches taking `service_ms` (default: exactly the
     prediction). Returns one record per request, in trace order:
       served: id, num_tokens, ttft_ms, ttft_slo_ms, predicted_ttft_ms, late (serve_late flag);
-      rejected: id, num_tokens, ttft_slo_ms, error (the reason), rejected=True, rejected_after_ms (arrival → record).
+      rejected: id, num_tokens, ttft_slo_ms, error (the reason), rejected=True, rejected_after_ms (arrival → record),
+        dropped (rejected after admission: work ahead overran its prediction).
     wall_s runs from 0 to the last record (the queue is drained after the last arrival).
     """
     service_ms = service_ms or predict_ms
@@ -126,7 +127,8 @@ def simulate(trace: Sequence[TraceRequest], predict_ms: PredictMs, *, service_ms
         batch, rejected, wait_s = sched.take_batch(now, closed=i == len(trace))
         for p, reason in rejected:
             records[p.id] = {"id": p.id, "num_tokens": p.num_tokens, "ttft_slo_ms": p.request.ttft_slo_ms,
-                             "error": reason, "rejected": True, "rejected_after_ms": (now - p.arrival_s) * 1e3}
+                             "error": reason, "rejected": True, "rejected_after_ms": (now - p.arrival_s) * 1e3,
+                             "dropped": p.dropped}
         if batch:
             in_flight = batch
             busy_end = now + float(service_ms([p.num_tokens for p in batch])) / 1e3
