@@ -49,7 +49,7 @@ flags.DEFINE_float("duration_s", 300.0, "Simulated trace duration per load (virt
 flags.DEFINE_float("noise_cv", 0.1, "Coefficient of variation of the simulated service time around the model.")
 flags.DEFINE_integer("seed", 0, "Trace seed.")
 flags.DEFINE_bool("replay", False, "Also replay scaled-down traces on the real engine in real time.")
-flags.DEFINE_list("replay_loads", ["0.5", "1.5"], "Offered loads (x measured capacity) of the real-engine replay.")
+flags.DEFINE_list("replay_loads", ["0.5", "2.0"], "Offered loads (x predicted capacity) of the real-engine replay.")
 flags.DEFINE_float("replay_s", 15.0, "Trace duration per replay run (wall seconds; 2 policies per load).")
 flags.DEFINE_string("out", "benchmarks/results/slo_sim.json", "JSON output path.")
 

@@ -29,22 +29,27 @@ Policy (design.md §7, "the request loop uses the same model"):
 
 Example (a synchronous loop; `queue_lines` yields `Pending` items stamped by a reader thread):
 
-    sched = Scheduler(predict_ms, batch_size=8, batch_wait_ms=5, default_slo_ms=1000)
+    sched, wait_s = Scheduler(predict_ms, batch_size=8, batch_wait_ms=5, default_slo_ms=1000), None
     while True:
         for item in queue_lines(timeout=wait_s):          # block at most wait_s (None: until a line or EOF)
             sched.add(item)
         batch, rejected, wait_s = sched.take_batch(time.perf_counter(), closed=reader_done)
         for item, reason in rejected:
             emit({"id": item.id, "error": reason, "rejected": True, "ttft_slo_ms": item.slo_ms})
-        if batch:
+        if batch:  # write p.predicted_ttft_ms next to each measured TTFT
             results = engine.prefill([p.request for p in batch], arrival_times=[p.arrival_s for p in batch])
             sched.finished(time.perf_counter())           # engine free again
         elif reader_done and not sched.pending:
             break
 
+In this synchronous loop a request that arrives during a batch is answered right after it. To reject it on arrival,
+run `engine.prefill` in a worker thread and keep calling `take_batch` while it runs (it then only admits/rejects);
+`benchmarks/slo_sim.py --replay` does exactly that. `OnlineCorrection(predict_ms)` scales the model by the measured
+compute of finished batches (call `observe(lengths, measured_ms)`), so admission follows the machine's real speed.
+
 Metrics: `slo_stats(records, wall_s)` over result records (dicts with `num_tokens`, `ttft_ms`, optional
 `ttft_slo_ms`, and `error` for failed or rejected requests) gives `SLOStats`; `SLOStats.summary_line()` is one line
-for the launcher's summary. Definitions (DistServe, Zhong et al. 2024, §2): SLO attainment = requests that carry an
+for the launcher's summary. Definitions as in DistServe (Zhong et al., OSDI 2024): SLO attainment = requests that carry an
 SLO and were served within it / all requests that carry an SLO (rejected and failed ones count as missed);
 goodput = prompt tokens per second of wall time of served requests that met their SLO (or had none).
 """
