@@ -49,8 +49,8 @@ compute of finished batches (call `observe(lengths, measured_ms)`), so admission
 
 Metrics: `slo_stats(records, wall_s)` over result records (dicts with `num_tokens`, `ttft_ms`, optional
 `ttft_slo_ms`, and `error` for failed or rejected requests) gives `SLOStats`; `SLOStats.summary_line()` is one line
-for the launcher's summary. Definitions as in DistServe (Zhong et al., OSDI 2024): SLO attainment = requests that carry an
-SLO and were served within it / all requests that carry an SLO (rejected and failed ones count as missed);
+for the launcher's summary. Definitions as in DistServe (Zhong et al., OSDI 2024): SLO attainment = requests that
+carry an SLO and were served within it / all requests that carry an SLO (rejected and failed ones count as missed);
 goodput = prompt tokens per second of wall time of served requests that met their SLO (or had none).
 """
 
