@@ -87,7 +87,10 @@ def measured_fit(engine, lengths, repeats=5):
 
 
 def service_model(lengths):
-    """(predict_ms over a batch, description, engine or None, per-bucket table in ms)."""
+    """(predict_ms over a batch, description, engine or None, per-bucket table in ms). One prompt per engine step
+    (pipeline 1), so a batch costs the sum over its prompts."""
+    from slope_jax.serve.scheduler import batch_predictor
+
     try:
         from slope_jax.plan import predict  # the cost model of issue 9 item 1, once merged
     except ImportError:
@@ -106,12 +109,12 @@ def service_model(lengths):
 
         table = {bucket(n): float(predict(cfg, par, bucket(n), "cpu")["ttft_ms"]) for n in lengths}
         desc = "slope_jax.plan.predict(cfg, parallel, bucket, hardware='cpu')['ttft_ms'] per prompt, summed"
-        return (lambda ls: sum(table[bucket(n)] for n in ls)), desc, None, table
+        return batch_predictor(lambda t, m: m * table[t], bucket), desc, None, table
     engine, _ = make_engine()
     table = measured_fit(engine, lengths)
     desc = (f"measured fit (slope_jax.plan.predict not importable): median-of-5 engine compute per bucket on this "
             f"CPU ({FLAGS.devices} device(s)), summed over the batch")
-    return (lambda ls: sum(table[engine.bucket(n)] for n in ls)), desc, engine, table
+    return batch_predictor(lambda t, m: m * table[t], engine.bucket), desc, engine, table
 
 
 def sweep(predict_ms, lengths, slo_ms, cap):

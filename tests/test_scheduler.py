@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from slope_jax.serve.scheduler import OnlineCorrection, Pending, Scheduler, slo_stats
+from slope_jax.serve.scheduler import OnlineCorrection, Pending, Scheduler, batch_predictor, slo_stats
 from slope_jax.serve.simulate import TraceRequest, capacity_rps, noisy, poisson_trace, simulate
 
 
@@ -202,3 +202,28 @@ def test_online_correction_tracks_measured_speed():
     assert pred.factor == 4.0
     pred.observe([], 0.0)  # an empty batch teaches nothing
     assert pred.factor == 4.0
+
+
+def test_scheduler_and_simulation_import_without_jax():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['jax'] = None\n"  # any `import jax` now raises ImportError
+            "import slope_jax.serve.scheduler, slope_jax.serve.simulate")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_batch_predictor_groups_by_bucket_like_the_engine():
+    calls = []
+
+    def step_ms(t, m):
+        calls.append((t, m))
+        return t + 1000.0 * m  # distinct per (t, m), so any misgrouping changes the sum
+
+    bucket = lambda n: 64 if n <= 64 else 256  # noqa: E731
+    pred = batch_predictor(step_ms, bucket, per_step=2)
+    # bucket 64: 3 prompts -> steps of 2 and 1; bucket 256: 1 prompt -> a step of 1
+    assert pred([10, 300, 64, 1]) == (64 + 2000) + (64 + 1000) + (256 + 1000)
+    assert pred([1, 2, 3, 400]) == (64 + 2000) + (64 + 1000) + (256 + 1000) and len(calls) == 3  # memoised
+    with pytest.raises(ValueError, match="per_step"):
+        batch_predictor(step_ms, bucket, per_step=0)

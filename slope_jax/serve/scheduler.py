@@ -57,6 +57,7 @@ goodput = prompt tokens per second of wall time of served requests that met thei
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import threading
 from typing import Any, Callable, Iterable, Sequence
@@ -283,6 +284,36 @@ def _reason(p: Pending, finish_s: float, busy_s: float, pushed: int = 0, note: s
     else:
         head = f"rejected: predicted TTFT {predicted:.1f} ms exceeds the allowed {p.slo_ms:.1f} ms (ttft_slo_ms)"
     return f"{head}; {note}{p.num_tokens} tokens, {busy_s * 1e3:.1f} ms of work in flight"
+
+
+def batch_predictor(step_ms: Callable[[int, int], float], bucket: Callable[[int], int], per_step: int = 1
+                    ) -> Callable[[list[int]], float]:
+    """A `predict_ms` for `Scheduler` that mirrors how `PrefillEngine.prefill` runs a batch: prompts grouped by
+    bucket length, each group in steps of up to `per_step` prompts (the engine's `parallel.in_flight` on a mesh, 1 on
+    one device), steps run one after another; the batch costs the sum of its steps.
+
+    Args:
+      step_ms: `step_ms(t, m)`, predicted ms of one step of m prompts padded to bucket length t (memoised here), e.g.
+        from `slope_jax.plan.predict` or a measured table.
+      bucket: token count -> bucket length (`PrefillEngine.bucket` or `layout.bucket_length`).
+      per_step: most prompts per step (>= 1).
+    """
+    if per_step < 1:
+        raise ValueError(f"per_step={per_step}: must be >= 1")
+    step = functools.lru_cache(maxsize=None)(step_ms)
+
+    def predict_ms(lengths: list[int]) -> float:
+        groups: dict[int, int] = {}
+        for n in lengths:
+            t = bucket(int(n))
+            groups[t] = groups.get(t, 0) + 1
+        total = 0.0
+        for t, c in groups.items():
+            full, rest = divmod(c, per_step)
+            total += (step(t, per_step) * full if full else 0.0) + (step(t, rest) if rest else 0.0)
+        return total
+
+    return predict_ms
 
 
 class OnlineCorrection:
