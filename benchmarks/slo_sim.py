@@ -38,6 +38,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", "checkpoints/tiny-gpt-oss", "Checkpoint of the engine (measured fit and replay).")
 flags.DEFINE_enum("devices", "1", ["1", "8"], "Engine on 1 CPU device, or 8 virtual CPU devices as ring 2 x Ulysses 4.")
+flags.DEFINE_enum("service_model", "auto", ["auto", "plan", "measured"],
+                  "Cost model of the scheduler and the simulation: `plan` = slope_jax.plan.predict (hardware 'cpu'), "
+                  "`measured` = a per-bucket fit measured on the engine here, `auto` = plan if importable, else "
+                  "measured.")
 flags.DEFINE_list("lengths", ["32", "100", "250"], "Prompt lengths of the mix (drawn uniformly).")
 flags.DEFINE_float("ttft_slo_ms", None, "TTFT SLO of every request (default: 5 x the predicted compute of the "
                    "longest prompt of the mix).")
@@ -91,10 +95,13 @@ def service_model(lengths):
     (pipeline 1), so a batch costs the sum over its prompts."""
     from slope_jax.serve.scheduler import batch_predictor
 
-    try:
-        from slope_jax.plan import predict  # the cost model of issue 9 item 1, once merged
-    except ImportError:
-        predict = None
+    predict = None
+    if FLAGS.service_model != "measured":
+        try:
+            from slope_jax.plan import predict  # the cost model of issue 9 item 1, once merged
+        except ImportError:
+            if FLAGS.service_model == "plan":
+                raise
     if predict is not None:
         from slope_jax.model.config import ModelConfig
         from slope_jax.parallel import layout
@@ -112,7 +119,8 @@ def service_model(lengths):
         return batch_predictor(lambda t, m: m * table[t], bucket), desc, None, table
     engine, _ = make_engine()
     table = measured_fit(engine, lengths)
-    desc = (f"measured fit (slope_jax.plan.predict not importable): median-of-5 engine compute per bucket on this "
+    why = "chosen" if FLAGS.service_model == "measured" else "slope_jax.plan.predict not importable"
+    desc = (f"measured fit ({why}): median-of-5 engine compute per bucket on this "
             f"CPU ({FLAGS.devices} device(s)), summed over the batch")
     return batch_predictor(lambda t, m: m * table[t], engine.bucket), desc, engine, table
 
