@@ -281,7 +281,7 @@ def main(argv):
             print("measured per bucket (ms): " + ", ".join(f"T={b}: {ms:.1f}" for b, ms in sorted(measured.items())))
         print(f"\nreplay on the real engine ({FLAGS.devices} CPU device(s)), {FLAGS.replay_s:.0f} s per run:")
         print(f"{'load':>5} {'req/s':>7} | {'policy':<12} summary")
-        result["replay"] = []
+        result["replay"], replay_checks = [], []
         for load in [float(x) for x in FLAGS.replay_loads]:
             for order, policy in POLICIES:
                 recs, st, compute = replay(engine, predict_ms, lengths, slo_ms, cap, load, order, policy,
@@ -294,11 +294,25 @@ def main(argv):
                       f"it), dropped later {len(rej) - len(on_arrival)}; all rejections before the deadline: "
                       f"{all(r['rejected_after_ms'] < slo_ms for r in rej)}; measured/predicted batch compute "
                       f"median {fmt(med, '.2f')}")
+                if order == "edf":
+                    if load <= goodput_load + 1e-9:
+                        replay_checks.append((f"replay {load:.2f}x <= predicted goodput: EDF+admission attainment "
+                                              f"{100 * st.attainment:.1f}% >= 90%", st.attainment >= 0.9))
+                    else:
+                        replay_checks.append((
+                            f"replay {load:.2f}x > predicted goodput: EDF+admission rejects {len(rej)} before their "
+                            f"deadline ({len(on_arrival)} on arrival), late {st.late}/{st.served} served",
+                            len(rej) > 0 and all(r["rejected_after_ms"] < slo_ms for r in rej)
+                            and st.late <= 0.05 * max(st.served, 1)))
                 result["replay"].append({"load": load, "offered_rps": load * cap, "order": order, "policy": policy,
                                          **stats_row(st), "measured_over_predicted_compute_median": med,
                                          "rejected_on_arrival": len(on_arrival),
                                          "rejected_on_arrival_median_ms_after": _median(on_arrival),
                                          "dropped_after_admission": len(rej) - len(on_arrival)})
+        print()
+        for text, ok in replay_checks:
+            print(("PASS " if ok else "FAIL ") + text)
+        result["replay_checks"] = [{"check": t, "pass": ok} for t, ok in replay_checks]
     from slope_jax.atomic import atomic_json
 
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
