@@ -265,7 +265,7 @@ class Scheduler:
                 p.late = True
                 self._queue.append(p)
                 continue
-            rejected.append((p, _reason(p, own, start - now, len(misses) if own <= p.deadline_s else 0)))
+            rejected.append((p, _reason(p, own, start - now, len(misses) if own <= p.deadline_s + _EPS_S else 0)))
         return rejected
 
 
