@@ -18,7 +18,6 @@ Prints tables and writes JSON (default benchmarks/results/ep_memory.json).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys

@@ -46,7 +46,7 @@ def setup(tmp_path_factory):
 
 
 class _ReadLog:
-    """Records the rows of every safetensors read: (tensor name, start, stop); a whole-tensor read is (name, 0, None)."""
+    """Records the rows of every safetensors read: (name, start, stop); a whole-tensor read is (name, 0, None)."""
 
     def __init__(self):
         self.reads = []
