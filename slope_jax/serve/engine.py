@@ -98,9 +98,9 @@ class PrefillEngine:
             self.plan = pipe_lib.plan_stages(cfg, parallel.pipeline)
             self.params = params if _placed else self._place(params)
             self._step = pipe_lib.build_prefill_step(cfg, parallel, self.mesh, self.plan, self.dtype, **self.tiles)
-        log.info("engine: layout pipeline=%d ring=%d ulysses=%d on %d device(s), dtype=%s, %d empty slot(s)",
-                 parallel.pipeline, parallel.ring, parallel.ulysses, parallel.num_devices, self.dtype.name,
-                 self.plan.empty_slots)
+        log.info("engine: layout pipeline=%d ring=%d ulysses=%d expert=%d on %d device(s), dtype=%s, "
+                 "%d empty slot(s)", parallel.pipeline, parallel.ring, parallel.ulysses, parallel.expert_degree(cfg),
+                 parallel.num_devices, self.dtype.name, self.plan.empty_slots)
 
     # ------------------------------------------------------------------------------------------------------------
     @classmethod
