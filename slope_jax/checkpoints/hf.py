@@ -401,7 +401,7 @@ def load_params(ckpt: CheckpointDir, dtype="bfloat16", *, shardings: dict | None
             lo, hi, _ = first.indices(spec.shape[0])
             if pname.startswith("layers/") and len(spec.axes) > 1 and spec.axes[1] == "experts":
                 # expert parallelism: a device holds a range of experts; read only those rows of each layer tensor
-                e_lo, e_hi, _ = index[1].indices(spec.shape[1])
+                e_lo, e_hi, _ = (index[1] if len(index) > 1 else slice(None)).indices(spec.shape[1])
                 part = (e_lo, e_hi) if (e_lo, e_hi) != (0, spec.shape[1]) else None
                 block = np.zeros((hi - lo, e_hi - e_lo, *spec.shape[2:]), spec.dtype)
                 for j, g in enumerate(stack[lo:hi]):
