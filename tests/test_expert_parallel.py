@@ -179,7 +179,7 @@ def test_skewed_routing_and_pads():
     assert (np.asarray(ids)[:, 0] == 5).all()
     for ring, ulysses in ((2, 4),):
         out = _ep_moe(h, valid, p, ring, ulysses, k)
-        assert np.abs(out - ref).max() < 1e-5  # measured ~5e-7 (float32 order of the k-term sum)
+        assert np.abs(out - ref).max() < 1e-6  # measured 0.0 (bit-exact here; the k-term sum order may differ)
         assert (out[t - 5:] == 0).all()
     # an assignment to an expert outside the device's slice (or a pad's id E) does no work, whatever its weight
     skipped = moe_lib.experts(h, jnp.ones((t, k)), jnp.full((t, k), e, jnp.int32), p, alpha=1.702, limit=7.0)
