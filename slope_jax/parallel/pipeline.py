@@ -16,6 +16,10 @@ that computed them. The embedding and unembedding tables are split by vocabulary
 device holds ~1/P of every parameter): one psum over `pipeline` embeds all M requests up front; after the schedule
 the last stage's final hidden states are shared (psum of `[M, D]`) and each stage unembeds its vocabulary slice
 (all-gather of `[M, V/P]`).
+
+Expert parallelism (EP = R·U, the default when it divides the expert count): the expert weights of a stage are also
+split over its ring × Ulysses devices (`logical_rules`), and each MoE block dispatches and combines tokens inside the
+stage (`expert_parallel`), so a device holds 1/(P·R·U) of the expert bytes.
 """
 
 from __future__ import annotations
