@@ -51,7 +51,8 @@ def measure(cfg, params, layout, tokens, work_tokens, dtype, tile):
     from slope_jax.serve.engine import PrefillEngine
 
     p, r, u = layout
-    par = ParallelConfig(pipeline=p, ring=r, ulysses=u)
+    # experts replicated (EP = 1): this benchmark checks the attention traffic; EP traffic is benchmarks/ep_memory.py
+    par = ParallelConfig(pipeline=p, ring=r, ulysses=u, expert=1)
     eng = PrefillEngine(cfg, params, par, dtype, q_tile=tile, kv_tile=tile, moe_tile=128)
     m = par.in_flight
     hlo = eng.compiled(tokens, m).as_text()

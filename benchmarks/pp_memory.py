@@ -46,7 +46,8 @@ def measured(p: int, cfg, host_params, tokens: int):
     from slope_jax.plan import traffic
     from slope_jax.serve.engine import PrefillEngine
 
-    par = ParallelConfig(pipeline=p, ulysses=8 // p, microbatches=max(p, 1))
+    # experts replicated (EP = 1) so that the ratio isolates the pipeline split (EP: benchmarks/ep_memory.py)
+    par = ParallelConfig(pipeline=p, ulysses=8 // p, microbatches=max(p, 1), expert=1)
     eng = PrefillEngine(cfg, host_params, par, "bfloat16", q_tile=128, kv_tile=128, moe_tile=64)
     total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(eng.params))
     per_dev = [_device_bytes(eng.params, d) for d in eng.mesh.devices.reshape(-1)]

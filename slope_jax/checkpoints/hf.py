@@ -205,6 +205,17 @@ class TensorSource:
         return os.path.join(self.directory, self.file_of.get(name, "?"))
 
 
+class _LeadingRows:
+    """A safetensors handle whose `get_tensor` returns only rows [lo, hi) of the leading axis (read lazily with
+    `get_slice`), so a `TensorEntry.read` of a per-layer expert tensor `[E, …]` reads only those experts."""
+
+    def __init__(self, handle, lo: int, hi: int):
+        self._h, self._lo, self._hi = handle, lo, hi
+
+    def get_tensor(self, name: str) -> np.ndarray:
+        return self._h.get_slice(name)[self._lo:self._hi]
+
+
 def _weight_files(directory: str) -> dict[str, str]:
     """`{tensor name: file}` from the index, or `{"*": file}` for a single file."""
     index = os.path.join(directory, HF_INDEX)
@@ -351,8 +362,8 @@ def load_params(ckpt: CheckpointDir, dtype="bfloat16", *, shardings: dict | None
       ckpt: from `open_checkpoint`.
       dtype: activation/weight dtype for float parameters (norms and sinks are always float32, MXFP4 stays uint8).
       shardings: optional pytree (same structure as the params) of `jax.sharding.Sharding`; default: the first
-        local device. Each device's callback reads only its own shard (its stage's layers, its vocabulary rows);
-        devices holding the same shard share one read.
+        local device. Each device's callback reads only its own shard (its stage's layers, its vocabulary rows,
+        its experts under expert parallelism); devices holding the same shard share one read.
       stack_layers: the global layer held by each entry of the stacked layer parameters (−1 = padding, zero
         weights); default 0..L−1.
       vocab_rows: rows of the embedding/unembedding tables (≥ V; rows past V are zeros); default V.
@@ -376,8 +387,11 @@ def load_params(ckpt: CheckpointDir, dtype="bfloat16", *, shardings: dict | None
         entries = by_param[pname]
         sharding = flat_shard.get(pname, default)
 
-        def read_one(entry: TensorEntry, rows: tuple[int, int] | None = None) -> np.ndarray:
+        def read_one(entry: TensorEntry, rows: tuple[int, int] | None = None,
+                     experts: tuple[int, int] | None = None) -> np.ndarray:
             h = ckpt.source.handle(entry.name)
+            if experts is not None:  # only these experts (leading axis) of a per-layer expert tensor
+                return entry.read(_LeadingRows(h, *experts), entry.name)
             return h.get_slice(entry.name)[rows[0]:rows[1]] if rows else entry.read(h, entry.name)
 
         def shard(index, entries=entries, spec=spec, read_one=read_one, pname=pname) -> np.ndarray:
@@ -385,6 +399,15 @@ def load_params(ckpt: CheckpointDir, dtype="bfloat16", *, shardings: dict | None
             # dtype): host memory peaks at the block plus one layer tensor or one chunk of table rows.
             first = index[0] if index else slice(None)
             lo, hi, _ = first.indices(spec.shape[0])
+            if pname.startswith("layers/") and len(spec.axes) > 1 and spec.axes[1] == "experts":
+                # expert parallelism: a device holds a range of experts; read only those rows of each layer tensor
+                e_lo, e_hi, _ = (index[1] if len(index) > 1 else slice(None)).indices(spec.shape[1])
+                part = (e_lo, e_hi) if (e_lo, e_hi) != (0, spec.shape[1]) else None
+                block = np.zeros((hi - lo, e_hi - e_lo, *spec.shape[2:]), spec.dtype)
+                for j, g in enumerate(stack[lo:hi]):
+                    if g >= 0:
+                        block[j] = read_one(entries[g], experts=part) if part else read_one(entries[g])
+                return block[(slice(None), slice(None), *index[2:])]
             block = np.zeros((hi - lo, *spec.shape[1:]), spec.dtype)
             if pname.startswith("layers/"):
                 for j, g in enumerate(stack[lo:hi]):

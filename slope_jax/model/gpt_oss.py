@@ -55,8 +55,10 @@ class Layers(nnx.Module):
         self.bo = _p((L, D), dtype, ("layers", "embed"))
         self.sinks = _p((L, N), f32, ("layers", "q_heads"))
         self.mlp_norm = _p((L, D), f32, ("layers", "embed"))
-        self.router_w = _p((L, E, D), dtype, ("layers", "experts", "embed"))
-        self.router_b = _p((L, E), dtype, ("layers", "experts"))
+        # the router's expert axis is "router" (replicated: every device routes its own tokens over all experts);
+        # "experts" is the axis of the expert weights themselves (sharded under expert parallelism)
+        self.router_w = _p((L, E, D), dtype, ("layers", "router", "embed"))
+        self.router_b = _p((L, E), dtype, ("layers", "router"))
         if cfg.expert_format == "mxfp4":
             u8 = jnp.uint8
             self.w1_blocks = _p((L, E, 2 * I, D // 32, 16), u8, ("layers", "experts", "mlp2", "blocks", "bytes"))
@@ -155,16 +157,19 @@ def qkv(h: jax.Array, p: dict, cos: jax.Array, sin: jax.Array):
 
 # attention core: (q [T, N, H], k [T, K, H], v [T, K, H], sinks [N] f32) -> [T, N, H] float32
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+# MoE block: (h [T, D] normed, valid bool [T], layer params) -> [T, D] float32
+MoeFn = Callable[[jax.Array, jax.Array, dict], jax.Array]
 
 
 def layer(x: jax.Array, p: dict, cfg: ModelConfig, *, cos: jax.Array, sin: jax.Array, valid: jax.Array,
-          attend: AttendFn, moe_tile: int = 128):
+          attend: AttendFn, moe_tile: int = 128, moe_fn: MoeFn | None = None):
     """One decoder block (spec §2 step 2) on local tokens.
 
     Args:
       x: `[T, D]` residual stream (activation dtype).  p: one layer's parameters (no `layers` axis).
       cos, sin: `[T, H/2]` RoPE tables at the tokens' global positions.  valid: bool `[T]`, False for padding.
       attend: the attention core (single-device blockwise, or context-parallel).
+      moe_fn: the MoE block (default `moe.moe` with every expert local; expert parallelism passes its own).
     Returns:
       `(x [T, D], k [T, K, H], v [T, K, H])` — the new residual stream and this layer's post-RoPE K and V.
     """
@@ -176,8 +181,11 @@ def layer(x: jax.Array, p: dict, cfg: ModelConfig, *, cos: jax.Array, sin: jax.A
         x = x + o.astype(x.dtype)
     with jax.named_scope("moe"):
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-        y = moe_lib.moe(h, valid, p, experts_per_token=cfg.experts_per_token, alpha=cfg.swiglu_alpha,
-                        limit=cfg.swiglu_limit, tile=moe_tile)
+        if moe_fn is None:
+            y = moe_lib.moe(h, valid, p, experts_per_token=cfg.experts_per_token, alpha=cfg.swiglu_alpha,
+                            limit=cfg.swiglu_limit, tile=moe_tile)
+        else:
+            y = moe_fn(h, valid, p)
         x = x + y.astype(x.dtype)
     return x, k, v
 

@@ -7,8 +7,10 @@ Notable:
 - Grouped compute: the T·k (token, expert) assignments are sorted by expert; each expert that was picked dequantizes
   its weights once and runs its rows in tiles of `tile` tokens (a dynamic number of tiles per expert). Work is
   O(T·k + tile padding), never O(T·E) — no dense compute over all experts, and no token is dropped.
-- Tokens marked invalid (padding) are routed to expert 0 with weight 0, so the grouping of the real tokens does not
-  depend on pad values and pads change no real output bit.
+- Tokens marked invalid (padding) are routed to no expert (weight 0, an out-of-range id that `experts` skips): pads
+  do no expert work, and the grouping of the real tokens does not depend on pad values.
+- `moe` = `route_valid` + `experts`; expert parallelism (`slope_jax.parallel.expert_parallel`) puts its dispatch and
+  combine between the two and runs `experts` on a device's slice of the experts.
 """
 
 from __future__ import annotations
@@ -54,11 +56,11 @@ def expert_weights(p: dict, e: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
 
 def moe(h: jax.Array, valid: jax.Array, p: dict, *, experts_per_token: int, alpha: float, limit: float,
         tile: int = 128) -> jax.Array:
-    """Exact dropless MoE block on local tokens.
+    """Exact dropless MoE block on local tokens (all experts on this device).
 
     Args:
       h: `[T, D]` normed hidden states (activation dtype).
-      valid: bool `[T]`, False for pad tokens (their output is unspecified).
+      valid: bool `[T]`, False for pad tokens (their output is zero: they are routed to no expert).
       p: one layer's MoE parameters: `router_w [E, D]`, `router_b [E]`, `b1 [E, 2I]`, `b2 [E, D]` and either
         `w1_blocks [E, 2I, D/32, 16]`, `w1_scales [E, 2I, D/32]`, `w2_blocks [E, D, I/32, 16]`, `w2_scales [E, D, I/32]`
         (MXFP4) or `w1 [E, 2I, D]`, `w2 [E, D, I]`.
@@ -66,17 +68,40 @@ def moe(h: jax.Array, valid: jax.Array, p: dict, *, experts_per_token: int, alph
     Returns:
       `[T, D]` float32: `Σ_k w_k · (W2 a(W1 h + b1) + b2)` over each token's k experts.
     """
-    t, d = h.shape
-    k = experts_per_token
+    weights, ids = route_valid(h, valid, p, experts_per_token)
+    return experts(h, weights, ids, p, alpha=alpha, limit=limit, tile=tile)
+
+
+def route_valid(h: jax.Array, valid: jax.Array, p: dict, k: int) -> tuple[jax.Array, jax.Array]:
+    """`route`, with pad tokens routed nowhere: weight 0 and expert id E (out of range, so `experts` skips them).
+
+    Returns `(weights [T, k] float32, ids [T, k] int32 in [0, E], E = no expert)`.
+    """
     n_exp = p["router_w"].shape[0]
     weights, ids = route(h, p["router_w"], p["router_b"], k)
-    weights = jnp.where(valid[:, None], weights, 0.0)
-    ids = jnp.where(valid[:, None], ids, 0)
+    return jnp.where(valid[:, None], weights, 0.0), jnp.where(valid[:, None], ids, n_exp)
 
+
+def experts(h: jax.Array, weights: jax.Array, ids: jax.Array, p: dict, *, alpha: float, limit: float,
+            tile: int = 128) -> jax.Array:
+    """Grouped, dropless compute of the (token, expert) assignments on the experts held in `p`.
+
+    Args:
+      h: `[T, D]` tokens (activation dtype).  weights: float32 `[T, k]`.
+      ids: int32 `[T, k]`, the index into `p`'s expert axis (size E'); an id outside `[0, E')` does no work (pad
+        tokens, or under expert parallelism an expert held by another device).
+      p: expert parameters with E' experts (`b1`, `b2`, `w1*`/`w2*` as in `moe`; the router is not read).
+    Returns:
+      `[T, D]` float32: `Σ_k w_k · (W2 a(W1 h + b1) + b2)` over the assignments with an id in range (0 elsewhere).
+    """
+    t, d = h.shape
+    k = ids.shape[1]
+    n_exp = p["b1"].shape[0]
     flat_ids = ids.reshape(-1)
+    flat_ids = jnp.where((flat_ids >= 0) & (flat_ids < n_exp), flat_ids, n_exp)  # n_exp = no work, sorts last
     flat_w = weights.reshape(-1)
     order = jnp.argsort(flat_ids, stable=True).astype(jnp.int32)  # assignments grouped by expert
-    counts = jnp.bincount(flat_ids, length=n_exp).astype(jnp.int32)
+    counts = jnp.bincount(flat_ids, length=n_exp + 1)[:n_exp].astype(jnp.int32)
     starts = jnp.cumsum(counts) - counts
     n_assign = t * k
     tile = max(1, min(tile, n_assign))

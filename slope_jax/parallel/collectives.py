@@ -109,3 +109,22 @@ def vocab_parallel_gather(logits: jax.Array, pipeline: int) -> jax.Array:
     if pipeline == 1:
         return logits
     return jax.lax.all_gather(logits, "pipeline", axis=logits.ndim - 1, tiled=True)
+
+
+def expert_dispatch(x, axes=("ring", "ulysses")):
+    """Expert-parallel dispatch: every device of a stage gets every token of the stage.
+
+    A pytree of `[T_loc_{axes}, …]` → `[T_stage, …]` (all-gather over `axes`, tiled, in the linear device order
+    r·U + u of the token sharding). Operand bytes per device: the local block; wire bytes: (EP−1)× the local block.
+    """
+    return jax.tree.map(lambda a: jax.lax.all_gather(a, axes, axis=0, tiled=True), x)
+
+
+def expert_combine(y: jax.Array, axes=("ring", "ulysses")) -> jax.Array:
+    """Expert-parallel combine: `[T_stage, D]` partial sums (this device's experts) → `[T_loc_{axes}, D]` totals.
+
+    Reduce-scatter (`psum_scatter` over `axes`, tiled along tokens): device r·U + u receives the sum over all devices
+    of its own token block, the inverse layout change of `expert_dispatch`. Operand bytes per device: all of `y`;
+    wire bytes: (EP−1)/EP of `y`.
+    """
+    return jax.lax.psum_scatter(y, axes, scatter_dimension=0, tiled=True)

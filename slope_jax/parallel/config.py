@@ -25,8 +25,9 @@ class ParallelConfig:
 
     pipeline: stages of consecutive layers (P). ring: ring-attention ranks (R). ulysses: Ulysses ranks (U).
     microbatches: requests in flight through the pipeline per compiled step (default: `pipeline`).
-    expert: expert-parallel degree (EP): each stage's experts are split over this many of its ring × Ulysses devices
-      (default None = R·U when it divides num_experts, else 1; see `expert_degree`).
+    expert: expert-parallel degree (EP): each stage's experts are split evenly over its R·U ring × Ulysses devices
+      (EP = R·U), or replicated on every device (EP = 1). Default None = R·U when it divides num_experts, else 1
+      (`expert_degree`). Sub-groups (1 < EP < R·U, experts replicated over R·U/EP groups) are not supported.
     The mesh needs exactly P·R·U devices.
     """
 
@@ -81,6 +82,14 @@ class ParallelConfig:
             raise LayoutError(f"ulysses={self.ulysses} must divide num_key_value_heads={k} or be a multiple of it "
                               "(KV heads are split, or replicated so that query head h meets KV head h//G); "
                               "padding heads would break the GQA ratio")
+        ep, cp = self.expert_degree(cfg), self.ring * self.ulysses
+        if ep not in (1, cp):
+            raise LayoutError(f"expert={ep}: the expert-parallel degree must be 1 (experts replicated) or "
+                              f"ring*ulysses = {self.ring}*{self.ulysses} = {cp} (experts split over the devices of a "
+                              "stage); sub-groups are not supported")
+        if cfg.num_experts % ep:
+            raise LayoutError(f"expert={ep} must divide num_experts={cfg.num_experts}: each of the {ep} devices of a "
+                              "stage holds an equal slice of the experts (use expert=1 to replicate them)")
         if self.pipeline > cfg.num_hidden_layers:
             raise LayoutError(f"pipeline={self.pipeline} exceeds num_hidden_layers={cfg.num_hidden_layers}: "
                               "a stage would hold no layer")

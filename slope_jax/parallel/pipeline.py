@@ -16,6 +16,10 @@ that computed them. The embedding and unembedding tables are split by vocabulary
 device holds ~1/P of every parameter): one psum over `pipeline` embeds all M requests up front; after the schedule
 the last stage's final hidden states are shared (psum of `[M, D]`) and each stage unembeds its vocabulary slice
 (all-gather of `[M, V/P]`).
+
+Expert parallelism (EP = R·U, the default when it divides the expert count): the expert weights of a stage are also
+split over its ring × Ulysses devices (`logical_rules`), and each MoE block dispatches and combines tokens inside the
+stage (`expert_parallel`), so a device holds 1/(P·R·U) of the expert bytes.
 """
 
 from __future__ import annotations
@@ -31,12 +35,19 @@ from jax.sharding import PartitionSpec as Ps
 from slope_jax.model import gpt_oss as model_lib
 from slope_jax.model import rope
 from slope_jax.model.config import ModelConfig
-from slope_jax.parallel import collectives, context_parallel
+from slope_jax.parallel import collectives, context_parallel, expert_parallel
 from slope_jax.parallel.config import CP_AXES, ParallelConfig
 
 # logical axis -> mesh axis; every other logical axis is replicated (context parallelism replicates weights).
 # Layers are split into stages; the embedding/unembedding vocabulary rows are split over the same stages.
 LOGICAL_RULES = {"layers": "pipeline", "vocab": "pipeline"}
+# with expert parallelism (EP = R·U > 1) the expert weights are also split over a stage's ring × Ulysses devices
+EXPERT_RULES = {"experts": CP_AXES}
+
+
+def logical_rules(expert_degree: int = 1) -> dict:
+    """The logical-axis → mesh-axis table for an EP degree (1 = experts replicated, R·U = split; see ParallelConfig)."""
+    return {**LOGICAL_RULES, **EXPERT_RULES} if expert_degree > 1 else LOGICAL_RULES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,10 +125,12 @@ def plan_stages(cfg: ModelConfig, pipeline: int) -> StagePlan:
                      np.array([x + [-1] * (n - len(x)) for x in stacks], dtype=np.int32))
 
 
-def param_partition_specs(cfg: ModelConfig, dtype, num_slots: int, vocab_rows: int | None = None) -> dict:
-    """PartitionSpec per parameter, from the declared logical axes and LOGICAL_RULES."""
+def param_partition_specs(cfg: ModelConfig, dtype, num_slots: int, vocab_rows: int | None = None,
+                          expert_degree: int = 1) -> dict:
+    """PartitionSpec per parameter, from the declared logical axes and `logical_rules(expert_degree)`."""
     specs = model_lib.param_specs(cfg, dtype, num_layers=num_slots, vocab_rows=vocab_rows)
-    return jax.tree.map(lambda s: Ps(*(LOGICAL_RULES.get(a) for a in s.axes)), specs,
+    rules = logical_rules(expert_degree)
+    return jax.tree.map(lambda s: Ps(*(rules.get(a) for a in s.axes)), specs,
                         is_leaf=lambda x: isinstance(x, model_lib.ParamSpec))
 
 
@@ -137,10 +150,17 @@ def _stage_forward(x, layers, cfg: ModelConfig, parallel: ParallelConfig, *, pos
     full = functools.partial(context_parallel.full_attention, pos=positions, ring=R, ulysses=U,
                              q_tile=q_tile, kv_tile=kv_tile)
 
+    moe_fn = None
+    if parallel.expert_degree(cfg) > 1:
+        moe_fn = functools.partial(expert_parallel.moe_expert_parallel, ulysses=U,
+                                   experts_per_token=cfg.experts_per_token, alpha=cfg.swiglu_alpha,
+                                   limit=cfg.swiglu_limit, tile=moe_tile)
+
     def run(x, i, act, attend):
         p = jax.tree.map(lambda a: a[i], layers)
         y, k, v = model_lib.layer(x, p, cfg, cos=cos, sin=sin, valid=valid,
-                                  attend=lambda q, k, v, s: attend(q, k, v, sinks=s), moe_tile=moe_tile)
+                                  attend=lambda q, k, v, s: attend(q, k, v, sinks=s), moe_tile=moe_tile,
+                                  moe_fn=moe_fn)
         return jnp.where(act, y, x), k, v
 
     def body(carry, xs):
@@ -172,7 +192,8 @@ def build_prefill_step(cfg: ModelConfig, parallel: ParallelConfig, mesh, plan: S
       `(params, tokens [M, T] int32 layout order, positions [T] int32 layout order, num_tokens [M] int32)
        → (logits [M, V] float32 replicated, k [M, P·n, T, K, H], v [M, P·n, T, K, H])`
     with K/V in layout order, stack entries (`plan.flat`) sharded over `pipeline` and tokens over `(ring, ulysses)`.
-    The embedding and unembedding tables are sharded over `pipeline` by vocabulary rows.
+    The embedding and unembedding tables are sharded over `pipeline` by vocabulary rows; with expert parallelism
+    (`parallel.expert_degree(cfg)` > 1) the expert weights over `(ring, ulysses)` (`expert_parallel`).
     """
     P = parallel.pipeline
     active_table = jnp.asarray(plan.slot_layers >= 0)
@@ -224,7 +245,8 @@ def build_prefill_step(cfg: ModelConfig, parallel: ParallelConfig, mesh, plan: S
             logits = collectives.vocab_parallel_gather(logits, P)[:, :cfg.vocab_size]
         return logits, kb, vb
 
-    pspecs = param_partition_specs(cfg, dtype, plan.pipeline * plan.stack_per_stage, vocab_rows(cfg, P))
+    pspecs = param_partition_specs(cfg, dtype, plan.pipeline * plan.stack_per_stage, vocab_rows(cfg, P),
+                                   parallel.expert_degree(cfg))
     tok_spec = Ps(None, CP_AXES)
     kv_spec = Ps(None, "pipeline", CP_AXES, None, None)
     fn = jax.shard_map(step_local, mesh=mesh, in_specs=(pspecs, tok_spec, Ps(CP_AXES), Ps()),

@@ -98,9 +98,9 @@ class PrefillEngine:
             self.plan = pipe_lib.plan_stages(cfg, parallel.pipeline)
             self.params = params if _placed else self._place(params)
             self._step = pipe_lib.build_prefill_step(cfg, parallel, self.mesh, self.plan, self.dtype, **self.tiles)
-        log.info("engine: layout pipeline=%d ring=%d ulysses=%d on %d device(s), dtype=%s, %d empty slot(s)",
-                 parallel.pipeline, parallel.ring, parallel.ulysses, parallel.num_devices, self.dtype.name,
-                 self.plan.empty_slots)
+        log.info("engine: layout pipeline=%d ring=%d ulysses=%d expert=%d on %d device(s), dtype=%s, "
+                 "%d empty slot(s)", parallel.pipeline, parallel.ring, parallel.ulysses, parallel.expert_degree(cfg),
+                 parallel.num_devices, self.dtype.name, self.plan.empty_slots)
 
     # ------------------------------------------------------------------------------------------------------------
     @classmethod
@@ -116,15 +116,17 @@ class PrefillEngine:
         else:
             mesh = make_mesh(parallel, devices)
             plan = pipe_lib.plan_stages(cfg, parallel.pipeline)
-            shardings = cls._shardings(cfg, dtype, mesh, plan)
+            shardings = cls._shardings(cfg, dtype, mesh, plan, parallel)
             params = ckpt_lib.load_params(ck, dtype, shardings=shardings, stack_layers=plan.flat,
                                           vocab_rows=pipe_lib.vocab_rows(cfg, parallel.pipeline), progress=progress)
         return cls(cfg, params, parallel, dtype, devices=devices, _placed=True, **kwargs)
 
     @staticmethod
-    def _shardings(cfg, dtype, mesh, plan):
+    def _shardings(cfg, dtype, mesh, plan, parallel: ParallelConfig):
+        """NamedSharding per parameter: layers and vocabulary rows over `pipeline`, expert weights over
+        `(ring, ulysses)` when expert parallelism is on."""
         specs = pipe_lib.param_partition_specs(cfg, dtype, plan.pipeline * plan.stack_per_stage,
-                                               pipe_lib.vocab_rows(cfg, plan.pipeline))
+                                               pipe_lib.vocab_rows(cfg, plan.pipeline), parallel.expert_degree(cfg))
         return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 
     def _cast(self, params, device):
@@ -138,7 +140,7 @@ class PrefillEngine:
         entries = np.asarray(self.plan.flat)
         rows = pipe_lib.vocab_rows(self.cfg, self.parallel.pipeline)
         specs = model_lib.param_specs(self.cfg, self.dtype, num_layers=len(entries), vocab_rows=rows)
-        shardings = self._shardings(self.cfg, self.dtype, self.mesh, self.plan)
+        shardings = self._shardings(self.cfg, self.dtype, self.mesh, self.plan, self.parallel)
 
         def put(path, a, spec, sh):
             a = np.asarray(a)

@@ -33,6 +33,9 @@ flags.DEFINE_string("checkpoint", os.path.join(_REPO, "checkpoints", "tiny-gpt-o
 flags.DEFINE_integer("pipeline", 1, "Pipeline stages (layers are split over them).")
 flags.DEFINE_integer("ring", 1, "Ring-attention degree (zigzag sequence chunks).")
 flags.DEFINE_integer("ulysses", 1, "Ulysses degree (all-to-all between sequence and head shards).")
+flags.DEFINE_integer("expert", None, "Expert-parallel degree: ring*ulysses (each device of a stage holds "
+                     "1/(ring*ulysses) of the experts) or 1 (every device holds all). Default: ring*ulysses when it "
+                     "divides the expert count, else 1.")
 flags.DEFINE_integer("microbatches", None, "Requests in flight through the pipeline per step (default: --pipeline).")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Weights and activations (norms, softmax, router "
                   "and accumulators are float32 either way).")
@@ -196,7 +199,7 @@ def _serve():
     t_start = time.perf_counter()
     me = jax.process_index()
     parallel = ParallelConfig(pipeline=FLAGS.pipeline, ring=FLAGS.ring, ulysses=FLAGS.ulysses,
-                              microbatches=FLAGS.microbatches)
+                              microbatches=FLAGS.microbatches, expert=FLAGS.expert)
     engine = PrefillEngine.from_checkpoint(FLAGS.checkpoint, parallel, FLAGS.dtype, progress=me == 0,
                                            q_tile=FLAGS.q_tile, kv_tile=FLAGS.kv_tile, moe_tile=FLAGS.moe_tile)
     cfg = engine.cfg

@@ -1,0 +1,234 @@
+"""Expert parallelism (EP): experts split over a stage's ring × Ulysses devices.
+
+Checked against the single-device path (float32): logits and K/V of whole prefills on every EP layout, the per-device
+expert bytes (arrays and the compiled program's memory analysis), the MoE collective bytes in the compiled HLO
+against `plan.moe_traffic`, which expert rows the loader reads, skewed routing, pad tokens, the expert output bias,
+and the layout errors. CONFIG_E has 8 experts, so EP = R·U for R·U ∈ {2, 4, 8}.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import random_prompt
+from jax.sharding import PartitionSpec as Ps
+
+from slope_jax.checkpoints import hf as ckpt_lib
+from slope_jax.checkpoints import writer as checkpoint_writer
+from slope_jax.model import gpt_oss as model_lib
+from slope_jax.model import moe as moe_lib
+from slope_jax.model.config import FULL, SLIDING, ModelConfig
+from slope_jax.parallel import expert_parallel
+from slope_jax.parallel.config import LayoutError, ParallelConfig
+from slope_jax.plan import moe_traffic, traffic
+from slope_jax.serve.engine import PrefillEngine
+
+# pairwise-distinct sizes: hidden 96, heads 16, kv heads 2, head_dim 20, experts 8, top-k 3, intermediate 64,
+# vocab 352, window 7
+CONFIG_E = ModelConfig(
+    num_hidden_layers=4, num_experts=8, experts_per_token=3, vocab_size=352, hidden_size=96, intermediate_size=64,
+    num_attention_heads=16, num_key_value_heads=2, head_dim=20, sliding_window=7,
+    layer_types=(SLIDING, FULL) * 2, eos_token_ids=(4,), pad_token_id=0)
+TILES = dict(q_tile=16, kv_tile=16, moe_tile=16)
+F32_TOL = 1e-5  # measured max |Δ| logits ~5e-7, K/V ~1e-6
+EXPERT_PARAMS = ("w1_blocks", "w1_scales", "w2_blocks", "w2_scales", "b1", "b2")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("ckpt_E") / "mxfp4")
+    checkpoint_writer.write_hf(ckpt, CONFIG_E, checkpoint_writer.random_params(CONFIG_E, seed=11), num_shards=2)
+    ref = PrefillEngine.from_checkpoint(ckpt, dtype="float32", progress=False, **TILES)
+    prompts = [random_prompt(CONFIG_E, n, seed=n) for n in (45, 39)]  # cross the window; not multiples of 2·R·U
+    return ckpt, prompts, ref.prefill(prompts)
+
+
+class _ReadLog:
+    """Records the rows of every safetensors read: (name, start, stop); a whole-tensor read is (name, 0, None)."""
+
+    def __init__(self):
+        self.reads = []
+
+    def wrap(self, handle):
+        log = self.reads
+
+        class Slice:
+            def __init__(self, name):
+                self.name, self.inner = name, handle.get_slice(name)
+
+            def __getitem__(self, key):
+                log.append((self.name, key.start, key.stop))
+                return self.inner[key]
+
+        class Handle:
+            def get_tensor(self, name):
+                log.append((name, 0, None))
+                return handle.get_tensor(name)
+
+            def get_slice(self, name):
+                return Slice(name)
+
+        return Handle()
+
+
+def _device_bytes(tree, device) -> int:
+    return sum(s.data.nbytes for a in jax.tree.leaves(tree) for s in a.addressable_shards if s.device == device)
+
+
+def _moe_hlo_bytes(hlo: str) -> dict:
+    """Collective bytes of the EP dispatch/combine only (ops whose op_name has the `expert_parallel` scope), by kind,
+    counted by `plan.traffic.hlo_collectives` (per-device block: all-gather input, reduce-scatter output; × trips)."""
+    def other(line):
+        return any(f" {c}(" in line or f" {c}-start(" in line for c in traffic.COLLECTIVES) and \
+            "/expert_parallel/" not in line
+    cols = traffic.hlo_collectives("\n".join(x for x in hlo.splitlines() if not other(x)))
+    out: dict = {}
+    for c in cols:
+        out[c.kind] = out.get(c.kind, 0) + c.total
+    return out
+
+
+@pytest.mark.parametrize("layout", [(1, 2, 4), (1, 4, 2), (2, 2, 2), (1, 8, 1)])
+def test_ep_equals_single_device(layout, setup, monkeypatch):
+    ckpt, prompts, expected = setup
+    p, r, u = layout
+    par = ParallelConfig(pipeline=p, ring=r, ulysses=u)
+    ep = par.expert_degree(CONFIG_E)
+    assert ep == r * u  # the default: EP on
+
+    log = _ReadLog()
+    orig = ckpt_lib.TensorSource.handle
+    monkeypatch.setattr(ckpt_lib.TensorSource, "handle", lambda self, name: log.wrap(orig(self, name)))
+    eng = PrefillEngine.from_checkpoint(ckpt, par, dtype="float32", progress=False, **TILES)
+    monkeypatch.undo()
+
+    # the loader read each expert tensor's rows exactly once over all devices, never the whole tensor
+    experts = {}
+    for name, a, b in log.reads:
+        if ".mlp.experts." in name:
+            assert b is not None, f"{name} read whole"
+            experts.setdefault(name, []).append((a, b))
+    assert len(experts) == CONFIG_E.num_hidden_layers * len(EXPERT_PARAMS)
+    for name, rows in experts.items():
+        assert sorted(rows) == [(e * (8 // ep), (e + 1) * (8 // ep)) for e in range(ep)], (name, rows)
+
+    # parity with the single-device path (a batch of two prompts in flight, different lengths)
+    for a, b in zip(expected, eng.prefill(prompts)):
+        assert np.abs(a.logits - b.logits).max() < F32_TOL
+        assert a.first_token == b.first_token
+        for layer in a.kv:
+            assert np.abs(a.kv[layer].k - b.kv[layer].k).max() < F32_TOL
+            assert np.abs(a.kv[layer].v - b.kv[layer].v).max() < F32_TOL
+
+    # per-device expert bytes = total / (P·R·U), exactly in the arrays, ±2 % in the compiled program
+    layers = eng.params["layers"]
+    expert_total = sum(layers[k].nbytes for k in EXPERT_PARAMS)
+    devices = list(eng.mesh.devices.reshape(-1))
+    for d in devices:
+        assert _device_bytes({k: layers[k] for k in EXPERT_PARAMS}, d) * p * r * u == expert_total
+    t, m = eng.bucket(len(prompts[0])), par.in_flight
+    compiled = eng.compiled(t, m)
+    args = compiled.memory_analysis().argument_size_in_bytes
+    inputs = (m * t + t) * 4 // (r * u) + 4 * m  # tokens, positions (sharded over ring·ulysses), num_tokens
+    other = _device_bytes(eng.params, devices[0]) - _device_bytes({k: layers[k] for k in EXPERT_PARAMS}, devices[0])
+    assert abs((args - inputs - other) - expert_total / (p * r * u)) <= 0.02 * expert_total / (p * r * u)
+
+    # MoE collective bytes in the HLO = plan.moe_traffic (float32 activations)
+    pred = moe_traffic.moe_traffic(CONFIG_E, par, t, m, eng.plan.slots_per_stage, 4)
+    meas = _moe_hlo_bytes(compiled.as_text())
+    assert set(meas) == {"all-gather", "reduce-scatter"}, meas
+    assert abs(meas["all-gather"] - pred.all_gather_block) <= 0.02 * pred.all_gather_block, (meas, pred)
+    assert abs(meas["reduce-scatter"] - pred.reduce_scatter_block) <= 0.02 * pred.reduce_scatter_block, (meas, pred)
+
+
+def _ep_moe(h, valid, p, ring, ulysses, k):
+    """Run `moe_expert_parallel` under a (ring, ulysses) shard_map on the first R·U devices: tokens split over the
+    devices, expert parameters split by experts, router replicated."""
+    mesh = jax.make_mesh((ring, ulysses), ("ring", "ulysses"), devices=jax.devices()[:ring * ulysses],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    cp = ("ring", "ulysses")
+    pspec = {name: Ps() if name.startswith("router") else Ps(cp) for name in p}
+    fn = functools.partial(expert_parallel.moe_expert_parallel, ulysses=ulysses, experts_per_token=k, alpha=1.702,
+                           limit=7.0, tile=4)
+    return np.asarray(jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(Ps(cp), Ps(cp), pspec), out_specs=Ps(cp),
+                                            check_vma=False))(h, valid, p))
+
+
+def _dense_moe_params(rng, e, d, i, scale=0.3):
+    return {"router_w": jnp.asarray(rng.standard_normal((e, d)), jnp.float32),
+            "router_b": jnp.asarray(rng.standard_normal(e), jnp.float32),
+            "w1": jnp.asarray(scale * rng.standard_normal((e, 2 * i, d)), jnp.float32),
+            "w2": jnp.asarray(scale * rng.standard_normal((e, d, i)), jnp.float32),
+            "b1": jnp.asarray(0.1 * rng.standard_normal((e, 2 * i)), jnp.float32),
+            "b2": jnp.asarray(0.1 * rng.standard_normal((e, d)), jnp.float32)}
+
+
+def test_skewed_routing_and_pads():
+    """Every token picks expert 5 first (router bias 50): one device does all top-1 work; the result stays equal to
+    the single-device MoE. Pad tokens (last 5) get exactly zero output."""
+    rng = np.random.default_rng(3)
+    e, d, i, k, t = 8, 24, 10, 3, 40
+    p = _dense_moe_params(rng, e, d, i)
+    p["router_b"] = p["router_b"].at[5].set(50.0)
+    h = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+    valid = jnp.arange(t) < t - 5
+    ref = np.asarray(moe_lib.moe(h, valid, p, experts_per_token=k, alpha=1.702, limit=7.0, tile=4))
+    _, ids = moe_lib.route(h, p["router_w"], p["router_b"], k)
+    assert (np.asarray(ids)[:, 0] == 5).all()
+    for ring, ulysses in ((2, 4),):
+        out = _ep_moe(h, valid, p, ring, ulysses, k)
+        assert np.abs(out - ref).max() < 1e-6  # measured 0.0 (bit-exact here; the k-term sum order may differ)
+        assert (out[t - 5:] == 0).all()
+    # an assignment to an expert outside the device's slice (or a pad's id E) does no work, whatever its weight
+    skipped = moe_lib.experts(h, jnp.ones((t, k)), jnp.full((t, k), e, jnp.int32), p, alpha=1.702, limit=7.0)
+    assert (np.asarray(skipped) == 0).all()
+
+
+def test_expert_bias_added_once_weighted():
+    """pitfalls.md: zero expert weights, bias 1 → output exactly 1.0 per channel; bias[e] = e → Σ_k w_k·e_k."""
+    rng = np.random.default_rng(4)
+    e, d, i, k, t = 8, 24, 10, 3, 16
+    p = _dense_moe_params(rng, e, d, i)
+    p.update(w1=jnp.zeros_like(p["w1"]), w2=jnp.zeros_like(p["w2"]), b2=jnp.ones((e, d), jnp.float32))
+    h = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+    valid = jnp.ones(t, bool)
+    out = _ep_moe(h, valid, p, 2, 4, k)
+    assert np.abs(out - 1.0).max() <= 1e-6  # Σ_k w_k = 1 in float32
+    p["b2"] = jnp.broadcast_to(jnp.arange(e, dtype=jnp.float32)[:, None], (e, d))
+    w, ids = (np.asarray(x) for x in moe_lib.route(h, p["router_w"], p["router_b"], k))
+    want = (w * ids).sum(1)
+    out = _ep_moe(h, valid, p, 2, 4, k)
+    assert np.abs(out - want[:, None]).max() <= 1e-5
+
+
+def test_layout_errors_name_the_expert_count():
+    assert ParallelConfig(ring=2, ulysses=2).expert_degree(CONFIG_E) == 4
+    assert ParallelConfig(ring=3).expert_degree(CONFIG_E) == 1  # 3 does not divide 8: experts replicated
+    assert ParallelConfig(ring=2, ulysses=4, expert=1).validate(CONFIG_E).expert_degree(CONFIG_E) == 1
+    with pytest.raises(LayoutError, match=r"expert=3 must divide num_experts=8"):
+        ParallelConfig(ring=3, expert=3).validate(CONFIG_E)
+    with pytest.raises(LayoutError, match=r"expert=2: .* ring\*ulysses = 2\*2 = 4"):
+        ParallelConfig(ring=2, ulysses=2, expert=2).validate(CONFIG_E)
+    with pytest.raises(LayoutError, match="expert=0"):
+        ParallelConfig(expert=0)
+
+
+def test_moe_traffic_formula():
+    """The stated formula by hand for (P, R, U) = (2, 2, 2), T = 64, M = 2, S = 2, bf16: T_loc = 16."""
+    par = ParallelConfig(pipeline=2, ring=2, ulysses=2)
+    tr = moe_traffic.moe_traffic(CONFIG_E, par, 64, 2, 2, 2)
+    blocks = (2 + 2 - 1) * 2
+    ag, rs = 16 * (96 * 2 + 8 * 3), 16 * 96 * 4
+    assert (tr.expert_degree, tr.moe_blocks) == (4, blocks)
+    assert tr.all_gather_block == blocks * ag and tr.reduce_scatter_block == blocks * rs
+    assert tr.wire == blocks * 3 * (ag + rs) and tr.operand == blocks * (ag + 4 * rs)
+    assert moe_traffic.moe_traffic(CONFIG_E, ParallelConfig(ring=3), 66, 1, 4, 2).wire == 0
+
+
+def test_declared_expert_axes():
+    """Expert weights carry the `experts` logical axis (split under EP); the router does not (replicated)."""
+    specs = model_lib.param_specs(CONFIG_E, "float32")["layers"]
+    assert all(specs[n].axes[1] == "experts" for n in EXPERT_PARAMS)
+    assert "experts" not in specs["router_w"].axes and "experts" not in specs["router_b"].axes
