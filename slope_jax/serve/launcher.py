@@ -121,7 +121,7 @@ def _check_flags() -> None:
             raise FlagError(f"--precompile: {x!r} is not a positive prompt length")
     if not os.path.isdir(FLAGS.checkpoint):
         raise FlagError(f"--checkpoint={FLAGS.checkpoint}: no such directory")
-    if FLAGS.process_id == 0 and FLAGS.requests != "-" and not os.path.isfile(FLAGS.requests):
+    if FLAGS.process_id == 0 and FLAGS.requests != "-" and not os.path.exists(FLAGS.requests):
         raise FlagError(f"--requests={FLAGS.requests}: no such file")
 
 
