@@ -185,8 +185,12 @@ class PeerWatch:
             else:
                 why = "connection closed"
             if not chunk:
-                self._report(f"process {self.process_id}: process {pid} died (its connection to this process closed "
-                             f"without a goodbye: {why}; killed or crashed, see its log); stopping this process")
+                with self._lock:
+                    if pid in self._finished:  # it said goodbye first: a clean end
+                        return
+                self._report(f"process {self.process_id}: process {pid} died (its connection to process "
+                             f"{self.process_id} closed without a goodbye: {why}; killed or crashed, see its log); "
+                             "stopping this process")
                 return
             buf += chunk
             while b"\n" in buf:
