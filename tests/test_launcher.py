@@ -99,8 +99,7 @@ def runs(tmp_path_factory):
         _launch(n, [f"--requests={base / 'requests.jsonl'}", f"--results={d / 'results.jsonl'}",
                     f"--kv_dir={d / 'kv'}", f"--logits_dir={d / 'logits'}", f"--max_tokens={MAX_TOKENS}"], d)
         text = (d / "results.jsonl").read_text()
-        assert "NaN" not in text and "Infinity" not in text
-        records = [json.loads(x, parse_constant=lambda c: pytest.fail(f"non-strict JSON: {c}"))
+        records = [json.loads(x, parse_constant=lambda c: pytest.fail(f"non-strict JSON: {c}"))  # no NaN/Infinity
                    for x in text.splitlines()]
         ok, _ = _check_records(records, reqs, bad, num_lines)
         out[name] = {**ok, "bad-token": next(r for r in records if r.get("id") == "bad-token")}
