@@ -13,6 +13,7 @@ One device runs the single-device reference path (`model.forward`). More devices
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import time
@@ -267,9 +268,13 @@ class PrefillEngine:
           top_k: how many (token, logit) pairs to report.
           arrival_times: `time.perf_counter()` of each prompt's arrival, for queue_ms (default: now).
         Raises:
-          RequestError (naming the prompt) before any compute if a prompt or id is invalid.
+          RequestError (naming the prompt) before any compute if a prompt or id is invalid; under several processes
+          also when the processes did not all pass the same prompts, ids and options (checked by an all-gather of a
+          hash before any step, so a mismatch is an error on every process instead of mixed results or a hang).
         """
         now = time.perf_counter()
+        if jax.process_count() > 1:
+            _check_same_on_all_processes(prompts, ids, kv_dir is not None, kv_full, return_kv, top_k)
         tokens = [self.validate_prompt(i, p) for i, p in enumerate(prompts)]
         ids = [str(i) for i in range(len(tokens))] if ids is None else [str(x) for x in ids]
         if len(ids) != len(tokens) or len(set(ids)) != len(ids):
@@ -415,6 +420,32 @@ class PrefillEngine:
                                 "k": kvfmt.segment_name(layer, "k", a, b), "v": kvfmt.segment_name(layer, "v", a, b),
                                 "positions": kvfmt.segment_name(layer, "positions", a, b)})
         return records
+
+
+def _inputs_digest(prompts, ids, *options) -> bytes:
+    """SHA-256 of a prefill call's prompts (as int64 token ids, or their repr when not numeric), ids and options."""
+    h = hashlib.sha256(repr((None if ids is None else [str(x) for x in ids], options)).encode())
+    for p in prompts:
+        try:
+            h.update(b"|" + np.ascontiguousarray(np.asarray(p, dtype=np.int64)).tobytes())
+        except Exception:  # noqa: BLE001 - an invalid prompt still hashes; validation reports it afterwards
+            h.update(b"|" + repr(p).encode())
+    return h.digest()
+
+
+def _check_same_on_all_processes(prompts, ids, *options) -> None:
+    """All-gather a digest of the call's inputs; raise RequestError on every process if any process differs."""
+    from jax.experimental import multihost_utils
+
+    mine = np.frombuffer(_inputs_digest(prompts, ids, *options), np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
+    groups: dict[bytes, list[int]] = {}
+    for pid, d in enumerate(every):
+        groups.setdefault(d.tobytes(), []).append(pid)
+    if len(groups) > 1:
+        desc = "; ".join(f"process(es) {pids} passed inputs {key[:4].hex()}" for key, pids in groups.items())
+        raise RequestError(f"prefill: the processes passed different prompts, ids or options ({desc}); under several "
+                           "processes every process must call prefill with the same arguments")
 
 
 def _mib(nbytes: int) -> str:

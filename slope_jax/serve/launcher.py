@@ -1,27 +1,35 @@
-r"""slope_jax launcher: run once per host (process). Process 0 reads requests and writes results; every process
-computes its share of each prefill and writes the KV pieces it holds.
+r"""slope_jax launcher (`slope-jax` or `python -m slope_jax.launch`): run once per host (process). Process 0 reads
+requests and writes results; every process computes its share of each prefill and writes the KV pieces it holds.
 
   # one process, the shipped checkpoint on 8 virtual CPU devices
-  python -m slope_jax.launch --cpu_devices=8 --ring=2 --ulysses=4 --requests=reqs.jsonl --results=out.jsonl \
-      --kv_dir=kv
+  slope-jax --cpu_devices=8 --ring=2 --ulysses=4 --requests=reqs.jsonl --results=out/results.jsonl --kv_dir=out/kv
+
+  # requests on stdin (no --requests): each batch leaves at most --batch_wait_ms after its first request arrives
+  echo '{"id": "a", "text": "Hello"}' | slope-jax --cpu_devices=1
 
   # two processes x 4 CPU devices on this machine (launch/local.sh does this)
   python -m slope_jax.launch --num_processes=2 --process_id=0 --coordinator_address=127.0.0.1:23456 \
-      --cpu_devices=4 --ring=2 --ulysses=4 --requests=reqs.jsonl --results=out.jsonl --kv_dir=kv &
+      --cpu_devices=4 --ring=2 --ulysses=4 --requests=reqs.jsonl --results=out/results.jsonl --kv_dir=out/kv &
   python -m slope_jax.launch --num_processes=2 --process_id=1 --coordinator_address=127.0.0.1:23456 \
-      --cpu_devices=4 --ring=2 --ulysses=4 --kv_dir=kv
+      --cpu_devices=4 --ring=2 --ulysses=4 --kv_dir=out/kv
 
-Request lines are described in `slope_jax.requests`. One result line is written per request: an error record as
-soon as a bad line is read, a result when its batch finishes (id, first token and its logprob, top-k logits,
-num_tokens, TTFT = queue + compute, compile/export times in ms, KV path).
+Request lines are described in `slope_jax.serve.requests`. One result line (strict JSON) is written per request
+line: an error record as soon as a bad line is read ({"id": id or null, "line": N, "error": ...}, plus
+"duplicate_of" for a reused id), a result when its batch finishes (id, line, first token (and its text with a
+tokenizer) and its logprob, top-k logits, num_tokens, bucket, TTFT = queue + compute, compile/export times in ms, KV
+path). A flag or layout mistake is one `slope_jax: error:` line and exit status 2; so is start-up with processes that
+disagree on anything that shapes the compiled step (the differing field is named).
 """
+
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import sys
 import time
+import traceback
 
 from absl import app, flags, logging
 
@@ -39,7 +47,8 @@ flags.DEFINE_integer("expert", None, "Expert-parallel degree: ring*ulysses (each
 flags.DEFINE_integer("microbatches", None, "Requests in flight through the pipeline per step (default: --pipeline).")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Weights and activations (norms, softmax, router "
                   "and accumulators are float32 either way).")
-flags.DEFINE_string("requests", "-", "JSONL file of requests, or '-' for stdin (read by process 0 only).")
+flags.DEFINE_string("requests", "-", "JSONL file of requests, or '-' for stdin (read by process 0 only; lines are "
+                    "served as they arrive).")
 flags.DEFINE_string("results", "-", "JSONL file for results, or '-' for stdout (written by process 0 only).")
 flags.DEFINE_string("kv_dir", None, "Export each request's KV cache to KV_DIR/<id>/ (safetensors + manifest.json). "
                     "Every process writes the pieces it holds; use a shared filesystem across hosts.")
@@ -48,8 +57,11 @@ flags.DEFINE_bool("kv_full", False, "Export every token of sliding-window layers
 flags.DEFINE_string("logits_dir", None, "Also save each request's last-position logits as LOGITS_DIR/<id>.npy "
                     "(float32), for verification.")
 flags.DEFINE_integer("top_k", 5, "Number of (token, logit) pairs per result.")
-flags.DEFINE_integer("batch_size", 8, "Requests per engine call (grouped by length bucket inside).")
-flags.DEFINE_integer("max_tokens", None, "Longest accepted prompt (default: the model's max_position_embeddings).")
+flags.DEFINE_integer("batch_size", 8, "Most requests per batch (grouped by length bucket inside).")
+flags.DEFINE_float("batch_wait_ms", 5.0, "Longest a batch waits for more requests after its first one arrived; a batch "
+                   "never waits to fill up to --batch_size.")
+flags.DEFINE_integer("max_tokens", None, "Longest accepted prompt (default and upper limit: the model's "
+                     "max_position_embeddings).")
 flags.DEFINE_float("device_memory_gib", None, "Per-device memory budget for admitting a request: its length bucket's "
                    "compiled step (weights, KV, activations, from XLA's memory analysis) must fit. Default: what the "
                    "device reports (no check on CPU).")
@@ -69,6 +81,17 @@ flags.DEFINE_list("precompile", [], "Prompt lengths whose buckets are compiled b
 flags.DEFINE_bool("summary", True, "Print a one-screen summary at the end (process 0, to stderr).")
 
 
+# Flags that shape the compiled step or what it reads: every process must agree on them (start-up fingerprint).
+# A new flag of that kind must be added here.
+_STEP_FLAGS = ("pipeline", "ring", "ulysses", "microbatches", "expert", "dtype", "q_tile", "kv_tile", "moe_tile", "kv_full",
+               "cpu_devices", "platform")
+_STATE: dict = {"watch": None}
+
+
+class FlagError(ValueError):
+    """A flag value is invalid; the message names the flag and the rule."""
+
+
 def _configure_platform():
     """Environment that must be set before JAX starts its backends."""
     if FLAGS.cpu_devices:
@@ -77,6 +100,40 @@ def _configure_platform():
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if FLAGS.platform:
         os.environ["JAX_PLATFORMS"] = FLAGS.platform
+
+
+def _check_flags() -> None:
+    """Flag mistakes found before anything starts (FlagError names the flag and the rule)."""
+    positive = {"batch_size": FLAGS.batch_size, "top_k": FLAGS.top_k, "num_processes": FLAGS.num_processes,
+                "q_tile": FLAGS.q_tile, "kv_tile": FLAGS.kv_tile, "moe_tile": FLAGS.moe_tile,
+                "init_timeout": FLAGS.init_timeout, "heartbeat_timeout": FLAGS.heartbeat_timeout}
+    for name, value in positive.items():
+        if not value > 0:
+            raise FlagError(f"--{name}={value}: must be > 0")
+    for name in ("max_tokens", "cpu_devices", "device_memory_gib"):
+        value = getattr(FLAGS, name)
+        if value is not None and not value > 0:
+            raise FlagError(f"--{name}={value}: must be > 0")
+    if not FLAGS.batch_wait_ms >= 0:
+        raise FlagError(f"--batch_wait_ms={FLAGS.batch_wait_ms}: must be >= 0")
+    if not 0 <= FLAGS.process_id < FLAGS.num_processes:
+        raise FlagError(f"--process_id={FLAGS.process_id}: must be in 0..{FLAGS.num_processes - 1} "
+                        f"(--num_processes={FLAGS.num_processes})")
+    for x in FLAGS.precompile:
+        if not x.strip().isdigit() or int(x) < 1:
+            raise FlagError(f"--precompile: {x!r} is not a positive prompt length")
+    if not os.path.isdir(FLAGS.checkpoint):
+        raise FlagError(f"--checkpoint={FLAGS.checkpoint}: no such directory")
+    if FLAGS.process_id == 0 and FLAGS.requests != "-" and not os.path.exists(FLAGS.requests):
+        raise FlagError(f"--requests={FLAGS.requests}: no such file")
+
+
+def _fingerprint() -> dict:
+    from slope_jax.serve import fingerprint
+
+    options = {name: FLAGS[name].value for name in _STEP_FLAGS}
+    options["kv_export"] = FLAGS.kv_dir is not None
+    return fingerprint.make(options, FLAGS.checkpoint)
 
 
 class _Broadcast:
@@ -101,38 +158,88 @@ class _Broadcast:
         return json.loads(out[:n].tobytes().decode())
 
 
-def _read_batch(lines, state, limit, *, vocab, max_tokens, tokenizer, emit_error, fits=None):
-    """Up to `limit` valid requests from the line iterator; bad lines go to `emit_error`. None at end of input.
-    `fits(n)` raises RequestError when an n-token prompt does not fit the memory plan."""
-    from slope_jax.serve import requests
+def _any_process(flag: bool) -> bool:
+    """True on every process if `flag` is True on any (one small all-gather; identity for one process)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return flag
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(np.asarray(multihost_utils.process_allgather(np.array([int(flag)], np.int32))).any())
+
+
+class _Intake:
+    """Process 0's side of the loop: lines from the reader thread → parsed requests in the batcher, bad lines →
+    error records at once."""
+
+    def __init__(self, reader, batcher, parse_line, emit):
+        self.reader, self.batcher, self.parse_line, self.emit = reader, batcher, parse_line, emit
+        self.closed = False
+
+    def _accept(self, item) -> None:
+        if item is None:
+            self.closed = True
+            return
+        for req in self.parse_line(*item):
+            self.batcher.add(req)
+
+    def next_batch(self):
+        """The next batch to run (a list of Request), or None when the input is closed and everything is served."""
+        while True:
+            batch, rejected, wait_s = self.batcher.take_batch(time.perf_counter(), self.closed)
+            for req in rejected:
+                self.emit({"id": req.id, "line": req.line, "error": "rejected by the scheduler"})
+            if batch:
+                return batch
+            if self.closed:
+                return None
+            try:
+                self._accept(self.reader.get(wait_s))
+                while not self.closed:  # take whatever else has already arrived
+                    self._accept(self.reader.get(0))
+            except queue.Empty:
+                pass
+
+
+def _prefill_isolated(engine, prompts, ids, arrivals, **kwargs) -> list:
+    """Run prompts so that a failure is attributed to the request that causes it: prompts go in engine steps of one
+    length bucket (as the engine would group them); a step that fails (on any process) is retried one request at a
+    time, and only a request that fails alone gets an error. Returns PrefillResult or an error string per prompt."""
     from slope_jax.serve.requests import RequestError
 
-    batch = []
-    while len(batch) < limit:
-        line = next(lines, None)
-        if line is None:
-            return batch or None
-        state["lineno"] += 1
-        if not line.strip():
-            continue
+    def attempt(idx):
+        err = None
         try:
-            req = requests.parse(line, state["lineno"], vocab_size=vocab, max_tokens=max_tokens,
-                                 tokenizer=tokenizer, seen_ids=state["ids"])
-            if fits is not None:
-                try:
-                    fits(req.tokens.size)
-                except RequestError as e:
-                    raise RequestError(f"line {req.line} ({req.id}): {e}") from e
-            batch.append(req)
-        except RequestError as e:
-            rid = None
-            try:
-                obj = json.loads(line)
-                rid = obj.get("id") if isinstance(obj, dict) and isinstance(obj.get("id"), str) else None
-            except json.JSONDecodeError:
-                pass
-            emit_error({"id": rid, "line": state["lineno"], "error": str(e)})
-    return batch
+            out = engine.prefill([prompts[i] for i in idx], ids=[ids[i] for i in idx],
+                                 arrival_times=None if arrivals is None else [arrivals[i] for i in idx], **kwargs)
+        except Exception as e:  # noqa: BLE001 - attributed below; a dead peer is reported by the peer watch
+            err = e
+            if not isinstance(e, RequestError):
+                logging.warning("prefill of %s failed: %s", [ids[i] for i in idx], traceback.format_exc(limit=3))
+        if not _any_process(err is not None):
+            return out
+        if len(idx) > 1:
+            return [r for i in idx for r in attempt([i])]
+        if err is None:
+            return ["prefill failed on another process (see its log)"]
+        return [f"prefill failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"]
+
+    per_step = 1 if engine.mesh is None else engine.parallel.in_flight
+    order = sorted(range(len(prompts)), key=lambda i: (engine.bucket(len(prompts[i])), i))
+    outcomes: list = [None] * len(prompts)
+    start = 0
+    while start < len(order):
+        t = engine.bucket(len(prompts[order[start]]))
+        chunk = [order[start]]
+        while (len(chunk) < per_step and start + len(chunk) < len(order)
+               and engine.bucket(len(prompts[order[start + len(chunk)]])) == t):
+            chunk.append(order[start + len(chunk)])
+        for i, out in zip(chunk, attempt(chunk)):
+            outcomes[i] = out
+        start += len(chunk)
+    return outcomes
 
 
 def _summary(records, wall_s):
@@ -141,7 +248,8 @@ def _summary(records, wall_s):
              f"{'export':>8}  status"]
     for r in records[:40]:
         if "error" in r:
-            lines.append(f"{str(r.get('id')):<24} {'':>7} {'':>7} {'':>9} {'':>8} {'':>9} {'':>8} {'':>8}  "
+            name = r.get("id") or f"(line {r.get('line')})"
+            lines.append(f"{name:<24} {'':>7} {'':>7} {'':>9} {'':>8} {'':>9} {'':>8} {'':>8}  "
                          f"error: {r['error'][:60]}")
         else:
             slo = "" if r.get("slo_met") is None else ("  SLO met" if r["slo_met"] else "  SLO missed")
@@ -161,114 +269,177 @@ def _summary(records, wall_s):
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    _configure_platform()
     from slope_jax.serve import distributed
 
+    distributed.exit_on_sigterm(lambda: _STATE["watch"] and _STATE["watch"].close("terminated by SIGTERM"))
     try:
-        distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
-                               init_timeout_s=FLAGS.init_timeout, heartbeat_timeout_s=FLAGS.heartbeat_timeout)
+        _check_flags()
+    except FlagError as e:
+        _fail(str(e))
+    _configure_platform()
+    try:
+        conns = distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                                       init_timeout_s=FLAGS.init_timeout, heartbeat_timeout_s=FLAGS.heartbeat_timeout,
+                                       fingerprint=_fingerprint() if FLAGS.num_processes > 1 else None)
     except distributed.StartupError as e:
         _fail(f"start-up failed: {e}")
+    if conns:
+        _STATE["watch"] = distributed.PeerWatch(FLAGS.process_id, conns)
+    from slope_jax.checkpoints.hf import CheckpointError
+    from slope_jax.model.config import ConfigError
+    from slope_jax.parallel.config import LayoutError
+
     try:
         _serve()
-    except Exception as e:  # noqa: BLE001 - turn a peer's death into one clear line, then exit non-zero
-        if FLAGS.num_processes > 1:
-            _fail(f"process {FLAGS.process_id}: the run stopped ({type(e).__name__}: {str(e).splitlines()[0][:300]}). "
-                  "In a multi-process run this usually means another process died; see its log.", hard=True)
-        raise
+    except (FlagError, LayoutError, ConfigError, CheckpointError) as e:
+        _fail(str(e))
+    except Exception as e:  # noqa: BLE001 - one clear line; a peer's death is named by the peer watch
+        watch = _STATE["watch"]
+        if watch is None:
+            raise
+        lost = watch.wait_for_loss(3.0)  # a collective that failed because a peer died: the watch names the peer
+        if lost is None:
+            logging.error("%s", traceback.format_exc())
+            _fail(f"process {FLAGS.process_id}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
+    if _STATE["watch"] is not None:
+        _STATE["watch"].close()
 
 
-def _fail(message: str, hard: bool = False):
-    """Print one clear line and exit with status 2. `hard` skips exit handlers: after a peer died, JAX's shutdown
-    barrier would otherwise wait for it and then abort."""
+def _fail(message: str):
+    """Print one clear line and exit with status 2. In a multi-process run the peers are told first, and exit
+    handlers are skipped: JAX's shutdown barrier would otherwise wait for processes that are stopping too."""
+    watch = _STATE["watch"]
+    if watch is not None:
+        watch.close(failure=message)
     print(f"slope_jax: error: {message}", file=sys.stderr, flush=True)
-    if hard:
+    if FLAGS.num_processes > 1:
         sys.stdout.flush()
         os._exit(2)
     sys.exit(2)
+
+
+def _result_record(req, res, engine, tokenizer) -> dict:
+    import numpy as np
+
+    if not np.all(np.isfinite(res.logits)):
+        return {"id": req.id, "line": req.line, "error": "the step produced non-finite logits (NaN/Inf); no result"}
+    rec = {"id": req.id, "line": req.line, "first_token": res.first_token}
+    if tokenizer is not None:
+        rec["first_token_text"] = tokenizer.decode([res.first_token], skip_special_tokens=False)
+    rec.update({"logprob": round(res.logprob, 6), "top_k": [[t, round(v, 6)] for t, v in res.top_k],
+                "num_tokens": res.num_tokens, "bucket": engine.bucket(res.num_tokens),
+                "ttft_ms": round(res.ttft_ms, 3), "queue_ms": round(res.queue_ms, 3),
+                "compile_ms": round(res.compile_ms, 3), "compute_ms": round(res.compute_ms, 3),
+                "export_ms": round(res.export_ms, 3), "kv_path": res.kv_path})
+    if req.ttft_slo_ms is not None:
+        rec["ttft_slo_ms"] = req.ttft_slo_ms
+        rec["slo_met"] = res.ttft_ms <= req.ttft_slo_ms
+    return rec
 
 
 def _serve():
     import jax
     import numpy as np
 
+    from slope_jax.checkpoints.hf import open_checkpoint
     from slope_jax.parallel.config import ParallelConfig
+    from slope_jax.serve import requests
+    from slope_jax.serve.batching import Batcher, LineReader
     from slope_jax.serve.engine import PrefillEngine
-    from slope_jax.serve.requests import RequestError
 
     t_start = time.perf_counter()
     me = jax.process_index()
     parallel = ParallelConfig(pipeline=FLAGS.pipeline, ring=FLAGS.ring, ulysses=FLAGS.ulysses,
                               microbatches=FLAGS.microbatches, expert=FLAGS.expert)
+    cfg = open_checkpoint(FLAGS.checkpoint).config  # headers only: check the limits before loading weights
+    if FLAGS.max_tokens is not None and FLAGS.max_tokens > cfg.max_position_embeddings:
+        raise FlagError(f"--max_tokens={FLAGS.max_tokens} exceeds the model's max_position_embeddings="
+                        f"{cfg.max_position_embeddings} ({FLAGS.checkpoint})")
+    parallel.validate(cfg, jax.device_count() if parallel.num_devices > 1 else None)
+    max_tokens = FLAGS.max_tokens or cfg.max_position_embeddings
     engine = PrefillEngine.from_checkpoint(FLAGS.checkpoint, parallel, FLAGS.dtype, progress=me == 0,
                                            q_tile=FLAGS.q_tile, kv_tile=FLAGS.kv_tile, moe_tile=FLAGS.moe_tile)
-    cfg = engine.cfg
     if FLAGS.precompile:
         engine.precompile([int(x) for x in FLAGS.precompile])
-    max_tokens = FLAGS.max_tokens or cfg.max_position_embeddings
     broadcast = _Broadcast(jax.process_count() > 1)
     records: list[dict] = []
-    out = None
+    out = intake = tokenizer = None
+    pending: dict[str, requests.Request] = {}
     if me == 0:
-        tokenizer = None
         tok_path = os.path.join(FLAGS.checkpoint, "tokenizer.json")
         if os.path.exists(tok_path):
             from tokenizers import Tokenizer
 
             tokenizer = Tokenizer.from_file(tok_path)
-        src = sys.stdin if FLAGS.requests == "-" else open(FLAGS.requests)
-        lines = iter(src)
+        if FLAGS.requests == "-":
+            logging.info("reading requests from stdin, one JSON object per line (end of input ends the run)")
+            src = sys.stdin.buffer
+        else:
+            src = open(FLAGS.requests, "rb")
         if FLAGS.results != "-":
             os.makedirs(os.path.dirname(os.path.abspath(FLAGS.results)), exist_ok=True)
         out = sys.stdout if FLAGS.results == "-" else open(FLAGS.results, "w")
-        state = {"lineno": 0, "ids": set()}
-
-        def emit(rec):
-            records.append(rec)
-            out.write(json.dumps(rec) + "\n")
-            out.flush()
-
         if FLAGS.logits_dir:
             os.makedirs(FLAGS.logits_dir, exist_ok=True)
         budget = None if FLAGS.device_memory_gib is None else int(FLAGS.device_memory_gib * 2**30)
+        seen: set[str] = set()
+        lineno = [0]
 
-        def fits(n):
-            engine.check_fits(n, budget)
+        def emit(rec):
+            try:
+                text = json.dumps(rec, allow_nan=False)
+            except ValueError:  # a non-finite number: never written as NaN/Infinity
+                rec = {"id": rec.get("id"), "line": rec.get("line"), "error": "result had non-finite numbers"}
+                text = json.dumps(rec)
+            records.append(rec)
+            out.write(text + "\n")
+            out.flush()
+
+        def parse_line(raw, arrival):
+            lineno[0] += 1
+            if isinstance(raw, OSError):
+                emit({"id": None, "line": lineno[0], "error": f"reading the requests failed: {raw}"})
+                return []
+            if not raw.strip():
+                return []
+            try:
+                req = requests.parse(raw, lineno[0], vocab_size=cfg.vocab_size, max_tokens=max_tokens,
+                                     tokenizer=tokenizer, seen_ids=seen, arrival=arrival)
+            except requests.LineError as e:
+                emit(requests.error_record(e))
+                return []
+            try:
+                engine.check_fits(req.tokens.size, budget)
+            except Exception as e:  # noqa: BLE001 - RequestError, or a failure compiling its bucket: its own error
+                emit({"id": req.id, "line": req.line, "error": f"line {req.line} ({req.id}): {e}"})
+                return []
+            return [req]
+
+        intake = _Intake(LineReader(src), Batcher(FLAGS.batch_size, FLAGS.batch_wait_ms / 1e3), parse_line, emit)
     while True:
         payload = None
         if me == 0:
-            batch = _read_batch(lines, state, FLAGS.batch_size, vocab=cfg.vocab_size, max_tokens=max_tokens,
-                                tokenizer=tokenizer, emit_error=emit, fits=fits)
+            batch = intake.next_batch()
             if batch is not None:
+                pending = {r.id: r for r in batch}
                 payload = [[r.id, r.tokens.tolist()] for r in batch]
         payload = broadcast(payload)
         if payload is None:
             break
-        prompts = [np.asarray(p[1], np.int32) for p in payload]
         ids = [p[0] for p in payload]
-        arrivals = [r.arrival for r in batch] if me == 0 else None
-        try:
-            results = engine.prefill(prompts, FLAGS.kv_dir, ids=ids, kv_full=FLAGS.kv_full, return_kv=False,
-                                     top_k=FLAGS.top_k, arrival_times=arrivals)
-        except RequestError as e:  # deterministic on every process: record it and go on
-            if me == 0:
-                for r in batch:
-                    emit({"id": r.id, "line": r.line, "error": str(e)})
-            continue
+        prompts = [np.asarray(p[1], np.int32) for p in payload]
+        arrivals = [pending[i].arrival for i in ids] if me == 0 else None
+        outcomes = _prefill_isolated(engine, prompts, ids, arrivals, kv_dir=FLAGS.kv_dir, kv_full=FLAGS.kv_full,
+                                     return_kv=False, top_k=FLAGS.top_k)
         if me == 0:
-            for r, res in zip(batch, results):
-                rec = {"id": r.id, "first_token": res.first_token, "logprob": round(res.logprob, 6),
-                       "top_k": [[t, round(v, 6)] for t, v in res.top_k], "num_tokens": res.num_tokens,
-                       "bucket": engine.bucket(res.num_tokens), "ttft_ms": round(res.ttft_ms, 3),
-                       "queue_ms": round(res.queue_ms, 3), "compile_ms": round(res.compile_ms, 3),
-                       "compute_ms": round(res.compute_ms, 3),
-                       "export_ms": round(res.export_ms, 3), "kv_path": res.kv_path}
-                if r.ttft_slo_ms is not None:
-                    rec["ttft_slo_ms"] = r.ttft_slo_ms
-                    rec["slo_met"] = res.ttft_ms <= r.ttft_slo_ms
+            for rid, res in zip(ids, outcomes):
+                req = pending[rid]
+                if isinstance(res, str):
+                    emit({"id": rid, "line": req.line, "error": res})
+                    continue
                 if FLAGS.logits_dir:
-                    np.save(os.path.join(FLAGS.logits_dir, f"{r.id}.npy"), res.logits)
-                emit(rec)
+                    np.save(os.path.join(FLAGS.logits_dir, f"{rid}.npy"), res.logits)
+                emit(_result_record(req, res, engine, tokenizer))
     if me == 0:
         if out is not sys.stdout:
             out.close()
@@ -282,9 +453,10 @@ def _serve():
 
 
 def run():
-    """Console-script entry point (`slope-jax`)."""
-    # absl's --help lists the flags of the module named by argv[0]; for a console script that is the wrapper, so
-    # register this module's flags under that name too.
+    """Console-script entry point (`slope-jax`); `python -m slope_jax.launch` calls it too."""
+    # absl's --help prints __main__'s docstring and the key flags of the module named by argv[0]: give both entry
+    # points this module's usage text and flags.
+    sys.modules["__main__"].__doc__ = __doc__
     for flag in FLAGS.flags_by_module_dict().get(__name__, []):
         FLAGS.register_key_flag_for_module(sys.argv[0], flag)
     app.run(main)

@@ -2,16 +2,23 @@
 
     {"id": "doc-17", "tokens": [1015, 44, 310, ...], "ttft_slo_ms": 1000}
     {"id": "chat-3", "text": "It was the best of times"}          # needs tokenizer.json in the checkpoint
+    {"id": "raw-1", "text": "literal <|endoftext|> text", "text_literal": true}
 
 Fields: `id` (1-128 characters of [A-Za-z0-9._-], not starting with '.': it names the request's KV directory;
 unique within a run), exactly one of `tokens` (non-empty list of ints in [0, vocab)) or `text` (non-empty string),
-optional `ttft_slo_ms` (> 0). Anything else is an error. A bad line becomes an error record and the run goes on.
+optional `text_literal` (bool, with `text`: special-token strings such as "<|endoftext|>" are encoded as ordinary
+text instead of as the control token), optional `ttft_slo_ms` (finite number > 0). Anything else is an error.
+
+The boundary is total: whatever goes wrong while decoding (the line must be UTF-8), parsing (strict JSON: NaN,
+Infinity and numbers that overflow a float are refused), validating or tokenizing one line raises `LineError` for that
+line only; the caller turns it into an error record (`error_record`) and serves every other line.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 
 import numpy as np
@@ -21,6 +28,25 @@ class RequestError(ValueError):
     """A prompt is invalid (empty, a token id out of range, too long); the message names the prompt and the limit."""
 
 
+class LineError(RequestError):
+    """One request line is bad. `line`: its 1-based number; `request_id`: its id when the id itself was valid and not
+    taken; `duplicate_of`: the id when the line reuses an id already seen."""
+
+    def __init__(self, message: str, line: int, request_id: str | None = None, duplicate_of: str | None = None):
+        super().__init__(message)
+        self.line, self.request_id, self.duplicate_of = line, request_id, duplicate_of
+
+
+def error_record(err: LineError) -> dict:
+    """The result line for a bad request line. Its `id` is the request's id only when that id is valid and was not used
+    before; a duplicate gets `"id": null` plus `"duplicate_of"`, so each id names at most one record. `line` is always
+    given (1-based line number of the input)."""
+    rec = {"id": err.request_id, "line": err.line, "error": str(err)}
+    if err.duplicate_of is not None:
+        rec["duplicate_of"] = err.duplicate_of
+    return rec
+
+
 _ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
 
@@ -28,14 +54,15 @@ def check_request_id(request_id: str, where: str = "request") -> str:
     """A request id doubles as a directory name under the KV dir: 1-128 characters of [A-Za-z0-9._-], not starting
     with '.', so it can never escape that directory. Raises RequestError naming the rule."""
     if not isinstance(request_id, str) or not 1 <= len(request_id) <= 128:
-        raise RequestError(f"{where}: id must be a string of 1-128 characters, got {request_id!r}")
+        shown = request_id if isinstance(request_id, str) else type(request_id).__name__
+        raise RequestError(f"{where}: id must be a string of 1-128 characters, got {_short(shown)}")
     if request_id.startswith(".") or not set(request_id) <= _ID_CHARS:
-        raise RequestError(f"{where}: id {request_id!r} may only use letters, digits, '.', '_', '-' and must not "
-                           "start with '.' (it names the request's KV directory)")
+        raise RequestError(f"{where}: id {_short(request_id)} may only use letters, digits, '.', '_', '-' and must "
+                           "not start with '.' (it names the request's KV directory)")
     return request_id
 
 
-_FIELDS = {"id", "tokens", "text", "ttft_slo_ms"}
+_FIELDS = {"id", "tokens", "text", "text_literal", "ttft_slo_ms"}
 
 
 @dataclasses.dataclass
@@ -43,55 +70,127 @@ class Request:
     id: str
     tokens: np.ndarray  # int32 [n]
     ttft_slo_ms: float | None
-    arrival: float  # time.perf_counter() when the line was read
+    arrival: float  # time.perf_counter() when the line arrived
     line: int
 
 
-def parse(line: str, lineno: int, *, vocab_size: int, max_tokens: int, tokenizer=None,
-          seen_ids: set[str] | None = None) -> Request:
-    """Validate one request line. Raises RequestError with the line number, the field and the rule."""
-    arrival = time.perf_counter()
-    where = f"line {lineno}"
+def _short(value, limit: int = 60) -> str:
+    """repr() cut to `limit` characters, safe for any value (lone surrogates are escaped by repr)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not allowed (strict JSON: numbers must be finite)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} overflows a float64")
+    return value
+
+
+def loads_strict(text: str):
+    """`json.loads` that refuses NaN/Infinity literals and numbers that overflow a float64 (ValueError)."""
+    return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+
+
+def parse(line: bytes | str, lineno: int, *, vocab_size: int, max_tokens: int, tokenizer=None,
+          seen_ids: set[str] | None = None, arrival: float | None = None) -> Request:
+    """Validate one request line (raw bytes as read, or text). Raises LineError naming the line, the field and the
+    rule; never any other exception. `seen_ids` (updated) makes ids unique; `arrival`: perf_counter() stamp of the
+    line's arrival (default: now)."""
+    arrival = time.perf_counter() if arrival is None else arrival
+    state = {"id": None, "dup": None}
     try:
-        obj = json.loads(line)
+        return _parse(line, lineno, vocab_size, max_tokens, tokenizer, seen_ids, arrival, state)
+    except LineError:
+        raise
+    except RequestError as e:
+        raise LineError(str(e), lineno, state["id"], state["dup"]) from e
+    except Exception as e:  # noqa: BLE001 - the boundary is total: any failure is this line's error, never the run's
+        where = f"line {lineno}" + (f" ({state['id']})" if state["id"] else "")
+        raise LineError(f"{where}: could not process the request ({type(e).__name__}: {str(e)[:200]})", lineno,
+                        state["id"], state["dup"]) from e
+
+
+def _parse(line, lineno, vocab_size, max_tokens, tokenizer, seen_ids, arrival, state) -> Request:
+    where = f"line {lineno}"
+    if isinstance(line, (bytes, bytearray)):
+        try:
+            line = bytes(line).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RequestError(f"{where}: not valid UTF-8 (byte 0x{line[e.start]:02x} at offset {e.start})") from e
+    try:
+        obj = loads_strict(line)
     except json.JSONDecodeError as e:
         raise RequestError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from e
+    except (ValueError, RecursionError) as e:
+        raise RequestError(f"{where}: not valid JSON ({e})") from e
     if not isinstance(obj, dict):
         raise RequestError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    unknown = sorted(set(obj) - _FIELDS)
-    if unknown:
-        raise RequestError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(_FIELDS)}")
     if "id" not in obj:
         raise RequestError(f"{where}: missing field 'id'")
     rid = check_request_id(obj["id"], where)
     if seen_ids is not None:
         if rid in seen_ids:
-            raise RequestError(f"{where}: duplicate id {rid!r} (ids name KV directories and must be unique)")
+            state["dup"] = rid
+            raise RequestError(f"{where}: duplicate id {rid!r} (ids name KV directories and must be unique; the "
+                               "first request with this id keeps it)")
         seen_ids.add(rid)
+    state["id"] = rid
+    where = f"{where} ({rid})"
+    unknown = sorted(set(obj) - _FIELDS)
+    if unknown:
+        raise RequestError(f"{where}: unknown field(s) {_short(unknown, 120)}; allowed: {sorted(_FIELDS)}")
     if ("tokens" in obj) == ("text" in obj):
-        raise RequestError(f"{where} ({rid}): give exactly one of 'tokens' or 'text'")
+        raise RequestError(f"{where}: give exactly one of 'tokens' or 'text'")
+    literal = obj.get("text_literal", False)
+    if not isinstance(literal, bool):
+        raise RequestError(f"{where}: 'text_literal' must be true or false, got {_short(literal)}")
+    if "text_literal" in obj and "text" not in obj:
+        raise RequestError(f"{where}: 'text_literal' applies to 'text' only")
+    slo = obj.get("ttft_slo_ms")
+    if slo is not None and (isinstance(slo, bool) or not isinstance(slo, (int, float)) or not 0 < slo < math.inf):
+        raise RequestError(f"{where}: 'ttft_slo_ms' must be a finite number > 0, got {_short(slo)}")
     if "text" in obj:
-        text = obj["text"]
-        if not isinstance(text, str) or not text:
-            raise RequestError(f"{where} ({rid}): 'text' must be a non-empty string")
-        if tokenizer is None:
-            raise RequestError(f"{where} ({rid}): 'text' needs a tokenizer, and the checkpoint has no tokenizer.json; "
-                               "send 'tokens' instead")
-        ids = tokenizer.encode(text).ids
+        ids = _encode(obj["text"], literal, tokenizer, where)
     else:
         ids = obj["tokens"]
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise RequestError(f"{where} ({rid}): 'tokens' must be a list of integers")
+        if not isinstance(ids, list):
+            raise RequestError(f"{where}: 'tokens' must be a list of integers, got {type(ids).__name__}")
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise RequestError(f"{where}: 'tokens'[{i}] is {_short(t)} ({type(t).__name__}); token ids must be "
+                                   "integers")
     if not ids:
-        raise RequestError(f"{where} ({rid}): the prompt is empty")
-    arr = np.asarray(ids, dtype=np.int64)
-    bad = np.nonzero((arr < 0) | (arr >= vocab_size))[0]
-    if bad.size:
-        raise RequestError(f"{where} ({rid}): token id {int(arr[bad[0]])} at index {int(bad[0])} is outside the "
-                           f"vocabulary [0, {vocab_size})")
-    if arr.size > max_tokens:
-        raise RequestError(f"{where} ({rid}): {arr.size} tokens exceeds the limit of {max_tokens} (--max_tokens)")
-    slo = obj.get("ttft_slo_ms")
-    if slo is not None and (isinstance(slo, bool) or not isinstance(slo, (int, float)) or not slo > 0):
-        raise RequestError(f"{where} ({rid}): 'ttft_slo_ms' must be a positive number, got {slo!r}")
-    return Request(rid, arr.astype(np.int32), None if slo is None else float(slo), arrival, lineno)
+        raise RequestError(f"{where}: the prompt is empty")
+    if len(ids) > max_tokens:
+        raise RequestError(f"{where}: {len(ids)} tokens exceeds the limit of {max_tokens} (--max_tokens)")
+    for i, t in enumerate(ids):  # in Python ints: a value beyond int64 is out of range, not an overflow
+        if not 0 <= t < vocab_size:
+            raise RequestError(f"{where}: token id {_short(t, 40)} at index {i} is outside the vocabulary "
+                               f"[0, {vocab_size})")
+    return Request(rid, np.asarray(ids, dtype=np.int32), None if slo is None else float(slo), arrival, lineno)
+
+
+def _encode(text, literal: bool, tokenizer, where: str) -> list[int]:
+    if not isinstance(text, str) or not text:
+        raise RequestError(f"{where}: 'text' must be a non-empty string")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{where}: 'text' is not valid Unicode (lone surrogate U+{ord(text[e.start]):04X} at "
+                           f"index {e.start})") from e
+    if tokenizer is None:
+        raise RequestError(f"{where}: 'text' needs a tokenizer, and the checkpoint has no tokenizer.json; send "
+                           "'tokens' instead")
+    previous = tokenizer.encode_special_tokens
+    tokenizer.encode_special_tokens = literal  # True: "<|endoftext|>" is split as ordinary text
+    try:
+        return list(tokenizer.encode(text).ids)
+    except Exception as e:  # noqa: BLE001 - a tokenizer failure is this request's error
+        raise RequestError(f"{where}: the tokenizer failed on 'text' ({type(e).__name__}: {str(e)[:200]})") from e
+    finally:
+        tokenizer.encode_special_tokens = previous

@@ -1,0 +1,301 @@
+"""The request loop's boundary and isolation: per-line errors for any malformed input, the bounded batch wait, the
+start-up fingerprint, per-request retry of a failed step, launcher errors (one line, exit 2) and prefill inputs that
+differ across processes. The end-to-end fuzz runs (1 and 2 processes) are in test_launcher.py."""
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO, SHIPPED
+from request_fuzz import MALFORMED, MAX_TOKENS, VALID_IN_MALFORMED
+from tokenizers import Tokenizer
+
+from slope_jax.checkpoints import writer
+from slope_jax.serve import fingerprint, launcher, requests
+from slope_jax.serve.batching import Batcher
+
+PY = sys.executable
+
+
+def _env():
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env.pop("JAX_PLATFORMS", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_every_malformed_line_is_its_own_error():
+    tok = Tokenizer.from_file(os.path.join(SHIPPED, "tokenizer.json"))
+    seen: set[str] = set()
+    errors, ok = [], []
+    for n, raw in enumerate(MALFORMED, 1):
+        try:
+            ok.append(requests.parse(raw, n, vocab_size=1024, max_tokens=MAX_TOKENS, tokenizer=tok, seen_ids=seen))
+        except requests.LineError as e:  # the only exception the boundary raises
+            rec = requests.error_record(e)
+            json.dumps(rec, allow_nan=False)  # strict JSON
+            assert rec["line"] == n and rec["error"].startswith(f"line {n}")
+            errors.append(rec)
+    assert {r.id for r in ok} == VALID_IN_MALFORMED
+    assert len(errors) == len(MALFORMED) - len(VALID_IN_MALFORMED) >= 40
+    by_id = {r["id"]: r["error"] for r in errors if r["id"]}
+    assert "outside the vocabulary" in by_id["f-int64"] and "lone surrogate U+D800" in by_id["f-surrogate"]
+    assert "'tokens'[1] is 2.5 (float)" in by_id["f-float"] and "(bool)" in by_id["f-bool"]
+    assert "101 tokens exceeds the limit of 100" in by_id["f-too-long"]
+    assert "finite number > 0" in by_id["f-slo-zero"]
+    texts = [r["error"] for r in errors]
+    assert any("not valid UTF-8 (byte 0xff at offset 0)" in t for t in texts)
+    assert any("1e400 overflows a float64" in t for t in texts)
+    assert sum("Infinity is not allowed" in t or "NaN is not allowed" in t for t in texts) == 4
+    dup = [r for r in errors if r.get("duplicate_of")]
+    assert dup == [{"id": None, "line": len(MALFORMED), "error": dup[0]["error"], "duplicate_of": "dup-target"}]
+    assert all(r["id"] is None or r["id"] not in VALID_IN_MALFORMED for r in errors)  # an id names one record
+
+
+def test_text_literal_encodes_special_token_strings_as_text():
+    tok = Tokenizer.from_file(os.path.join(SHIPPED, "tokenizer.json"))
+    eot = tok.token_to_id("<|endoftext|>")
+    line = '{"id": "x", "text": "a <|endoftext|> b"%s}'
+    control = requests.parse(line % "", 1, vocab_size=1024, max_tokens=99, tokenizer=tok).tokens
+    literal = requests.parse(line % ', "text_literal": true', 1, vocab_size=1024, max_tokens=99, tokenizer=tok).tokens
+    assert eot in control and eot not in literal and len(literal) > len(control)
+    assert tok.decode(literal.tolist()) == "a <|endoftext|> b"
+
+
+class _Item:
+    def __init__(self, arrival):
+        self.arrival = arrival
+
+
+def test_batcher_waits_at_most_batch_wait_after_the_first_request():
+    b = Batcher(batch_size=4, wait_s=0.005)
+    assert b.take_batch(10.0, closed=False) == ([], [], None)  # nothing pending: wait for input
+    first = _Item(10.0)
+    b.add(first)
+    batch, rejected, wait = b.take_batch(10.001, closed=False)
+    assert batch == [] and rejected == [] and wait == pytest.approx(0.004)
+    b.add(_Item(10.002))
+    batch, _, _ = b.take_batch(10.005, closed=False)  # first request's wait is over: go with what is there
+    assert len(batch) == 2 and batch[0] is first
+    for _ in range(6):
+        b.add(_Item(11.0))
+    assert len(b.take_batch(11.0, closed=False)[0]) == 4  # full: no wait at all
+    assert len(b.take_batch(11.0, closed=True)[0]) == 2  # input closed: no wait either
+
+
+def test_fingerprint_compare_names_each_differing_field(checkpoints, tmp_path):
+    base = {"dtype": "bfloat16", "ring": 2, "q_tile": 256, "kv_export": True, "checkpoint.weights": "aa"}
+    same = fingerprint.compare({0: base, 1: dict(base), 2: dict(base)})
+    assert same == []
+    fps = {0: base, 1: dict(base, q_tile=128, kv_export=False), 2: dict(base, q_tile=128)}
+    assert fingerprint.compare(fps) == ["kv_export: processes 0, 2 have True; process 1 has False",
+                                        "q_tile: process 0 has 256; processes 1, 2 have 128"]
+    # a checkpoint with the same shapes but other weights has another fingerprint; the same files the same one
+    from conftest import CONFIG_A
+
+    other = str(tmp_path / "other")
+    writer.write_hf(other, CONFIG_A, writer.random_params(CONFIG_A, seed=1234), experts="mxfp4", num_shards=3)
+    copy = shutil.copytree(checkpoints["A"]["mxfp4"], tmp_path / "copy")
+    a, b, c = (fingerprint.checkpoint_fingerprint(p) for p in (checkpoints["A"]["mxfp4"], other, copy))
+    assert a["checkpoint.weights"] != b["checkpoint.weights"] and a == c  # content, not path
+
+
+class _FlakyEngine:
+    """Stands in for PrefillEngine: a step holding a prompt that starts with 13 fails (as a step-time failure would)."""
+
+    mesh = object()
+
+    class parallel:
+        in_flight = 3
+
+    def __init__(self):
+        self.calls = []
+
+    def bucket(self, n):
+        return 16 if n <= 16 else 32
+
+    def prefill(self, prompts, ids, arrival_times=None, **kw):
+        self.calls.append(list(ids))
+        if any(p[0] == 13 for p in prompts):
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory in the step")
+        return [f"result-{i}" for i in ids]
+
+
+def test_a_failing_step_is_retried_per_request_and_blamed_on_one():
+    eng = _FlakyEngine()
+    prompts = [[1] * 5, [13] * 6, [2] * 7, [3] * 20, [4] * 3]
+    ids = ["a", "bad", "c", "long", "e"]
+    out = launcher._prefill_isolated(eng, prompts, ids, None, top_k=5)
+    assert out[0] == "result-a" and out[2] == "result-c" and out[3] == "result-long" and out[4] == "result-e"
+    assert out[1].startswith("prefill failed: RuntimeError: RESOURCE_EXHAUSTED")
+    # steps of one bucket and at most in_flight prompts; the failed step is retried one request at a time
+    assert eng.calls == [["a", "bad", "c"], ["a"], ["bad"], ["c"], ["e"], ["long"]]
+
+
+def _launch1(args, **kw):
+    return subprocess.run([PY, "-m", "slope_jax.launch", *args], cwd=REPO, env=_env(), capture_output=True,
+                          text=True, timeout=300, **kw)
+
+
+def test_flag_and_layout_mistakes_are_one_line_exit_2():
+    for args, message in [
+        (["--cpu_devices=8", "--ring=3", "--ulysses=4"],
+         "slope_jax: error: pipeline*ring*ulysses = 1*3*4 = 12 devices"),
+        (["--cpu_devices=6", "--ring=2", "--ulysses=3"], "slope_jax: error: ulysses=3 must divide"),
+        (["--cpu_devices=1", "--max_tokens=200000"],
+         "slope_jax: error: --max_tokens=200000 exceeds the model's max_position_embeddings=131072"),
+        (["--batch_wait_ms=-1"], "slope_jax: error: --batch_wait_ms=-1.0: must be >= 0"),
+    ]:
+        r = _launch1(args)
+        assert r.returncode == 2, (args, r.stderr[-2000:])
+        assert message in r.stderr and "Traceback" not in r.stderr and "died" not in r.stderr, r.stderr[-2000:]
+
+
+def _pair(args0, args1, port, extra=(), **popen):
+    procs = {}
+    for pid, args in ((1, args1), (0, args0)):
+        cmd = [PY, "-m", "slope_jax.launch", "--num_processes=2", f"--process_id={pid}",
+               f"--coordinator_address=127.0.0.1:{port}", "--init_timeout=60", *extra, *args]
+        procs[pid] = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, **({"stdin": subprocess.DEVNULL} | popen))
+    return procs
+
+
+def test_two_processes_that_differ_fail_fast_naming_the_field():
+    for field, a, b, expect in [("dtype", "--dtype=bfloat16", "--dtype=float32",
+                                 "dtype: process 0 has 'bfloat16'; process 1 has 'float32'"),
+                                ("ring", "--ring=2", "--ring=4", "ring: process 0 has 2; process 1 has 4")]:
+        t0 = time.time()
+        procs = _pair([a, "--cpu_devices=4"], [b, "--cpu_devices=4"], _free_port())
+        outs = {pid: p.communicate(timeout=120) for pid, p in procs.items()}
+        assert time.time() - t0 < 30, field  # before JAX starts: no hang, no init timeout
+        for pid, p in procs.items():
+            err = outs[pid][1]
+            assert p.returncode == 2 and "processes disagree on what to run" in err and expect in err, err[-2000:]
+            assert "Traceback" not in err
+
+
+def test_layout_mistake_in_two_processes_is_reported_as_is():
+    procs = _pair(["--cpu_devices=4", "--ring=2", "--ulysses=2"], ["--cpu_devices=4", "--ring=2", "--ulysses=2"],
+                  _free_port())
+    for p in procs.values():
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 2, err[-2000:]
+        # one line each: the process's own error, or (if a peer got there first) the peer's, named as such
+        lines = [x for x in err.splitlines() if x.startswith("slope_jax: error:")]
+        assert len(lines) == 1 and "pipeline*ring*ulysses = 1*2*2 = 4 devices, but 8 are available" in lines[0], err
+        assert "Traceback" not in err and "died" not in err, err[-2000:]
+
+
+def test_sigterm_while_waiting_ends_both_processes_promptly():
+    """Process 0 waits on stdin (kept open), process 1 waits in the batch broadcast: SIGTERM to process 1 ends it at
+    once (status 143), and process 0 stops naming it."""
+    procs = _pair(["--cpu_devices=4"], ["--cpu_devices=4"], _free_port(), extra=["--ring=2", "--ulysses=4"],
+                  stdin=subprocess.PIPE)
+    deadline = time.time() + 240
+    seen = ""
+    while "reading requests from stdin" not in seen:  # absl logs to stderr
+        assert time.time() < deadline and procs[0].poll() is None, seen[-2000:]
+        ready, _, _ = select.select([procs[0].stderr], [], [], 1.0)
+        if ready:
+            seen += procs[0].stderr.readline()
+    time.sleep(1.0)  # let process 1 reach the broadcast
+    procs[1].send_signal(signal.SIGTERM)
+    t0 = time.time()
+    _, err1 = procs[1].communicate(timeout=30)
+    assert procs[1].returncode == 143 and "terminated by SIGTERM" in err1 and time.time() - t0 < 10
+    _, err0 = procs[0].communicate(timeout=30)
+    assert time.time() - t0 < 15
+    assert procs[0].returncode == 2
+    assert "process 0: process 1 stopped with an error: terminated by SIGTERM" in err0, err0[-2000:]
+
+
+def test_first_request_is_not_held_back_for_a_later_one():
+    """stdin through a pipe: one request, then a second 3 s later. The first one's result comes before the second is
+    sent, and its TTFT is at most --batch_wait_ms + its compute (plus slack for parsing on a busy machine)."""
+    wait_ms = 20
+    p = subprocess.Popen([PY, "-m", "slope_jax.launch", "--cpu_devices=1", "--dtype=float32", "--precompile=10",
+                          f"--batch_wait_ms={wait_ms}", "--batch_size=8"], cwd=REPO, env=_env(),
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        log = ""
+        while "reading requests from stdin" not in log:
+            assert time.time() < deadline and p.poll() is None, log[-2000:]
+            if select.select([p.stderr], [], [], 1.0)[0]:
+                log += p.stderr.readline()
+        p.stdin.write(json.dumps({"id": "first", "tokens": [5, 6, 7, 8]}) + "\n")
+        p.stdin.flush()
+        assert select.select([p.stdout], [], [], 60)[0], "no result for the first request"
+        first = json.loads(p.stdout.readline())
+        time.sleep(3)
+        p.stdin.write(json.dumps({"id": "second", "tokens": [9, 10]}) + "\n")
+        p.stdin.close()
+        second = json.loads(p.stdout.readline())
+        assert p.wait(timeout=60) == 0
+    finally:
+        p.kill()
+    assert first["id"] == "first" and second["id"] == "second"
+    assert first["compile_ms"] < 1.0  # --precompile covered its bucket
+    assert first["ttft_ms"] < wait_ms + first["compute_ms"] + 200, first  # measured: ~wait + compute + ~1 ms
+
+
+API_SCRIPT = r"""
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+from slope_jax.serve import distributed
+pid, port, ckpt = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+distributed.initialize(f"127.0.0.1:{port}", 2, pid, init_timeout_s=60, heartbeat_timeout_s=10)
+import slope_jax
+engine = slope_jax.PrefillEngine.from_checkpoint(ckpt, slope_jax.ParallelConfig(ring=2, ulysses=4), "float32",
+                                                 progress=False)
+prompt = [1, 2, 3] if pid == 0 else [1, 2, 4]
+try:
+    engine.prefill([prompt, [7] * 9])
+except slope_jax.RequestError as e:
+    print("REQUEST_ERROR", e, flush=True)
+    sys.exit(0)
+print("NO ERROR", flush=True)
+sys.exit(1)
+"""
+
+
+def test_api_prompts_that_differ_across_processes_raise(tmp_path):
+    script = tmp_path / "api.py"
+    script.write_text(API_SCRIPT)
+    port = _free_port()
+    procs = [subprocess.Popen([PY, str(script), str(pid), str(port), SHIPPED], cwd=REPO, env=_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for pid in (1, 0)]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, (out + err)[-3000:]
+        assert "REQUEST_ERROR prefill: the processes passed different prompts" in out
+        assert "process(es) [0]" in out and "process(es) [1]" in out
+
+
+def test_both_entry_points_show_the_same_help():
+    texts = []
+    for cmd in ([PY, "-m", "slope_jax.launch", "--help"], [os.path.join(os.path.dirname(PY), "slope-jax"), "--help"]):
+        r = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+        text = r.stdout + r.stderr
+        texts.append(text.replace(cmd[0] if "slope-jax" in cmd[0] else "", ""))
+        assert "slope_jax launcher" in text and "--batch_wait_ms" in text and "launch/local.sh" in text, text[:2000]
+        assert "echo '{\"id\": \"a\", \"text\": \"Hello\"}' | slope-jax" in text
+    usage = [t[:t.index("flags:")] for t in texts]
+    assert usage[0] == usage[1]
