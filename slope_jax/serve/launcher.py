@@ -83,8 +83,8 @@ flags.DEFINE_bool("summary", True, "Print a one-screen summary at the end (proce
 
 # Flags that shape the compiled step or what it reads: every process must agree on them (start-up fingerprint).
 # A new flag of that kind must be added here.
-_STEP_FLAGS = ("pipeline", "ring", "ulysses", "microbatches", "expert", "dtype", "q_tile", "kv_tile", "moe_tile", "kv_full",
-               "cpu_devices", "platform")
+_STEP_FLAGS = ("pipeline", "ring", "ulysses", "microbatches", "expert", "dtype", "q_tile", "kv_tile", "moe_tile",
+               "kv_full", "cpu_devices", "platform")
 _STATE: dict = {"watch": None}
 
 
