@@ -235,3 +235,81 @@ def test_copy_of_shipped_checkpoint_loads(tmp_path):
     shutil.copytree(SHIPPED, dst)
     cfg, params = load_checkpoint(dst, "bfloat16", progress=False)
     assert cfg.vocab_size == 1024 and params["layers"]["w1_blocks"].dtype == np.uint8
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# orbax fast restart (slope_jax.checkpoints.orbax_store, `python -m slope_jax.convert`)
+def _bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view(np.uint8 if a.dtype.itemsize == 1 else np.uint16 if a.dtype.itemsize == 2 else np.uint32)
+
+
+def _assert_same_placed(got: dict, want: dict, where: str):
+    """Bitwise-equal values, equal shapes/dtypes, and equivalent shardings, leaf by leaf."""
+    fg, fw = dict(_flat(got)), dict(_flat(want))
+    assert fg.keys() == fw.keys(), where
+    for k, w in fw.items():
+        g = fg[k]
+        assert g.shape == w.shape and g.dtype == w.dtype, (where, k, g.shape, w.shape, g.dtype, w.dtype)
+        assert g.sharding.is_equivalent_to(w.sharding, w.ndim), (where, k, g.sharding, w.sharding)
+        np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=f"{where}: {k}")
+
+
+@pytest.mark.parametrize("name", ["A", "B"])
+def test_orbax_restore_is_bitwise_the_hf_load_in_any_layout(checkpoints, tmp_path, name):
+    """Convert at (P, R, U) = (2, 2, 2), restore at the same, (1, 2, 4), (4, 1, 2) (CONFIG_B: 3+2+2+2 layers, padding
+    entries inside the stack) and (1, 1, 1): every parameter equals the HF loader's into that layout bit for bit,
+    with the same sharding. Also in float32 (a dtype other than the converted one; the cast is exact)."""
+    from slope_jax.checkpoints import orbax_store
+    from slope_jax.parallel.config import ParallelConfig
+    from slope_jax.serve.engine import PrefillEngine
+
+    src, out = checkpoints[name]["mxfp4"], str(tmp_path / "orbax")
+    meta = orbax_store.convert(src, out, ParallelConfig(2, 2, 2), "bfloat16", progress=False)
+    assert orbax_store.is_orbax_checkpoint(out) and not orbax_store.is_orbax_checkpoint(src)
+    assert meta["saved_layout"] == {"pipeline": 2, "ring": 2, "ulysses": 2}
+    for par, dtype in ((ParallelConfig(2, 2, 2), "bfloat16"), (ParallelConfig(1, 2, 4), "bfloat16"),
+                       (ParallelConfig(4, 1, 2), "bfloat16"), (ParallelConfig(1, 1, 1), "bfloat16"),
+                       (ParallelConfig(1, 2, 4), "float32")):
+        want = PrefillEngine.from_checkpoint(src, par, dtype, progress=False).params
+        got = PrefillEngine.from_checkpoint(out, par, dtype, progress=False).params  # detects the orbax dir
+        _assert_same_placed(got, want, f"{name} {par} {dtype}")
+
+
+def test_convert_cli_and_refusals(tmp_path):
+    """The console entry converts the shipped checkpoint (tokenizer copied, marker written last), refuses to overwrite,
+    and a restore refuses a directory converted under another declaration, naming the parameter."""
+    import subprocess
+    import sys
+
+    from slope_jax.checkpoints import orbax_store
+
+    out = str(tmp_path / "tiny-orbax")
+    cmd = [sys.executable, "-m", "slope_jax.convert", f"--checkpoint={SHIPPED}", f"--out={out}", "--cpu_devices=4",
+           "--pipeline=2", "--ulysses=2"]
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(os.listdir(out)) == ["generation_config.json", "params", orbax_store.MARKER, "tokenizer.json",
+                                       "tokenizer_config.json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 2 and "already holds a converted checkpoint" in r.stderr, r.stderr[-2000:]
+
+    cfg, params, _ = orbax_store.restore(out)
+    want = load_checkpoint(SHIPPED, "bfloat16", progress=False)[1]
+    for (k, g), (_, w) in zip(_flat(params), _flat(want)):
+        np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=k)
+
+    marker = os.path.join(out, orbax_store.MARKER)
+    meta = json.load(open(marker))
+    meta["params"]["layers/wq"][0][0] += 1  # as if the declaration had changed since the conversion
+    json.dump(meta, open(marker, "w"))
+    with pytest.raises(CheckpointError, match="different parameter declaration.*layers/wq"):
+        orbax_store.restore(out)
+    meta["format"] = 99
+    json.dump(meta, open(marker, "w"))
+    with pytest.raises(CheckpointError, match="format=99"):
+        orbax_store.restore(out)
+    os.remove(marker)  # an interrupted conversion: not taken for a checkpoint of either kind
+    with pytest.raises(CheckpointError):
+        load_checkpoint(out, progress=False)
