@@ -230,10 +230,12 @@ def save(out: str, cfg: ModelConfig, params: dict, pl: Placement, dtype, *, sour
     t0 = time.perf_counter()
     # Each unique shard is written once, from its first replica. (orbax's default splits a replicated shard into
     # slices written by each replica: a device slice per replica, compiled per device — minutes of compiles for a
-    # few MiB on CPU; the write is I/O bound either way.)
+    # few MiB on CPU; the write is I/O bound either way.) Uncompressed: weights (random bits of bf16 mantissas,
+    # MXFP4 codes) barely compress, and a restart should not pay for decompression.
     registry = ocp.type_handlers.create_type_handler_registry(
         (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)))
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry)) as ckptr:
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry,
+                                                                use_compression=False)) as ckptr:
         ckptr.save(os.path.join(out, PARAMS_DIR), args=ocp.args.PyTreeSave(_unflatten(tree)))
     nbytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in tree.values())
     log.info("saved %d arrays (%.1f MiB) to %s in %.1f s", len(tree), nbytes / 2**20, out,
