@@ -178,7 +178,7 @@ def test_released_configs_parameter_counts():
         n = 0
         for _, s in _flat(model.param_specs(cfg), leaf=model.ParamSpec):
             count = int(np.prod(s.shape))
-            n += count * 2 if s.axes[-1] == "bytes" else (0 if s.axes[-1] == "blocks" else count)
+            n += count * 2 if s.axes[-1] == "block_bytes" else (0 if s.axes[-1].endswith("_blocks") else count)
         assert abs(n - total) / total < 1e-3, (name, n)
         assert cfg.sliding_layers == tuple(range(0, cfg.num_hidden_layers, 2))
 
