@@ -313,3 +313,88 @@ def test_convert_cli_and_refusals(tmp_path):
     os.remove(marker)  # an interrupted conversion: not taken for a checkpoint of either kind
     with pytest.raises(CheckpointError):
         load_checkpoint(out, progress=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one declaration
+def test_a_new_declared_parameter_flows_everywhere(monkeypatch, tmp_path):
+    """A hypothetical parameter added to the declaration (a subclass of `Layers`) plus its row in each name map (data,
+    no code): random init, the writer (HF sharded + original/), the loader and its shape checks, the shardings and
+    orbax convert/restore all carry it, with no other edit."""
+    from jax.sharding import PartitionSpec as Ps
+
+    from slope_jax.checkpoints import names, orbax_store
+    from slope_jax.parallel import pipeline as pipe_lib
+    from slope_jax.parallel.config import ParallelConfig
+    from slope_jax.serve.engine import PrefillEngine
+
+    class LayersPlus(model.Layers):
+        def __init__(self, cfg, dtype, d):
+            super().__init__(cfg, dtype, d)
+            self.gate_scale = model._p(d, ("layers", "kv_heads", "experts"), dtype, model.BIAS)
+
+    monkeypatch.setattr(model, "Layers", LayersPlus)
+    monkeypatch.setitem(names.TABLES, "hf", names.HF + (
+        names.Name("layers/gate_scale", "model.layers.{layer}.mlp.gate_scale", "experts, kv_heads"),))
+    monkeypatch.setitem(names.TABLES, "original", names.ORIGINAL + (
+        names.Name("layers/gate_scale", "block.{layer}.mlp.gate_scale", "experts, kv_heads"),))
+    cfg = CONFIG_A
+    L, K, E = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_experts
+    import jax
+
+    assert model.init_params(cfg, jax.random.key(0))["layers"]["gate_scale"].shape == (L, K, E)
+    params = checkpoint_writer.random_params(cfg, 3)
+    new = params["layers"]["gate_scale"]
+    assert new.shape == (L, K, E) and np.abs(new.astype(np.float32)).max() > 0
+
+    d = str(tmp_path / "ck")
+    checkpoint_writer.write_hf(d, cfg, params, num_shards=2)
+    checkpoint_writer.write_original(os.path.join(d, "original"), cfg, params)
+    ck = open_checkpoint(d)
+    assert ck.source.header["model.layers.3.mlp.gate_scale"] == ("BF16", (E, K))  # stored transposed, as mapped
+    for layout in ("hf", "original"):
+        got = load_checkpoint(d, "bfloat16", layout=layout, progress=False)[1]["layers"]["gate_scale"]
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16), new.view(np.uint16), err_msg=layout)
+
+    assert pipe_lib.param_partition_specs(cfg, "bfloat16", L)["layers"]["gate_scale"] == Ps("pipeline", None, None)
+    engine = PrefillEngine.from_checkpoint(d, ParallelConfig(2, 2, 2), progress=False)
+    placed = engine.params["layers"]["gate_scale"]
+    assert placed.sharding.spec == Ps("pipeline", None, None) and placed.shape == (L, K, E)
+    np.testing.assert_array_equal(np.asarray(placed).view(np.uint16), new.view(np.uint16))
+    orbax_store.convert(d, str(tmp_path / "ob"), ParallelConfig(2, 2, 2), progress=False)
+    restored = orbax_store.restore(str(tmp_path / "ob"), ParallelConfig(1, 2, 4))[1]["layers"]["gate_scale"]
+    np.testing.assert_array_equal(np.asarray(restored).view(np.uint16), new.view(np.uint16))
+
+    # the loader's shape check covers it, naming the config fields of each axis
+    f = os.path.join(d, "original", "model.safetensors")
+    _rewrite(f, lambda t: t.__setitem__("block.1.mlp.gate_scale", np.zeros((E, K + 1), t["norm.scale"].dtype)))
+    with pytest.raises(CheckpointError, match=r"gate_scale.*expected \[6, 4\] = \[6 \(num_experts\), "
+                                              r"4 \(num_key_value_heads\)\]"):
+        open_checkpoint(d, "original")
+    # and a checkpoint written before the parameter existed is refused, naming the missing tensor
+    with pytest.raises(CheckpointError, match=r"missing.*model\.layers\.0\.mlp\.gate_scale"):
+        open_checkpoint(SHIPPED)
+
+
+def test_name_maps_cover_the_declaration_and_rules_use_a_mesh_axis_once(monkeypatch):
+    """Every declared parameter (both expert formats) has a name in each layout that can hold it, each row uses
+    every declared axis exactly once, and the sharding rules refuse a mesh axis used twice in one parameter."""
+    import dataclasses
+
+    from slope_jax.checkpoints import hf, names
+    from slope_jax.parallel import pipeline as pipe_lib
+
+    for fmt, layouts in (("mxfp4", ("hf", "original")), ("dense", ("hf",))):
+        cfg = dataclasses.replace(CONFIG_A, expert_format=fmt)
+        n_params = len(list(_flat(model.param_specs(cfg), leaf=model.ParamSpec)))
+        for layout in layouts:
+            table = hf.tensor_table(cfg, layout)
+            assert {e.param for e in table} == {k for k, _ in _flat(model.param_specs(cfg), leaf=model.ParamSpec)}
+            assert len({e.name for e in table}) == (3 + 19 * 4 if layout == "hf" and fmt == "mxfp4" else
+                                                    3 + 17 * 4 if layout == "hf" else 3 + 15 * 4), (fmt, layout)
+            assert n_params == len({e.param for e in table})
+    with pytest.raises(ValueError, match="exactly once"):
+        names.axis_groups(names.Name("layers/wq", "x", "q_heads*head_dim"), ("q_heads", "head_dim", "embed"))
+    monkeypatch.setitem(pipe_lib.LOGICAL_RULES, "experts", "pipeline")
+    with pytest.raises(ValueError, match="used twice"):
+        pipe_lib.param_partition_specs(CONFIG_A, "bfloat16", 4)
