@@ -342,7 +342,8 @@ def test_a_new_declared_parameter_flows_everywhere(monkeypatch, tmp_path):
     L, K, E = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_experts
     import jax
 
-    assert model.init_params(cfg, jax.random.key(0))["layers"]["gate_scale"].shape == (L, K, E)
+    init = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))  # traced, not compiled
+    assert init["layers"]["gate_scale"].shape == (L, K, E) and init["layers"]["gate_scale"].dtype == np.float32
     params = checkpoint_writer.random_params(cfg, 3)
     new = params["layers"]["gate_scale"]
     assert new.shape == (L, K, E) and np.abs(new.astype(np.float32)).max() > 0
