@@ -8,13 +8,16 @@ Layout of a converted directory:
 
 What is stored (and why this shape): every per-layer parameter as one array per layer (`layers/<name>/<layer>`,
 the `layers` axis dropped), each sharded over the devices of the pipeline stage that holds the layer; the other
-parameters as placed (embedding/unembedding rows over `pipeline`). A restore into any layout then asks orbax for
-each layer with the target stage's sharding, so every process reads only the layers and the rows its devices hold
-(replicas of a shard share one read), and the stacks `[P·n, …]` of the target layout are assembled on each device
-from its own layers — a different pipeline degree needs no permutation of a stacked array on disk. Vocabulary rows
-are zero-padded or truncated to the target layout's multiple of P by orbax (`ArrayRestoreArgs(strict=False)`), for
-the vocabulary axis only. MXFP4 experts stay packed (uint8 blocks and scales). Float parameters are stored in the
-dtype of the conversion and cast on restore if another dtype is asked for.
+parameters as placed (embedding/unembedding rows over `pipeline`). A restore into any layout reads, one parameter
+family at a time, only the layers of the stages this process's devices belong to (orbax partial restore to host
+arrays) and the embedding rows its devices hold (orbax with the target sharding; replicas share one read); the
+target stacks `[P·n, …]` are assembled on the host and placed with `make_array_from_callback` (no device
+computation, nothing compiled). So a different pipeline degree needs no permutation of a stacked array on disk.
+Vocabulary rows are zero-padded or truncated to the target layout's multiple of P by orbax
+(`ArrayRestoreArgs(strict=False)`), for the vocabulary axis only. MXFP4 experts stay packed (uint8 blocks and
+scales). Float parameters are stored in the dtype of the conversion and cast on restore if another is asked for.
+A stage whose devices span several processes is read whole by each of them (host arrays), which is correct but
+reads more than the shard; with stages inside a host (the recommended mesh order) each layer is read once per host.
 
 Every shape restored is the one the model declaration (`model.param_specs`) gives for the target layout, checked
 against the saved metadata first: a directory converted under a different declaration or config is refused with a
@@ -131,9 +134,6 @@ def _split_layers(name: str, arr: jax.Array, pl: Placement) -> dict[int, jax.Arr
     """A placed stack `[P·n, …]` → {global layer: `[…]` sharded over its stage's devices}, from local shards only
     (each stage's shard is copied to the host once; no device computation, so nothing is compiled)."""
     out = {}
-    host: dict = {}
-    for s in arr.addressable_shards:
-        host.setdefault((s.index[0].start or 0, *[(i.start, i.stop) for i in s.index[1:]]), s)
     by_device = {s.device: s for s in arr.addressable_shards}
     for g, (p, j) in _stage_of(pl.plan).items():
         sh = _layer_sharding(pl, name, p)
