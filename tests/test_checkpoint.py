@@ -178,7 +178,7 @@ def test_released_configs_parameter_counts():
         n = 0
         for _, s in _flat(model.param_specs(cfg), leaf=model.ParamSpec):
             count = int(np.prod(s.shape))
-            n += count * 2 if s.axes[-1] == "bytes" else (0 if s.axes[-1] == "blocks" else count)
+            n += count * 2 if s.axes[-1] == "block_bytes" else (0 if s.axes[-1].endswith("_blocks") else count)
         assert abs(n - total) / total < 1e-3, (name, n)
         assert cfg.sliding_layers == tuple(range(0, cfg.num_hidden_layers, 2))
 
@@ -235,3 +235,167 @@ def test_copy_of_shipped_checkpoint_loads(tmp_path):
     shutil.copytree(SHIPPED, dst)
     cfg, params = load_checkpoint(dst, "bfloat16", progress=False)
     assert cfg.vocab_size == 1024 and params["layers"]["w1_blocks"].dtype == np.uint8
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# orbax fast restart (slope_jax.checkpoints.orbax_store, `python -m slope_jax.convert`)
+def _bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view(np.uint8 if a.dtype.itemsize == 1 else np.uint16 if a.dtype.itemsize == 2 else np.uint32)
+
+
+def _assert_same_placed(got: dict, want: dict, where: str):
+    """Bitwise-equal values, equal shapes/dtypes, and equivalent shardings, leaf by leaf."""
+    fg, fw = dict(_flat(got)), dict(_flat(want))
+    assert fg.keys() == fw.keys(), where
+    for k, w in fw.items():
+        g = fg[k]
+        assert g.shape == w.shape and g.dtype == w.dtype, (where, k, g.shape, w.shape, g.dtype, w.dtype)
+        assert g.sharding.is_equivalent_to(w.sharding, w.ndim), (where, k, g.sharding, w.sharding)
+        np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=f"{where}: {k}")
+
+
+@pytest.mark.parametrize("name", ["A", "B"])
+def test_orbax_restore_is_bitwise_the_hf_load_in_any_layout(checkpoints, tmp_path, name):
+    """Convert at (P, R, U) = (2, 2, 2), restore at the same, (1, 2, 4), (4, 1, 2) (CONFIG_B: 3+2+2+2 layers, padding
+    entries inside the stack) and (1, 1, 1): every parameter equals the HF loader's into that layout bit for bit,
+    with the same sharding. Also in float32 (a dtype other than the converted one; the cast is exact)."""
+    from slope_jax.checkpoints import orbax_store
+    from slope_jax.parallel.config import ParallelConfig
+    from slope_jax.serve.engine import PrefillEngine
+
+    src, out = checkpoints[name]["mxfp4"], str(tmp_path / "orbax")
+    meta = orbax_store.convert(src, out, ParallelConfig(2, 2, 2), "bfloat16", progress=False)
+    assert orbax_store.is_orbax_checkpoint(out) and not orbax_store.is_orbax_checkpoint(src)
+    assert meta["saved_layout"] == {"pipeline": 2, "ring": 2, "ulysses": 2}
+    for par, dtype in ((ParallelConfig(2, 2, 2), "bfloat16"), (ParallelConfig(1, 2, 4), "bfloat16"),
+                       (ParallelConfig(4, 1, 2), "bfloat16"), (ParallelConfig(1, 1, 1), "bfloat16"),
+                       (ParallelConfig(1, 2, 4), "float32")):
+        want = PrefillEngine.from_checkpoint(src, par, dtype, progress=False).params
+        got = PrefillEngine.from_checkpoint(out, par, dtype, progress=False).params  # detects the orbax dir
+        _assert_same_placed(got, want, f"{name} {par} {dtype}")
+
+
+def test_convert_cli_and_refusals(tmp_path):
+    """The console entry converts the shipped checkpoint (tokenizer copied, marker written last), refuses to overwrite,
+    and a restore refuses a directory converted under another declaration, naming the parameter."""
+    import subprocess
+    import sys
+
+    from slope_jax.checkpoints import orbax_store
+
+    out = str(tmp_path / "tiny-orbax")
+    cmd = [sys.executable, "-m", "slope_jax.convert", f"--checkpoint={SHIPPED}", f"--out={out}", "--cpu_devices=4",
+           "--pipeline=2", "--ulysses=2"]
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(os.listdir(out)) == ["generation_config.json", "params", orbax_store.MARKER, "tokenizer.json",
+                                       "tokenizer_config.json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 2 and "already holds a converted checkpoint" in r.stderr, r.stderr[-2000:]
+
+    cfg, params, _ = orbax_store.restore(out)
+    want = load_checkpoint(SHIPPED, "bfloat16", progress=False)[1]
+    for (k, g), (_, w) in zip(_flat(params), _flat(want)):
+        np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=k)
+
+    marker = os.path.join(out, orbax_store.MARKER)
+    meta = json.load(open(marker))
+    meta["params"]["layers/wq"][0][0] += 1  # as if the declaration had changed since the conversion
+    json.dump(meta, open(marker, "w"))
+    with pytest.raises(CheckpointError, match="different parameter declaration.*layers/wq"):
+        orbax_store.restore(out)
+    meta["format"] = 99
+    json.dump(meta, open(marker, "w"))
+    with pytest.raises(CheckpointError, match="format=99"):
+        orbax_store.restore(out)
+    os.remove(marker)  # an interrupted conversion: not taken for a checkpoint of either kind
+    with pytest.raises(CheckpointError):
+        load_checkpoint(out, progress=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one declaration
+def test_a_new_declared_parameter_flows_everywhere(monkeypatch, tmp_path):
+    """A hypothetical parameter added to the declaration (a subclass of `Layers`) plus its row in each name map (data,
+    no code): random init, the writer (HF sharded + original/), the loader and its shape checks, the shardings and
+    orbax convert/restore all carry it, with no other edit."""
+    from jax.sharding import PartitionSpec as Ps
+
+    from slope_jax.checkpoints import names, orbax_store
+    from slope_jax.parallel import pipeline as pipe_lib
+    from slope_jax.parallel.config import ParallelConfig
+    from slope_jax.serve.engine import PrefillEngine
+
+    class LayersPlus(model.Layers):
+        def __init__(self, cfg, dtype, d):
+            super().__init__(cfg, dtype, d)
+            self.gate_scale = model._p(d, ("layers", "kv_heads", "experts"), dtype, model.BIAS)
+
+    monkeypatch.setattr(model, "Layers", LayersPlus)
+    monkeypatch.setitem(names.TABLES, "hf", names.HF + (
+        names.Name("layers/gate_scale", "model.layers.{layer}.mlp.gate_scale", "experts, kv_heads"),))
+    monkeypatch.setitem(names.TABLES, "original", names.ORIGINAL + (
+        names.Name("layers/gate_scale", "block.{layer}.mlp.gate_scale", "experts, kv_heads"),))
+    cfg = CONFIG_A
+    L, K, E = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_experts
+    import jax
+
+    init = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))  # traced, not compiled
+    assert init["layers"]["gate_scale"].shape == (L, K, E) and init["layers"]["gate_scale"].dtype == np.float32
+    params = checkpoint_writer.random_params(cfg, 3)
+    new = params["layers"]["gate_scale"]
+    assert new.shape == (L, K, E) and np.abs(new.astype(np.float32)).max() > 0
+
+    d = str(tmp_path / "ck")
+    checkpoint_writer.write_hf(d, cfg, params, num_shards=2)
+    checkpoint_writer.write_original(os.path.join(d, "original"), cfg, params)
+    ck = open_checkpoint(d)
+    assert ck.source.header["model.layers.3.mlp.gate_scale"] == ("BF16", (E, K))  # stored transposed, as mapped
+    for layout in ("hf", "original"):
+        got = load_checkpoint(d, "bfloat16", layout=layout, progress=False)[1]["layers"]["gate_scale"]
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16), new.view(np.uint16), err_msg=layout)
+
+    assert pipe_lib.param_partition_specs(cfg, "bfloat16", L)["layers"]["gate_scale"] == Ps("pipeline", None, None)
+    engine = PrefillEngine.from_checkpoint(d, ParallelConfig(2, 2, 2), progress=False)
+    placed = engine.params["layers"]["gate_scale"]
+    assert placed.sharding.spec == Ps("pipeline", None, None) and placed.shape == (L, K, E)
+    np.testing.assert_array_equal(np.asarray(placed).view(np.uint16), new.view(np.uint16))
+    orbax_store.convert(d, str(tmp_path / "ob"), ParallelConfig(2, 2, 2), progress=False)
+    restored = orbax_store.restore(str(tmp_path / "ob"), ParallelConfig(1, 2, 4))[1]["layers"]["gate_scale"]
+    np.testing.assert_array_equal(np.asarray(restored).view(np.uint16), new.view(np.uint16))
+
+    # the loader's shape check covers it, naming the config fields of each axis
+    f = os.path.join(d, "original", "model.safetensors")
+    _rewrite(f, lambda t: t.__setitem__("block.1.mlp.gate_scale", np.zeros((E, K + 1), t["norm.scale"].dtype)))
+    with pytest.raises(CheckpointError, match=r"gate_scale.*expected \[6, 4\] = \[6 \(num_experts\), "
+                                              r"4 \(num_key_value_heads\)\]"):
+        open_checkpoint(d, "original")
+    # and a checkpoint written before the parameter existed is refused, naming the missing tensor
+    with pytest.raises(CheckpointError, match=r"missing.*model\.layers\.0\.mlp\.gate_scale"):
+        open_checkpoint(SHIPPED)
+
+
+def test_name_maps_cover_the_declaration_and_rules_use_a_mesh_axis_once(monkeypatch):
+    """Every declared parameter (both expert formats) has a name in each layout that can hold it, each row uses
+    every declared axis exactly once, and the sharding rules refuse a mesh axis used twice in one parameter."""
+    import dataclasses
+
+    from slope_jax.checkpoints import hf, names
+    from slope_jax.parallel import pipeline as pipe_lib
+
+    for fmt, layouts in (("mxfp4", ("hf", "original")), ("dense", ("hf",))):
+        cfg = dataclasses.replace(CONFIG_A, expert_format=fmt)
+        n_params = len(list(_flat(model.param_specs(cfg), leaf=model.ParamSpec)))
+        for layout in layouts:
+            table = hf.tensor_table(cfg, layout)
+            assert {e.param for e in table} == {k for k, _ in _flat(model.param_specs(cfg), leaf=model.ParamSpec)}
+            assert len({e.name for e in table}) == (3 + 19 * 4 if layout == "hf" and fmt == "mxfp4" else
+                                                    3 + 17 * 4 if layout == "hf" else 3 + 15 * 4), (fmt, layout)
+            assert n_params == len({e.param for e in table})
+    with pytest.raises(ValueError, match="exactly once"):
+        names.axis_groups(names.Name("layers/wq", "x", "q_heads*head_dim"), ("q_heads", "head_dim", "embed"))
+    monkeypatch.setitem(pipe_lib.LOGICAL_RULES, "experts", "pipeline")
+    with pytest.raises(ValueError, match="used twice"):
+        pipe_lib.param_partition_specs(CONFIG_A, "bfloat16", 4)

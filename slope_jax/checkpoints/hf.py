@@ -2,8 +2,9 @@
 
 Notable:
 - One key table (`tensor_table`) maps every checkpoint tensor to the parameter it feeds, with the shape the config
-  implies (each dimension tagged with the config field it comes from) and the dtypes it may have. The expected
-  parameters themselves come from the model declaration (`model.param_specs`).
+  implies (each dimension tagged with the config field it comes from) and the dtypes it may have. It is derived:
+  the parameters, shapes and dtypes from the model declaration (`model.param_specs`), the names and axis
+  transforms from the layout's name map (`checkpoints.names`, which the writer inverts).
 - Everything is validated from the safetensors headers before any data is read: missing, unknown, duplicate
   (the same tensor in two shards) and misshaped tensors, truncated files — each error names the file, the tensor,
   and the expected and found shape.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 from typing import Callable, Iterable
 
@@ -27,6 +29,7 @@ import jax
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from slope_jax.checkpoints import names as names_lib
 from slope_jax.model import gpt_oss as model_lib
 from slope_jax.model.config import ConfigError, ModelConfig
 
@@ -45,8 +48,9 @@ class CheckpointError(ValueError):
 # Key table
 @dataclasses.dataclass(frozen=True)
 class TensorEntry:
-    """One checkpoint tensor. `param` is the parameter path (e.g. "layers/wq"); `layer` the global layer or None;
-    `shape` pairs of (size, config field) for messages; `read(handle, name)` returns the param-layout numpy array."""
+    """One checkpoint tensor feeding one parameter. `param` is the parameter path (e.g. "layers/wq"); `layer` the
+    global layer or None; `shape` pairs of (size, config field) for messages; `read(handle, name)` returns the
+    param-layout numpy array (one layer); `plain`: the tensor is the parameter as is (row ranges may be read)."""
 
     name: str
     param: str
@@ -54,113 +58,58 @@ class TensorEntry:
     shape: tuple[tuple[int, str], ...]
     kind: str  # "float" or "uint8"
     read: Callable
+    plain: bool = False
 
 
-def _plain(h, name):
-    return h.get_tensor(name)
-
-
-def _rows(lo: int, hi: int, reshape: tuple[int, ...]):
+def _reader(groups: list[list[int]], shape: tuple[int, ...], rows: tuple[int, int] | None):
     def read(h, name):
-        return h.get_slice(name)[lo:hi].reshape(reshape)
+        t = h.get_slice(name)[rows[0]:rows[1]] if rows else h.get_tensor(name)
+        return names_lib.from_checkpoint(t, groups, shape)
     return read
-
-
-def _reshape(shape):
-    def read(h, name):
-        return h.get_tensor(name).reshape(shape)
-    return read
-
-
-def _transpose_experts(h, name):  # HF dense [E, in, out] -> ours [E, out, in]
-    return np.ascontiguousarray(np.swapaxes(h.get_tensor(name), 1, 2))
 
 
 def tensor_table(cfg: ModelConfig, layout: str) -> list[TensorEntry]:
-    """Every tensor a checkpoint of `layout` ("hf" or "original") must hold for `cfg` (expert format from cfg)."""
-    D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    E, I, V = cfg.num_experts, cfg.intermediate_size, cfg.vocab_size
-    d, v = (D, "hidden_size"), (V, "vocab_size")
-    nh, kh = (N * H, "num_attention_heads*head_dim"), (K * H, "num_key_value_heads*head_dim")
-    e, i2, i = (E, "num_experts"), (2 * I, "2*intermediate_size"), (I, "intermediate_size")
-    F, U = "float", "uint8"
-    out: list[TensorEntry] = []
-    if layout == "hf":
-        out += [TensorEntry("model.embed_tokens.weight", "embed", None, (v, d), F, _plain),
-                TensorEntry("model.norm.weight", "final_norm", None, (d,), F, _plain),
-                TensorEntry("lm_head.weight", "unembed", None, (v, d), F, _plain)]
-        for l in range(cfg.num_hidden_layers):
-            pre = f"model.layers.{l}."
-            out += [
-                TensorEntry(pre + "input_layernorm.weight", "layers/attn_norm", l, (d,), F, _plain),
-                TensorEntry(pre + "self_attn.q_proj.weight", "layers/wq", l, (nh, d), F, _reshape((N, H, D))),
-                TensorEntry(pre + "self_attn.q_proj.bias", "layers/bq", l, (nh,), F, _reshape((N, H))),
-                TensorEntry(pre + "self_attn.k_proj.weight", "layers/wk", l, (kh, d), F, _reshape((K, H, D))),
-                TensorEntry(pre + "self_attn.k_proj.bias", "layers/bk", l, (kh,), F, _reshape((K, H))),
-                TensorEntry(pre + "self_attn.v_proj.weight", "layers/wv", l, (kh, d), F, _reshape((K, H, D))),
-                TensorEntry(pre + "self_attn.v_proj.bias", "layers/bv", l, (kh,), F, _reshape((K, H))),
-                TensorEntry(pre + "self_attn.o_proj.weight", "layers/wo", l, (d, nh), F, _reshape((D, N, H))),
-                TensorEntry(pre + "self_attn.o_proj.bias", "layers/bo", l, (d,), F, _plain),
-                TensorEntry(pre + "self_attn.sinks", "layers/sinks", l, ((N, "num_attention_heads"),), F, _plain),
-                TensorEntry(pre + "post_attention_layernorm.weight", "layers/mlp_norm", l, (d,), F, _plain),
-                TensorEntry(pre + "mlp.router.weight", "layers/router_w", l, (e, d), F, _plain),
-                TensorEntry(pre + "mlp.router.bias", "layers/router_b", l, (e,), F, _plain),
-                TensorEntry(pre + "mlp.experts.gate_up_proj_bias", "layers/b1", l, (e, i2), F, _plain),
-                TensorEntry(pre + "mlp.experts.down_proj_bias", "layers/b2", l, (e, d), F, _plain),
-            ]
-            x = pre + "mlp.experts."
-            if cfg.expert_format == "mxfp4":
-                out += [
-                    TensorEntry(x + "gate_up_proj_blocks", "layers/w1_blocks", l,
-                                (e, i2, (D // 32, "hidden_size/32"), (16, "bytes")), U, _plain),
-                    TensorEntry(x + "gate_up_proj_scales", "layers/w1_scales", l,
-                                (e, i2, (D // 32, "hidden_size/32")), U, _plain),
-                    TensorEntry(x + "down_proj_blocks", "layers/w2_blocks", l,
-                                (e, d, (I // 32, "intermediate_size/32"), (16, "bytes")), U, _plain),
-                    TensorEntry(x + "down_proj_scales", "layers/w2_scales", l,
-                                (e, d, (I // 32, "intermediate_size/32")), U, _plain)]
-            else:
-                out += [TensorEntry(x + "gate_up_proj", "layers/w1", l, (e, d, i2), F, _transpose_experts),
-                        TensorEntry(x + "down_proj", "layers/w2", l, (e, i, d), F, _transpose_experts)]
-    elif layout == "original":
-        if cfg.expert_format != "mxfp4":
-            raise CheckpointError("the original/ layout always stores MXFP4 experts")
-        qkv = ((N + 2 * K) * H, "(num_attention_heads+2*num_key_value_heads)*head_dim")
-        out += [TensorEntry("embedding.weight", "embed", None, (v, d), F, _plain),
-                TensorEntry("norm.scale", "final_norm", None, (d,), F, _plain),
-                TensorEntry("unembedding.weight", "unembed", None, (v, d), F, _plain)]
-        q_end, k_end = N * H, (N + K) * H
-        for l in range(cfg.num_hidden_layers):
-            pre = f"block.{l}."
-            out += [
-                TensorEntry(pre + "attn.norm.scale", "layers/attn_norm", l, (d,), F, _plain),
-                # qkv rows 0:NH -> q, NH:(N+K)H -> k, (N+K)H: -> v (spec §3.2); read as row slices
-                TensorEntry(pre + "attn.qkv.weight", "layers/wq", l, (qkv, d), F, _rows(0, q_end, (N, H, D))),
-                TensorEntry(pre + "attn.qkv.weight", "layers/wk", l, (qkv, d), F, _rows(q_end, k_end, (K, H, D))),
-                TensorEntry(pre + "attn.qkv.weight", "layers/wv", l, (qkv, d), F,
-                            _rows(k_end, k_end + K * H, (K, H, D))),
-                TensorEntry(pre + "attn.qkv.bias", "layers/bq", l, (qkv,), F, _rows(0, q_end, (N, H))),
-                TensorEntry(pre + "attn.qkv.bias", "layers/bk", l, (qkv,), F, _rows(q_end, k_end, (K, H))),
-                TensorEntry(pre + "attn.qkv.bias", "layers/bv", l, (qkv,), F, _rows(k_end, k_end + K * H, (K, H))),
-                TensorEntry(pre + "attn.sinks", "layers/sinks", l, ((N, "num_attention_heads"),), F, _plain),
-                TensorEntry(pre + "attn.out.weight", "layers/wo", l, (d, nh), F, _reshape((D, N, H))),
-                TensorEntry(pre + "attn.out.bias", "layers/bo", l, (d,), F, _plain),
-                TensorEntry(pre + "mlp.norm.scale", "layers/mlp_norm", l, (d,), F, _plain),
-                TensorEntry(pre + "mlp.gate.weight", "layers/router_w", l, (e, d), F, _plain),
-                TensorEntry(pre + "mlp.gate.bias", "layers/router_b", l, (e,), F, _plain),
-                TensorEntry(pre + "mlp.mlp1_weight.blocks", "layers/w1_blocks", l,
-                            (e, i2, (D // 32, "hidden_size/32"), (16, "bytes")), U, _plain),
-                TensorEntry(pre + "mlp.mlp1_weight.scales", "layers/w1_scales", l,
-                            (e, i2, (D // 32, "hidden_size/32")), U, _plain),
-                TensorEntry(pre + "mlp.mlp1_bias", "layers/b1", l, (e, i2), F, _plain),
-                TensorEntry(pre + "mlp.mlp2_weight.blocks", "layers/w2_blocks", l,
-                            (e, d, (I // 32, "intermediate_size/32"), (16, "bytes")), U, _plain),
-                TensorEntry(pre + "mlp.mlp2_weight.scales", "layers/w2_scales", l,
-                            (e, d, (I // 32, "intermediate_size/32")), U, _plain),
-                TensorEntry(pre + "mlp.mlp2_bias", "layers/b2", l, (e, d), F, _plain),
-            ]
-    else:
-        raise ValueError(f"layout={layout!r}: expected 'hf' or 'original'")
+    """Every tensor a checkpoint of `layout` ("hf" or "original") must hold for `cfg` (expert format from cfg):
+    the declared parameters (`model.param_specs`) joined with the layout's name map (`checkpoints.names`)."""
+    if layout == "original" and cfg.expert_format != "mxfp4":
+        raise CheckpointError("the original/ layout always stores MXFP4 experts")
+    specs = _flatten(model_lib.param_specs(cfg))
+    d = model_lib.dims(cfg)
+    rows = [r for r in names_lib.table(layout) if r.param in specs]
+    unnamed = [p for p in specs if p not in {r.param for r in rows}]
+    if unnamed:
+        raise ValueError(f"declared parameter(s) {unnamed} have no {layout!r} checkpoint name: add a row to "
+                         "slope_jax/checkpoints/names.py")
+    fused: dict[str, list[names_lib.Name]] = {}
+    for r in rows:
+        fused.setdefault(r.key, []).append(r)
+
+    def ck_dims(r):  # [(size, source)] of one row's checkpoint axes, and its axis groups and per-layer shape
+        spec = specs[r.param]
+        axes = spec.axes[1:] if spec.axes[0] == "layers" else spec.axes
+        groups = names_lib.axis_groups(r, axes)
+        dd = [(math.prod(d[axes[i]].size for i in g), "*".join(d[axes[i]].source for i in g)) for g in groups]
+        return dd, groups, tuple(d[a].size for a in axes)
+
+    def entries(r, layer):
+        spec = specs[r.param]
+        dd, groups, shape = ck_dims(r)
+        group = fused[r.key]
+        rows_range = None
+        if len(group) > 1:  # concatenated along axis 0 in row order
+            sizes = [ck_dims(x)[0][0] for x in group]
+            off = sum(s for s, _ in sizes[:group.index(r)])
+            rows_range = (off, off + dd[0][0])
+            dd = [(sum(s for s, _ in sizes), "+".join(src for _, src in sizes)), *dd[1:]]
+        key = r.key.format(layer=layer) if layer is not None else r.key
+        kind = "uint8" if spec.dtype == np.uint8 else "float"
+        plain = rows_range is None and groups == [[i] for i in range(len(shape))]
+        return TensorEntry(key, r.param, layer, tuple(dd), kind, _reader(groups, shape, rows_range), plain)
+
+    per_layer = [r for r in rows if specs[r.param].axes[0] == "layers"]
+    out = [entries(r, None) for r in rows if r not in per_layer]
+    for layer in range(cfg.num_hidden_layers):
+        out += [entries(r, layer) for r in per_layer]
     return out
 
 
@@ -413,12 +362,15 @@ def load_params(ckpt: CheckpointDir, dtype="bfloat16", *, shardings: dict | None
                 for j, g in enumerate(stack[lo:hi]):
                     if g >= 0:
                         block[j] = read_one(entries[g])
-            elif spec.axes[0] == "vocab":  # row range of the table; rows past V are padding
+            elif spec.axes[0] == "vocab" and entries[None].plain:  # row range of the table; rows past V: padding
                 stop = min(hi, cfg.vocab_size)
                 step = max(1, _CHUNK_BYTES // max(1, int(np.prod(spec.shape[1:])) * spec.dtype.itemsize))
                 for a in range(lo, stop, step):
                     b = min(stop, a + step)
                     block[a - lo:b - lo] = read_one(entries[None], rows=(a, b))
+            elif spec.axes[0] == "vocab":  # a transformed table: read whole, keep this block's rows
+                stop = min(hi, cfg.vocab_size)
+                block[:stop - lo] = read_one(entries[None])[lo:stop]
             else:
                 block[...] = read_one(entries[None])
             return block[(slice(None), *index[1:])]

@@ -8,13 +8,17 @@ sharded with `model.safetensors.index.json`); "hf-dense" — HF's unquantized la
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import ml_dtypes
 import numpy as np
 
 from slope_jax.atomic import atomic_json, atomic_safetensors
+from slope_jax.checkpoints import hf
+from slope_jax.checkpoints import names as names_lib
 from slope_jax.checkpoints.hf import HF_INDEX, HF_SINGLE
+from slope_jax.model import gpt_oss as model_lib
 from slope_jax.model import mxfp4
 from slope_jax.model.config import ModelConfig
 
@@ -22,103 +26,85 @@ BF16 = ml_dtypes.bfloat16
 
 
 def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
-    """Deterministic random parameters in the engine's layout (numpy; floats bf16, experts MXFP4).
+    """Deterministic random parameters in the engine's layout (numpy; floats bf16, uint8 as declared), drawn in
+    declaration order by each parameter's declared init rule (`model.gpt_oss.Init`).
 
-    Scales keep activations O(1): projections ~ N(0, 1/D), sinks ~ N(0, 1), biases ~ N(0, 0.1²), MXFP4 scale bytes in
-    [120, 122] (weights ~ 0.1). Every bias and sink is non-zero.
+    Scales keep activations O(1): "normal" ~ N(0, 1/fan_in) (N(0, 1) without fan-in axes: sinks, embedding),
+    "bias" ~ N(0, 0.1²), "norm" ~ 1 + N(0, 0.1²), MXFP4 scale bytes in [120, 122] (weights ~ 0.1). Every bias and
+    sink is non-zero.
     """
     rng = np.random.default_rng(seed)
-    L, D, N, K, H = cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, \
-        cfg.head_dim
-    E, I, V = cfg.num_experts, cfg.intermediate_size, cfg.vocab_size
+    cfg = dataclasses.replace(cfg, expert_format="mxfp4")  # as released; `hf_tensors(experts="dense")` decodes
+    d = model_lib.dims(cfg)
 
-    def n(*shape, std=1.0):
-        return (rng.standard_normal(shape, dtype=np.float32) * std).astype(BF16)
+    def draw(spec: model_lib.ParamSpec):
+        kind = spec.init.kind
+        if kind == "mxfp4_blocks":
+            return rng.integers(0, 256, spec.shape, dtype=np.uint8)
+        if kind == "mxfp4_scales":
+            return rng.integers(120, 123, spec.shape, dtype=np.uint8)
+        if kind == "norm":
+            return (1 + 0.1 * rng.standard_normal(spec.shape)).astype(BF16)
+        std = 0.1 if kind == "bias" else float(np.prod([d[a].size for a in spec.init.fan_in])) ** -0.5
+        return (rng.standard_normal(spec.shape, dtype=np.float32) * std).astype(BF16)
 
-    layers = {
-        "attn_norm": (1 + 0.1 * rng.standard_normal((L, D))).astype(BF16),
-        "wq": n(L, N, H, D, std=D ** -0.5), "bq": n(L, N, H, std=0.1),
-        "wk": n(L, K, H, D, std=D ** -0.5), "bk": n(L, K, H, std=0.1),
-        "wv": n(L, K, H, D, std=D ** -0.5), "bv": n(L, K, H, std=0.1),
-        "wo": n(L, D, N, H, std=(N * H) ** -0.5), "bo": n(L, D, std=0.1),
-        "sinks": n(L, N, std=1.0),
-        "mlp_norm": (1 + 0.1 * rng.standard_normal((L, D))).astype(BF16),
-        "router_w": n(L, E, D, std=D ** -0.5), "router_b": n(L, E, std=0.1),
-        "w1_blocks": rng.integers(0, 256, (L, E, 2 * I, D // 32, 16), dtype=np.uint8),
-        "w1_scales": rng.integers(120, 123, (L, E, 2 * I, D // 32), dtype=np.uint8),
-        "w2_blocks": rng.integers(0, 256, (L, E, D, I // 32, 16), dtype=np.uint8),
-        "w2_scales": rng.integers(120, 123, (L, E, D, I // 32), dtype=np.uint8),
-        "b1": n(L, E, 2 * I, std=0.1), "b2": n(L, E, D, std=0.1),
-    }
-    return {"embed": n(V, D), "layers": layers,
-            "final_norm": (1 + 0.1 * rng.standard_normal(D)).astype(BF16), "unembed": n(V, D, std=D ** -0.5)}
+    def walk(tree):
+        return {k: walk(v) if isinstance(v, dict) else draw(v) for k, v in tree.items()}
+
+    return walk(model_lib.param_specs(cfg))
+
+
+def dense_experts(params: dict) -> dict:
+    """MXFP4 expert params (`X_blocks`, `X_scales`) → dense `X` (exact in bf16), in the dtype of the embedding."""
+    dt = params["embed"].dtype
+    layers = dict(params["layers"])
+    for k in [k for k in layers if k.endswith("_blocks")]:
+        base = k[:-len("_blocks")]
+        b, s = layers.pop(k), layers.pop(base + "_scales")
+        layers[base] = np.stack([mxfp4.decode_numpy(b[i], s[i]) for i in range(b.shape[0])]).astype(dt)
+    return {**params, "layers": layers}
+
+
+def checkpoint_tensors(cfg: ModelConfig, params: dict, layout: str) -> dict[str, np.ndarray]:
+    """Engine-layout numpy params → the tensors of a `layout` ("hf" / "original") checkpoint: the name map
+    (`checkpoints.names`) read backwards. Non-layer tensors first, then layer by layer in map order."""
+    specs = hf._flatten(model_lib.param_specs(cfg))
+    flat = hf._flatten(params)
+    rows = [r for r in names_lib.table(layout) if r.param in specs]
+    missing = sorted(set(specs) - {r.param for r in rows})
+    if missing:
+        raise ValueError(f"declared parameter(s) {missing} have no {layout!r} checkpoint name")
+    out: dict[str, np.ndarray] = {}
+
+    def emit(r, a, layer=None):
+        spec = specs[r.param]
+        axes = spec.axes[1:] if layer is not None else spec.axes
+        t = names_lib.to_checkpoint(np.asarray(a), names_lib.axis_groups(r, axes))
+        key = r.key if layer is None else r.key.format(layer=layer)
+        out[key] = np.concatenate([out[key], t]) if key in out else t  # rows sharing a key are fused (axis 0)
+
+    per_layer = [r for r in rows if specs[r.param].axes[0] == "layers"]
+    for r in rows:
+        if r not in per_layer:
+            emit(r, flat[r.param])
+    for layer in range(cfg.num_hidden_layers):
+        for r in per_layer:
+            emit(r, flat[r.param][layer], layer)
+    return out
 
 
 def hf_tensors(cfg: ModelConfig, params: dict, experts: str = "mxfp4") -> dict[str, np.ndarray]:
-    """Map engine-layout numpy params to HF tensor names ("mxfp4" packed or "dense" transposed experts)."""
-    L, D = cfg.num_hidden_layers, cfg.hidden_size
-    p = params["layers"]
-    out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"],
-           "lm_head.weight": params["unembed"]}
-    for l in range(L):
-        pre = f"model.layers.{l}."
-        out.update({
-            pre + "input_layernorm.weight": p["attn_norm"][l],
-            pre + "self_attn.q_proj.weight": p["wq"][l].reshape(-1, D),
-            pre + "self_attn.q_proj.bias": p["bq"][l].reshape(-1),
-            pre + "self_attn.k_proj.weight": p["wk"][l].reshape(-1, D),
-            pre + "self_attn.k_proj.bias": p["bk"][l].reshape(-1),
-            pre + "self_attn.v_proj.weight": p["wv"][l].reshape(-1, D),
-            pre + "self_attn.v_proj.bias": p["bv"][l].reshape(-1),
-            pre + "self_attn.o_proj.weight": p["wo"][l].reshape(D, -1),
-            pre + "self_attn.o_proj.bias": p["bo"][l],
-            pre + "self_attn.sinks": p["sinks"][l],
-            pre + "post_attention_layernorm.weight": p["mlp_norm"][l],
-            pre + "mlp.router.weight": p["router_w"][l],
-            pre + "mlp.router.bias": p["router_b"][l],
-            pre + "mlp.experts.gate_up_proj_bias": p["b1"][l],
-            pre + "mlp.experts.down_proj_bias": p["b2"][l],
-        })
-        x = pre + "mlp.experts."
-        if experts == "mxfp4":
-            out.update({x + "gate_up_proj_blocks": p["w1_blocks"][l], x + "gate_up_proj_scales": p["w1_scales"][l],
-                        x + "down_proj_blocks": p["w2_blocks"][l], x + "down_proj_scales": p["w2_scales"][l]})
-        elif experts == "dense":
-            dt = params["embed"].dtype
-            w1 = mxfp4.decode_numpy(p["w1_blocks"][l], p["w1_scales"][l]).astype(dt)  # exact in bf16
-            w2 = mxfp4.decode_numpy(p["w2_blocks"][l], p["w2_scales"][l]).astype(dt)
-            out.update({x + "gate_up_proj": np.swapaxes(w1, 1, 2), x + "down_proj": np.swapaxes(w2, 1, 2)})
-        else:
-            raise ValueError(f"experts={experts!r}: expected 'mxfp4' or 'dense'")
-    return out
+    """Map engine-layout numpy params (MXFP4 experts) to HF tensor names ("mxfp4" packed or "dense" experts)."""
+    if experts == "dense":
+        return checkpoint_tensors(dataclasses.replace(cfg, expert_format="dense"), dense_experts(params), "hf")
+    if experts != "mxfp4":
+        raise ValueError(f"experts={experts!r}: expected 'mxfp4' or 'dense'")
+    return checkpoint_tensors(dataclasses.replace(cfg, expert_format="mxfp4"), params, "hf")
 
 
 def original_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
     """Map engine-layout numpy params to OpenAI `original/` names (fused qkv, spec §3.2)."""
-    D = cfg.hidden_size
-    p = params["layers"]
-    out = {"embedding.weight": params["embed"], "norm.scale": params["final_norm"],
-           "unembedding.weight": params["unembed"]}
-    for l in range(cfg.num_hidden_layers):
-        pre = f"block.{l}."
-        out.update({
-            pre + "attn.norm.scale": p["attn_norm"][l],
-            pre + "attn.qkv.weight": np.concatenate([p["wq"][l].reshape(-1, D), p["wk"][l].reshape(-1, D),
-                                                     p["wv"][l].reshape(-1, D)]),
-            pre + "attn.qkv.bias": np.concatenate([p["bq"][l].reshape(-1), p["bk"][l].reshape(-1),
-                                                   p["bv"][l].reshape(-1)]),
-            pre + "attn.sinks": p["sinks"][l],
-            pre + "attn.out.weight": p["wo"][l].reshape(D, -1),
-            pre + "attn.out.bias": p["bo"][l],
-            pre + "mlp.norm.scale": p["mlp_norm"][l],
-            pre + "mlp.gate.weight": p["router_w"][l],
-            pre + "mlp.gate.bias": p["router_b"][l],
-            pre + "mlp.mlp1_weight.blocks": p["w1_blocks"][l], pre + "mlp.mlp1_weight.scales": p["w1_scales"][l],
-            pre + "mlp.mlp1_bias": p["b1"][l],
-            pre + "mlp.mlp2_weight.blocks": p["w2_blocks"][l], pre + "mlp.mlp2_weight.scales": p["w2_scales"][l],
-            pre + "mlp.mlp2_bias": p["b2"][l],
-        })
-    return out
+    return checkpoint_tensors(cfg, params, "original")
 
 
 def _shard_names(tensors: dict[str, np.ndarray], num_shards: int) -> list[list[str]]:
@@ -141,7 +127,6 @@ def write_hf(directory: str, cfg: ModelConfig, params: dict, *, experts: str = "
     `model-0000i-of-0000{n-1}.safetensors` + index, 0-based as released), `generation_config.json`."""
     os.makedirs(directory, exist_ok=True)
     tensors = hf_tensors(cfg, params, experts)
-    import dataclasses
     c = dataclasses.replace(cfg, expert_format="mxfp4" if experts == "mxfp4" else "dense")
     if num_shards <= 1:
         atomic_safetensors(os.path.join(directory, HF_SINGLE), tensors, {"format": "pt"})

@@ -32,105 +32,160 @@ from slope_jax.model.config import ModelConfig
 
 # ---------------------------------------------------------------------------------------------------------------
 # Declarations
-def _p(shape, dtype, axes):
-    assert len(shape) == len(axes), (shape, axes)
-    return nnx.Param(jnp.zeros(shape, dtype), axes=tuple(axes))
+class Dim(NamedTuple):
+    """One logical axis: its size and where the size comes from (the config field, for error messages)."""
+
+    size: int
+    source: str
+
+
+def dims(cfg: ModelConfig, num_layers: int | None = None, vocab_rows: int | None = None) -> dict[str, Dim]:
+    """Size of every logical axis a parameter may use. `num_layers` / `vocab_rows` override L and V for stacked
+    pipeline layouts (padding entries, vocabulary rows rounded up to a multiple of the stages)."""
+    D, I = cfg.hidden_size, cfg.intermediate_size
+    return {
+        "layers": Dim(cfg.num_hidden_layers if num_layers is None else num_layers, "num_hidden_layers"),
+        "vocab": Dim(vocab_rows or cfg.vocab_size, "vocab_size"),
+        "embed": Dim(D, "hidden_size"),
+        "q_heads": Dim(cfg.num_attention_heads, "num_attention_heads"),
+        "kv_heads": Dim(cfg.num_key_value_heads, "num_key_value_heads"),
+        "head_dim": Dim(cfg.head_dim, "head_dim"),
+        "experts": Dim(cfg.num_experts, "num_experts"),
+        "router": Dim(cfg.num_experts, "num_experts"),  # the router's output axis: one logit per expert
+        "mlp": Dim(I, "intermediate_size"),
+        "mlp2": Dim(2 * I, "2*intermediate_size"),  # gate and up, interleaved (spec §2.3)
+        "embed_blocks": Dim(D // 32, "hidden_size/32"),  # MXFP4 blocks of 32 values along an input axis
+        "mlp_blocks": Dim(I // 32, "intermediate_size/32"),
+        "block_bytes": Dim(16, "bytes"),  # 32 FP4 codes, two per byte
+    }
+
+
+class Init(NamedTuple):
+    """How random parameters are drawn (declared with each parameter; used by `init_params` and the checkpoint
+    writer's `random_params`). kind: "normal" (std = fan_in^-1/2 over the `fan_in` axes; 1 when empty), "bias",
+    "norm" (1 + noise), "mxfp4_blocks" (uniform bytes), "mxfp4_scales" (exponent bytes near 127, weights ~0.1)."""
+
+    kind: str
+    fan_in: tuple[str, ...] = ()
+
+
+NORMAL, BIAS, NORM = Init("normal"), Init("bias"), Init("norm")
+BLOCKS, SCALES = Init("mxfp4_blocks"), Init("mxfp4_scales")
+
+
+def fan_in(*axes: str) -> Init:
+    return Init("normal", axes)
+
+
+def _p(d: dict[str, Dim], axes: tuple[str, ...], dtype, init: Init) -> nnx.Param:
+    """A parameter with logical `axes` (sizes from `dims`), its dtype and its random-init rule."""
+    shape = tuple(d[a].size for a in axes)
+    return nnx.Param(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)), axes=tuple(axes), init=init)
 
 
 class Layers(nnx.Module):
     """All decoder blocks, each parameter stacked over a leading `layers` axis of size L."""
 
-    def __init__(self, cfg: ModelConfig, dtype, num_layers: int):
-        L, D, N, K, H = num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        E, I = cfg.num_experts, cfg.intermediate_size
-        f32 = jnp.float32
-        self.attn_norm = _p((L, D), f32, ("layers", "embed"))
-        self.wq = _p((L, N, H, D), dtype, ("layers", "q_heads", "head_dim", "embed"))
-        self.bq = _p((L, N, H), dtype, ("layers", "q_heads", "head_dim"))
-        self.wk = _p((L, K, H, D), dtype, ("layers", "kv_heads", "head_dim", "embed"))
-        self.bk = _p((L, K, H), dtype, ("layers", "kv_heads", "head_dim"))
-        self.wv = _p((L, K, H, D), dtype, ("layers", "kv_heads", "head_dim", "embed"))
-        self.bv = _p((L, K, H), dtype, ("layers", "kv_heads", "head_dim"))
-        self.wo = _p((L, D, N, H), dtype, ("layers", "embed", "q_heads", "head_dim"))
-        self.bo = _p((L, D), dtype, ("layers", "embed"))
-        self.sinks = _p((L, N), f32, ("layers", "q_heads"))
-        self.mlp_norm = _p((L, D), f32, ("layers", "embed"))
+    def __init__(self, cfg: ModelConfig, dtype, d: dict[str, Dim]):
+        f32, u8 = jnp.float32, jnp.uint8
+        self.attn_norm = _p(d, ("layers", "embed"), f32, NORM)
+        self.wq = _p(d, ("layers", "q_heads", "head_dim", "embed"), dtype, fan_in("embed"))
+        self.bq = _p(d, ("layers", "q_heads", "head_dim"), dtype, BIAS)
+        self.wk = _p(d, ("layers", "kv_heads", "head_dim", "embed"), dtype, fan_in("embed"))
+        self.bk = _p(d, ("layers", "kv_heads", "head_dim"), dtype, BIAS)
+        self.wv = _p(d, ("layers", "kv_heads", "head_dim", "embed"), dtype, fan_in("embed"))
+        self.bv = _p(d, ("layers", "kv_heads", "head_dim"), dtype, BIAS)
+        self.wo = _p(d, ("layers", "embed", "q_heads", "head_dim"), dtype, fan_in("q_heads", "head_dim"))
+        self.bo = _p(d, ("layers", "embed"), dtype, BIAS)
+        self.sinks = _p(d, ("layers", "q_heads"), f32, NORMAL)
+        self.mlp_norm = _p(d, ("layers", "embed"), f32, NORM)
         # the router's expert axis is "router" (replicated: every device routes its own tokens over all experts);
-        # "experts" is the axis of the expert weights themselves (sharded under expert parallelism)
-        self.router_w = _p((L, E, D), dtype, ("layers", "router", "embed"))
-        self.router_b = _p((L, E), dtype, ("layers", "router"))
-        if cfg.expert_format == "mxfp4":
-            u8 = jnp.uint8
-            self.w1_blocks = _p((L, E, 2 * I, D // 32, 16), u8, ("layers", "experts", "mlp2", "blocks", "bytes"))
-            self.w1_scales = _p((L, E, 2 * I, D // 32), u8, ("layers", "experts", "mlp2", "blocks"))
-            self.w2_blocks = _p((L, E, D, I // 32, 16), u8, ("layers", "experts", "embed", "blocks", "bytes"))
-            self.w2_scales = _p((L, E, D, I // 32), u8, ("layers", "experts", "embed", "blocks"))
+        # "experts" is the axis of the expert weights themselves (split over (ring, ulysses) under expert parallelism)
+        self.router_w = _p(d, ("layers", "router", "embed"), dtype, fan_in("embed"))
+        self.router_b = _p(d, ("layers", "router"), dtype, BIAS)
+        if cfg.expert_format == "mxfp4":  # (out, in) orientation, packed along `in` (spec §3.1)
+            self.w1_blocks = _p(d, ("layers", "experts", "mlp2", "embed_blocks", "block_bytes"), u8, BLOCKS)
+            self.w1_scales = _p(d, ("layers", "experts", "mlp2", "embed_blocks"), u8, SCALES)
+            self.w2_blocks = _p(d, ("layers", "experts", "embed", "mlp_blocks", "block_bytes"), u8, BLOCKS)
+            self.w2_scales = _p(d, ("layers", "experts", "embed", "mlp_blocks"), u8, SCALES)
         else:
-            self.w1 = _p((L, E, 2 * I, D), dtype, ("layers", "experts", "mlp2", "embed"))
-            self.w2 = _p((L, E, D, I), dtype, ("layers", "experts", "embed", "mlp"))
-        self.b1 = _p((L, E, 2 * I), dtype, ("layers", "experts", "mlp2"))
-        self.b2 = _p((L, E, D), dtype, ("layers", "experts", "embed"))
+            self.w1 = _p(d, ("layers", "experts", "mlp2", "embed"), dtype, fan_in("embed"))
+            self.w2 = _p(d, ("layers", "experts", "embed", "mlp"), dtype, fan_in("mlp"))
+        self.b1 = _p(d, ("layers", "experts", "mlp2"), dtype, BIAS)
+        self.b2 = _p(d, ("layers", "experts", "embed"), dtype, BIAS)
 
 
 class GptOss(nnx.Module):
-    """Parameter declaration of the whole model. Build it abstractly with `declare`; never materialise it.
+    """Parameter declaration of the whole model — the one place a parameter's name, shape (as logical axes), dtype
+    and init rule are written. Build it abstractly with `declare`; never materialise it.
+
+    Derived from it: `param_specs` (shapes for the loader's checks, the engine's placement, orbax restore targets),
+    `init_params` and the writer's `random_params`, the PartitionSpecs (`parallel.pipeline.param_partition_specs`,
+    logical axis → mesh axis rules), and the checkpoint key tables (`checkpoints.names`, which map each declared
+    parameter to its checkpoint tensor).
 
     `num_layers` (default L) is the number of stacked layer slots; `vocab_rows` (default V) the rows of the embedding
     and unembedding tables, padded with zero rows when the vocabulary is sharded over pipeline stages.
     """
 
     def __init__(self, cfg: ModelConfig, dtype, num_layers: int | None = None, vocab_rows: int | None = None):
-        V, D = vocab_rows or cfg.vocab_size, cfg.hidden_size
-        self.embed = _p((V, D), dtype, ("vocab", "embed"))
-        self.layers = Layers(cfg, dtype, cfg.num_hidden_layers if num_layers is None else num_layers)
-        self.final_norm = _p((D,), jnp.float32, ("embed",))
-        self.unembed = _p((V, D), dtype, ("vocab", "embed"))
+        d = dims(cfg, num_layers, vocab_rows)
+        self.layers = Layers(cfg, dtype, d)
+        self.embed = _p(d, ("vocab", "embed"), dtype, NORMAL)
+        self.final_norm = _p(d, ("embed",), jnp.float32, NORM)
+        self.unembed = _p(d, ("vocab", "embed"), dtype, fan_in("embed"))
 
 
 class ParamSpec(NamedTuple):
     shape: tuple[int, ...]
     dtype: np.dtype
     axes: tuple[str | None, ...]
+    init: Init = NORMAL
 
 
 def declare(cfg: ModelConfig, dtype="bfloat16", num_layers: int | None = None,
             vocab_rows: int | None = None) -> GptOss:
-    """The abstract model (ShapeDtypeStruct values; nothing allocated)."""
-    return nnx.eval_shape(lambda: GptOss(cfg, jnp.dtype(dtype), num_layers, vocab_rows))
+    """The abstract model: every parameter holds a `jax.ShapeDtypeStruct` (nothing is allocated, as under
+    `nnx.eval_shape`, but attribute order stays the declaration order)."""
+    return GptOss(cfg, jnp.dtype(dtype), num_layers, vocab_rows)
+
+
+def _walk(node, out: dict) -> None:
+    """Declaration order (attribute assignment order), nested modules as nested dicts."""
+    for name, value in vars(node).items():
+        if isinstance(value, nnx.Variable):
+            v = value.get_value() if hasattr(value, "get_value") else value.value
+            meta = value.get_metadata()
+            out[name] = ParamSpec(tuple(v.shape), np.dtype(v.dtype), tuple(meta["axes"]), meta["init"])
+        elif isinstance(value, nnx.Module):
+            _walk(value, out.setdefault(name, {}))
 
 
 def param_specs(cfg: ModelConfig, dtype="bfloat16", num_layers: int | None = None,
                 vocab_rows: int | None = None) -> dict:
-    """Nested dict (same structure as the parameter pytree) of `ParamSpec(shape, dtype, logical axes)`."""
+    """Nested dict (same structure as the parameter pytree, in declaration order) of
+    `ParamSpec(shape, dtype, logical axes, init)`."""
     out: dict = {}
-    for path, var in nnx.iter_graph(declare(cfg, dtype, num_layers, vocab_rows)):
-        if isinstance(var, nnx.Variable):
-            value = var.get_value() if hasattr(var, "get_value") else var.value
-            node = out
-            for key in path[:-1]:
-                node = node.setdefault(str(key), {})
-            axes = tuple(var.get_metadata()["axes"])
-            node[str(path[-1])] = ParamSpec(tuple(value.shape), np.dtype(value.dtype), axes)
+    _walk(declare(cfg, dtype, num_layers, vocab_rows), out)
     return out
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype="float32", scale: float = 0.05) -> dict:
     """Random parameters following the declaration (for tests and benchmarks; not a trained model).
 
-    Floats ~ N(0, scale²) (norm weights ~ 1 + N(0, scale²)); MXFP4 codes uniform with scale bytes in [118, 121].
+    Floats ~ N(0, scale²) ("norm" weights ~ 1 + N(0, scale²)); MXFP4 codes uniform with scale bytes in [118, 121].
+    One key per parameter, in sorted-path order.
     """
     specs = param_specs(cfg, dtype)
     leaves, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, ParamSpec))
-    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, ParamSpec))[0]]
     keys = jax.random.split(key, len(leaves))
     out = []
-    for path, spec, k in zip(paths, leaves, keys):
-        name = str(path[-1].key)
-        if spec.dtype == np.uint8:
-            hi = 256 if name.endswith("blocks") else 4
-            v = jax.random.randint(k, spec.shape, 0, hi, jnp.int32) + (0 if name.endswith("blocks") else 118)
-            out.append(v.astype(jnp.uint8))
-        elif "norm" in name:
+    for spec, k in zip(leaves, keys):
+        if spec.init.kind == "mxfp4_blocks":
+            out.append(jax.random.randint(k, spec.shape, 0, 256, jnp.int32).astype(jnp.uint8))
+        elif spec.init.kind == "mxfp4_scales":
+            out.append((jax.random.randint(k, spec.shape, 0, 4, jnp.int32) + 118).astype(jnp.uint8))
+        elif spec.init.kind == "norm":
             out.append((1.0 + scale * jax.random.normal(k, spec.shape, jnp.float32)).astype(spec.dtype))
         else:
             out.append((scale * jax.random.normal(k, spec.shape, jnp.float32)).astype(spec.dtype))

@@ -38,8 +38,11 @@ from slope_jax.model.config import ModelConfig
 from slope_jax.parallel import collectives, context_parallel, expert_parallel
 from slope_jax.parallel.config import CP_AXES, ParallelConfig
 
-# logical axis -> mesh axis; every other logical axis is replicated (context parallelism replicates weights).
-# Layers are split into stages; the embedding/unembedding vocabulary rows are split over the same stages.
+# Logical axis (as declared in model.gpt_oss) -> mesh axis (or tuple of mesh axes): THE table that places every
+# parameter. Any logical axis not listed is replicated (context parallelism replicates weights over ring x ulysses).
+# Layers are split into pipeline stages; the embedding/unembedding vocabulary rows are split over the same stages.
+# Expert parallelism adds EXPERT_RULES ("experts" -> (ring, ulysses)). Within one parameter a mesh axis may be used
+# at most once (`logical_to_partition_spec` checks).
 LOGICAL_RULES = {"layers": "pipeline", "vocab": "pipeline"}
 # with expert parallelism (EP = R·U > 1) the expert weights are also split over a stage's ring × Ulysses devices
 EXPERT_RULES = {"experts": CP_AXES}
@@ -125,12 +128,24 @@ def plan_stages(cfg: ModelConfig, pipeline: int) -> StagePlan:
                      np.array([x + [-1] * (n - len(x)) for x in stacks], dtype=np.int32))
 
 
+def logical_to_partition_spec(axes: tuple[str | None, ...], rules: dict | None = None) -> Ps:
+    """PartitionSpec of a parameter with these logical axes under `rules` (default LOGICAL_RULES).
+    Raises ValueError if two of its axes map to the same mesh axis (a mesh axis can split one dimension only)."""
+    rules = LOGICAL_RULES if rules is None else rules
+    spec = [rules.get(a) for a in axes]
+    used = [m for s in spec if s is not None for m in ((s,) if isinstance(s, str) else s)]
+    if len(used) != len(set(used)):
+        raise ValueError(f"logical axes {axes} map to mesh axes {spec}: a mesh axis is used twice")
+    return Ps(*spec)
+
+
 def param_partition_specs(cfg: ModelConfig, dtype, num_slots: int, vocab_rows: int | None = None,
                           expert_degree: int = 1) -> dict:
-    """PartitionSpec per parameter, from the declared logical axes and `logical_rules(expert_degree)`."""
+    """PartitionSpec per parameter (same tree as the params), from the declared logical axes and
+    `logical_rules(expert_degree)`."""
     specs = model_lib.param_specs(cfg, dtype, num_layers=num_slots, vocab_rows=vocab_rows)
     rules = logical_rules(expert_degree)
-    return jax.tree.map(lambda s: Ps(*(rules.get(a) for a in s.axes)), specs,
+    return jax.tree.map(lambda s: logical_to_partition_spec(s.axes, rules), specs,
                         is_leaf=lambda x: isinstance(x, model_lib.ParamSpec))
 
 

@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding
 
 from slope_jax import kv as kvfmt
 from slope_jax.checkpoints import hf as ckpt_lib
+from slope_jax.checkpoints import orbax_store
 from slope_jax.kv.format import LayerKV
 from slope_jax.model import gpt_oss as model_lib
 from slope_jax.model.config import ModelConfig
@@ -107,8 +108,15 @@ class PrefillEngine:
     @classmethod
     def from_checkpoint(cls, path, parallel: ParallelConfig = ParallelConfig(), dtype="bfloat16", *,
                         devices=None, progress: bool = True, **kwargs) -> PrefillEngine:
-        """Load a checkpoint directly into the layout: each device reads only the layers of its pipeline stage."""
+        """Load a checkpoint directly into the layout: each device reads only the layers of its pipeline stage.
+
+        `path` is an HF / `original/` checkpoint, or a directory written by `python -m slope_jax.convert` (detected
+        by its marker file), which is restored with orbax into this layout (any layout; shards are re-cut on read).
+        """
         devices = list(jax.devices() if devices is None else devices)
+        if orbax_store.is_orbax_checkpoint(path):
+            cfg, params, _ = orbax_store.restore(path, parallel, dtype, devices=devices)
+            return cls(cfg, params, parallel, dtype, devices=devices, _placed=True, **kwargs)
         ck = ckpt_lib.open_checkpoint(path)
         cfg = ck.config
         parallel.validate(cfg, len(devices) if parallel.num_devices > 1 else None)

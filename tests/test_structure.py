@@ -1,0 +1,150 @@
+"""Package structure: the intra-package import graph of `slope_jax` is acyclic, lower packages never import higher
+ones, and the jax-free modules import without jax.
+
+Both checks run in fresh `python -c` subprocesses, so nothing this test session has imported (conftest imports jax)
+can hide a dependency.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Every slope_jax module -> the slope_jax modules it imports (any `import`/`from … import`, at any depth: a lazy
+# import inside a function is still a dependency). `from pkg import name` counts as importing `pkg.name` when that
+# is a module, else `pkg`. Relative imports are resolved against the importing module.
+_GRAPH = r"""
+import ast, json, os, pkgutil, sys
+root = sys.argv[1]
+pkg_dir = os.path.join(root, "slope_jax")
+mods = {"slope_jax": os.path.join(pkg_dir, "__init__.py")}
+for info in pkgutil.walk_packages([pkg_dir], prefix="slope_jax."):
+    rel = info.name.split(".")[1:]
+    base = os.path.join(pkg_dir, *rel)
+    mods[info.name] = os.path.join(base, "__init__.py") if info.ispkg else base + ".py"
+graph = {}
+for name, path in mods.items():
+    is_pkg = path.endswith("__init__.py")
+    tree = ast.parse(open(path).read(), path)
+    deps = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            deps.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = name.split(".") if is_pkg else name.split(".")[:-1]
+                parts = parts[:len(parts) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            for a in node.names:
+                deps.add(base + "." + a.name if base + "." + a.name in mods else base)
+    graph[name] = sorted(d for d in deps if d in mods and d != name)
+print(json.dumps(graph))
+"""
+
+
+def _graph() -> dict[str, list[str]]:
+    out = subprocess.run([sys.executable, "-c", _GRAPH, REPO], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def _cycle(graph: dict[str, list[str]]) -> list[str] | None:
+    """One import cycle (as a path a -> … -> a), or None. Package __init__ -> own submodule edges are the normal
+    way a package exposes its modules and are not edges back up, so they are kept."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n):
+        state[n] = 1
+        stack.append(n)
+        for d in graph[n]:
+            if state.get(d) == 1:
+                return stack[stack.index(d):] + [d]
+            if d not in state:
+                found = visit(d)
+                if found:
+                    return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in graph:
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+# package -> packages it must never import (lower layers never reach up)
+FORBIDDEN = {
+    "model": ("parallel", "serve", "checkpoints", "kv", "plan"),
+    "parallel": ("serve", "checkpoints"),
+    "checkpoints": ("serve",),
+    "kv": ("serve", "checkpoints"),
+    "plan": ("serve", "checkpoints"),
+}
+
+
+def _package(mod: str) -> str | None:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def test_import_graph_is_acyclic_and_layered():
+    graph = _graph()
+    # the graph really covers the tree (a walker that found nothing would pass everything)
+    for must in ("slope_jax.model.gpt_oss", "slope_jax.parallel.pipeline", "slope_jax.serve.engine",
+                 "slope_jax.checkpoints.hf", "slope_jax.kv.format", "slope_jax.plan.flops"):
+        assert must in graph, sorted(graph)
+    assert "slope_jax.model.config" in graph["slope_jax.parallel.config"]
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+    bad = [f"{m} imports {d}" for m, deps in graph.items() for d in deps
+           if _package(m) in FORBIDDEN and _package(d) in FORBIDDEN[_package(m)]]
+    assert not bad, bad
+
+
+def test_cycle_finder_finds_a_cycle():
+    """The checker itself: a planted cycle is reported, a DAG is not."""
+    assert _cycle({"a": ["b"], "b": ["c"], "c": ["a"]}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": ["b", "c"], "b": ["c"], "c": []}) is None
+
+
+# `import jax` (and jaxlib/flax/orbax) raise inside the child; the modules below must still import.
+_NO_JAX = r"""
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("jax", "jaxlib", "flax", "orbax"):
+            raise ImportError(f"blocked for this test: {name}")
+        return None
+sys.meta_path.insert(0, Block())
+import importlib
+for m in sys.argv[1:]:
+    importlib.import_module(m)
+try:
+    import jax  # noqa: F401
+except ImportError:
+    pass
+else:
+    raise SystemExit("the jax block did not work")
+assert not any(k.split(".")[0] == "jax" for k in sys.modules), "jax got imported"
+print("ok")
+"""
+
+JAX_FREE = ["slope_jax", "slope_jax.kv", "slope_jax.kv.format", "slope_jax.plan", "slope_jax.plan.flops",
+            "slope_jax.plan.traffic", "slope_jax.parallel.config", "slope_jax.model.config", "slope_jax.atomic"]
+
+
+def test_jax_free_modules_import_without_jax():
+    out = subprocess.run([sys.executable, "-c", _NO_JAX, *JAX_FREE], capture_output=True, text=True, timeout=60,
+                         cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    # and the block is real: a jax-using module fails under it
+    out = subprocess.run([sys.executable, "-c", _NO_JAX, "slope_jax.model.gpt_oss"], capture_output=True, text=True,
+                         timeout=60, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    assert out.returncode != 0 and "blocked for this test" in out.stderr
