@@ -37,30 +37,37 @@ from absl import app, flags, logging
 FLAGS = flags.FLAGS
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-flags.DEFINE_string("kv_dir", None, "Directory of exports (<kv_dir>/<request id>/manifest.json), as written by "
-                    "`python -m slope_jax.launch --kv_dir`.")
-flags.DEFINE_list("ids", [], "Request ids to decode (default: every export in --kv_dir, sorted).")
-flags.DEFINE_string("checkpoint", os.path.join(_REPO, "checkpoints", "tiny-gpt-oss"),
-                    "HF checkpoint directory the decode engine loads (config.json, weights, tokenizer.json).")
-flags.DEFINE_enum("engine", "transformers", ["transformers", "reference"],
-                  "Decode engine: Hugging Face transformers GptOssForCausalLM, or slope_jax's JAX reference decoder.")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Decode engine weights, activations and KV cache "
-                  "(a bfloat16 export is converted exactly to float32).")
-flags.DEFINE_integer("max_new_tokens", 32, "Tokens to produce per request, the prefill's first token included.",
-                     lower_bound=1)
-flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy (argmax).", lower_bound=0.0)
-flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: sample from the smallest set of tokens whose probability "
-                   "reaches top_p (with --temperature > 0).", lower_bound=0.0, upper_bound=1.0)
-flags.DEFINE_integer("seed", 0, "Sampling seed (each request draws from its own generator seeded by --seed and its "
-                     "id, so results do not depend on which requests run together).")
-flags.DEFINE_bool("stop_at_eos", True, "Stop a request at the model's EOS token(s) (config eos_token_id).")
-flags.DEFINE_string("requests", None, "The launcher's requests JSONL: gives each prompt's tokens (or text, encoded "
-                    "with the checkpoint's tokenizer.json) for the first-token check.")
-flags.DEFINE_string("results", None, "The launcher's results JSONL: first_token for exports whose manifest lacks it.")
-flags.DEFINE_string("output", "-", "JSONL file for the decode results, or '-' for stdout.")
-flags.DEFINE_bool("check_fingerprint", True, "Refuse an export whose model config fingerprint differs from the "
-                  "decode engine's (shapes are always checked).")
-flags.DEFINE_bool("summary", True, "Print a summary table to stderr at the end.")
+def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
+    """Define this command's flags on `fv` (the global FLAGS for the command line). Defined on call, not at import:
+    `--checkpoint`, `--dtype`, `--kv_dir` ... are also the launcher's flags, and both modules may be imported in one
+    process (tests), where a second definition on the global FLAGS would clash."""
+    d = dict(flag_values=fv)
+    flags.DEFINE_string("kv_dir", None, "Directory of exports (<kv_dir>/<request id>/manifest.json), as written by "
+                        "`python -m slope_jax.launch --kv_dir`.", **d)
+    flags.DEFINE_list("ids", [], "Request ids to decode (default: every export in --kv_dir, sorted).", **d)
+    flags.DEFINE_string("checkpoint", os.path.join(_REPO, "checkpoints", "tiny-gpt-oss"), "HF checkpoint directory "
+                        "the decode engine loads (config.json, weights, tokenizer.json).", **d)
+    flags.DEFINE_enum("engine", "transformers", ["transformers", "reference"], "Decode engine: Hugging Face "
+                      "transformers GptOssForCausalLM, or slope_jax's JAX reference decoder.", **d)
+    flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Decode engine weights, activations and KV cache "
+                      "(a bfloat16 export is converted exactly to float32).", **d)
+    flags.DEFINE_integer("max_new_tokens", 32, "Tokens to produce per request, the prefill's first token included.",
+                         lower_bound=1, **d)
+    flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy (argmax).", lower_bound=0.0, **d)
+    flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: sample from the smallest set of tokens whose probability "
+                       "reaches top_p (with --temperature > 0).", lower_bound=0.0, upper_bound=1.0, **d)
+    flags.DEFINE_integer("seed", 0, "Sampling seed (each request draws from its own generator seeded by --seed and "
+                         "its id, so results do not depend on which requests run together).", **d)
+    flags.DEFINE_bool("stop_at_eos", True, "Stop a request at the model's EOS token(s) (config eos_token_id).", **d)
+    flags.DEFINE_string("requests", None, "The launcher's requests JSONL: each prompt's tokens (or text, encoded with "
+                        "the checkpoint's tokenizer.json) for the first-token check.", **d)
+    flags.DEFINE_string("results", None, "The launcher's results JSONL: first_token for exports whose manifest "
+                        "lacks it.", **d)
+    flags.DEFINE_string("output", "-", "JSONL file for the decode results, or '-' for stdout.", **d)
+    flags.DEFINE_bool("check_fingerprint", True, "Refuse an export whose model config fingerprint differs from the "
+                      "decode engine's (shapes are always checked).", **d)
+    flags.DEFINE_bool("summary", True, "Print a summary table to stderr at the end.", **d)
+    return fv
 
 
 class DecodeError(ValueError):
@@ -220,13 +227,13 @@ def decode_request(engine, path: str, *, max_new_tokens: int, temperature: float
     return rec
 
 
-def _engine():
-    if FLAGS.engine == "transformers":
-        return TransformersEngine(FLAGS.checkpoint, FLAGS.dtype, FLAGS.check_fingerprint)
-    return ReferenceEngine(FLAGS.checkpoint, FLAGS.dtype, FLAGS.max_new_tokens, FLAGS.check_fingerprint)
+def _engine(F):
+    if F.engine == "transformers":
+        return TransformersEngine(F.checkpoint, F.dtype, F.check_fingerprint)
+    return ReferenceEngine(F.checkpoint, F.dtype, F.max_new_tokens, F.check_fingerprint)
 
 
-def _summary(records: list[dict], wall_s: float) -> str:
+def _summary(records: list[dict], wall_s: float, F) -> str:
     lines = [f"{'id':<20} {'prompt':>7} {'first':>6} {'check':>9} {'new':>4} {'ms':>8}  text / error"]
     for r in records:
         if "error" in r:
@@ -238,41 +245,43 @@ def _summary(records: list[dict], wall_s: float) -> str:
     ok = [r for r in records if "error" not in r]
     bad = [r for r in ok if r["first_token_check"] == "mismatch"]
     lines.append(f"{len(ok)} decoded, {len(records) - len(ok)} failed, {len(bad)} first-token mismatch(es); "
-                 f"{sum(len(r['tokens']) for r in ok)} tokens in {wall_s:.1f} s (engine {FLAGS.engine}, "
-                 f"{FLAGS.dtype})")
+                 f"{sum(len(r['tokens']) for r in ok)} tokens in {wall_s:.1f} s (engine {F.engine}, {F.dtype})")
     return "\n".join(lines)
 
 
-def main(argv):
+def main(argv, F: flags.FlagValues = FLAGS) -> int:
+    """Decode the requests named by the parsed flags `F`; returns the exit status."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not FLAGS.kv_dir:
+    if not F.kv_dir:
         raise app.UsageError("--kv_dir is required")
+    if not os.path.isdir(F.kv_dir):
+        raise app.UsageError(f"--kv_dir={F.kv_dir}: no such directory")
     from slope_jax import kv
 
     t_start = time.perf_counter()
     tokenizer = None
-    tok_path = os.path.join(FLAGS.checkpoint, "tokenizer.json")
+    tok_path = os.path.join(F.checkpoint, "tokenizer.json")
     if os.path.exists(tok_path):
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(tok_path)
-    ids = FLAGS.ids or sorted(d for d in os.listdir(FLAGS.kv_dir) if os.path.isdir(os.path.join(FLAGS.kv_dir, d)))
-    prompts = read_prompts(FLAGS.requests, tokenizer) if FLAGS.requests else {}
-    firsts = read_first_tokens(FLAGS.results) if FLAGS.results else {}
-    engine = _engine()
-    eos = tuple(engine.cfg.eos_token_ids) if FLAGS.stop_at_eos else ()
-    logging.info("decode engine %s (%s) from %s; %d request(s) in %s", engine.name, FLAGS.dtype, FLAGS.checkpoint,
-                 len(ids), FLAGS.kv_dir)
-    out = sys.stdout if FLAGS.output == "-" else open(FLAGS.output, "w")
+    ids = F.ids or sorted(d for d in os.listdir(F.kv_dir) if os.path.isdir(os.path.join(F.kv_dir, d)))
+    prompts = read_prompts(F.requests, tokenizer) if F.requests else {}
+    firsts = read_first_tokens(F.results) if F.results else {}
+    engine = _engine(F)
+    eos = tuple(engine.cfg.eos_token_ids) if F.stop_at_eos else ()
+    logging.info("decode engine %s (%s) from %s; %d request(s) in %s", engine.name, F.dtype, F.checkpoint,
+                 len(ids), F.kv_dir)
+    out = sys.stdout if F.output == "-" else open(F.output, "w")
     records = []
     for rid in ids:
-        path = os.path.join(FLAGS.kv_dir, rid)
+        path = os.path.join(F.kv_dir, rid)
         try:
-            if FLAGS.requests and rid not in prompts:
+            if F.requests and rid not in prompts:
                 logging.warning("%s: not in --requests; first-token check skipped", rid)
-            rec = decode_request(engine, path, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
-                                 top_p=FLAGS.top_p, seed=FLAGS.seed, eos=eos, prompt=prompts.get(rid),
+            rec = decode_request(engine, path, max_new_tokens=F.max_new_tokens, temperature=F.temperature,
+                                 top_p=F.top_p, seed=F.seed, eos=eos, prompt=prompts.get(rid),
                                  first_token=firsts.get(rid))
             if tokenizer is not None:
                 rec["text"] = tokenizer.decode(rec["tokens"])
@@ -283,14 +292,15 @@ def main(argv):
         out.flush()
     if out is not sys.stdout:
         out.close()
-    if FLAGS.summary:
-        print(_summary(records, time.perf_counter() - t_start), file=sys.stderr)
+    if F.summary:
+        print(_summary(records, time.perf_counter() - t_start, F), file=sys.stderr)
     failed = [r for r in records if "error" in r or r.get("first_token_check") == "mismatch"]
     return 1 if failed or not records else 0
 
 
 def run():
-    """Console-script entry point (`slope-decode`)."""
+    """Console-script entry point (`slope-decode`, `python -m slope_jax.decode`)."""
+    define_flags()
     for flag in FLAGS.flags_by_module_dict().get(__name__, []):
         FLAGS.register_key_flag_for_module(sys.argv[0], flag)
     app.run(lambda argv: sys.exit(main(argv)))
