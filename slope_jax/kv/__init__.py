@@ -5,6 +5,10 @@
 `check_model` / `KVModelMismatch`: is an export the decode model's KV? (docs/kv-format.md describes the format.)
 """
 
+# bfloat16 exports: safetensors' numpy reader needs numpy to know the 'bfloat16' dtype, which ml_dtypes registers on
+# import (JAX imports it too, so only JAX-free readers — a decode engine — would otherwise fail on every bf16 export).
+import ml_dtypes  # noqa: F401
+
 from slope_jax.kv.compat import KVModelMismatch, check_model, model_config
 from slope_jax.kv.format import (
                                  AXES,
