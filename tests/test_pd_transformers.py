@@ -201,7 +201,7 @@ def test_naive_cache_gets_the_wrong_position(exports, hf_models):
         naive.layers[layer].update(*(torch.from_numpy(np.array(a)).permute(1, 0, 2)[None] for a in (lk.k, lk.v)))
     assert naive.get_seq_length() == TINY.sliding_window  # not len(prompt)
     ref = _forward(model, np.concatenate([prompt, [first]]))
-    assert np.abs(_forward(model, [first], naive) - ref).max() > 1e-2
+    assert np.abs(_forward(model, [first], naive) - ref).max() > 0.1  # measured 1.85 (n = 101), and another argmax
     good = kv.to_transformers_cache(path, model)
     assert good.get_seq_length() == len(prompt)
     assert np.abs(_forward(model, [first], good) - ref).max() <= LOGIT_TOL
@@ -237,8 +237,9 @@ def test_mismatched_model_is_refused(exports, hf_models):
 
 def test_decode_cli_first_token_check_and_engines(exports, tmp_path):
     """`python -m slope_jax.decode` on the 2-process export: each engine recomputes the first token from the prompt's
-    last token (cache of n−1 tokens) and agrees with the prefill; transformers and the JAX reference decoder produce
-    the same tokens; a request whose prompt differs from the export's is an error, not a wrong answer."""
+    last token (cache of n−1 tokens, empty for n = 1) and agrees with the prefill; transformers and the JAX reference
+    decoder produce the same tokens; a request whose prompt differs from the export's is an error, not a wrong
+    answer."""
     from absl import flags
 
     from slope_jax.serve import decode_cli
@@ -246,7 +247,7 @@ def test_decode_cli_first_token_check_and_engines(exports, tmp_path):
     prompts, ids = _prompts("tiny")
     kv_dir = exports[("tiny", "2proc-2x4", "last_window")]
     reqs = [{"id": rid, "tokens": p.tolist()} for rid, p in zip(ids, prompts)]
-    reqs[0]["tokens"] = [7]  # len-1: another one-token prompt
+    reqs[2]["tokens"][5] = (reqs[2]["tokens"][5] + 1) % TINY.vocab_size  # len-32: not the prompt that was exported
     (tmp_path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reqs))
     outs = {}
     for engine, chosen in (("transformers", ids), ("reference", ["len-33"])):
@@ -258,12 +259,62 @@ def test_decode_cli_first_token_check_and_engines(exports, tmp_path):
         fv(argv)
         rc = decode_cli.main(["slope-decode"], fv)
         outs[engine] = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
-        assert rc == 1 if engine == "transformers" else rc == 0  # len-1's prompt was changed
+        assert rc == (1 if engine == "transformers" else 0)  # len-32's prompt was changed
     tr = outs["transformers"]
-    assert "is not the one exported" in tr["len-1"]["error"]
-    for rid in ids[1:]:
+    assert "is not the one exported" in tr["len-32"]["error"]
+    for rid in ids[:2] + ids[3:]:  # len-1 replays from an empty cache
         r = tr[rid]
         assert r["first_token_check"] == "ok" and r["decoded_first_token"] == r["first_token"], r
         assert len(r["tokens"]) == 6 and r["tokens"][0] == r["first_token"] and isinstance(r["text"], str)
     ref = outs["reference"]["len-33"]
     assert ref["first_token_check"] == "ok" and ref["tokens"] == tr["len-33"]["tokens"]
+
+
+_NO_JAX_LOAD = r"""
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("jax", "jaxlib"):
+            raise ImportError("blocked: a decode engine has no JAX")
+sys.meta_path.insert(0, Block())
+import slope_jax.kv as kv
+layers = kv.load(sys.argv[1])
+print(layers[0].k.dtype, layers[1].k.shape[0], layers[0].k.shape[0])
+"""
+
+
+def test_bfloat16_export_without_jax(tmp_path):
+    """The launcher exports bfloat16 by default and a decode engine has no JAX: the reader must know numpy's
+    'bfloat16' (ml_dtypes) on its own, and the transformers cache must receive the values exactly."""
+    import ml_dtypes
+
+    n, w = 40, TINY.sliding_window
+    rng = np.random.default_rng(3)
+    shape = (n, TINY.num_key_value_heads, TINY.head_dim)
+    full = {layer: [rng.standard_normal(shape).astype(ml_dtypes.bfloat16) for _ in "kv"]
+            for layer in range(TINY.num_hidden_layers)}
+    records, files = [], []
+    for proc, (lo, hi) in enumerate(((0, 20), (20, n))):  # two processes' pieces, as a ring of 2 writes them
+        segs = []
+        for layer, (k, v) in full.items():
+            a, b = kv.kept_range(n, TINY.layer_types[layer], w, False)
+            a, b = max(a, lo), min(b, hi)
+            if a < b:
+                segs.append((layer, a, b, k[a:b], v[a:b]))
+        name, recs = kv.write_shard_file(str(tmp_path), proc, segs)
+        records += recs
+        files.append(name)
+    ids = random_prompt(TINY, n, seed=1)
+    kv.write_manifest(str(tmp_path), request_id="bf16", token_ids=ids, cfg=TINY, dtype="bfloat16", full=False,
+                      segments=records, files=files, first_token=5)
+    out = subprocess.run([sys.executable, "-c", _NO_JAX_LOAD, str(tmp_path)], capture_output=True, text=True,
+                         timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    assert out.returncode == 0 and out.stdout.split() == ["bfloat16", str(n), str(w)], out.stderr[-2000:]
+    exact = kv.to_transformers_cache(tmp_path, TINY)  # the export's dtype: bit-exact bfloat16
+    wide = kv.to_transformers_cache(tmp_path, TINY, dtype=torch.float32)
+    for layer, (k, v) in full.items():
+        rows = slice(n - (w - 1), n) if TINY.is_sliding(layer) else slice(0, n)
+        for got, want in ((exact.layers[layer].keys, k), (wide.layers[layer].values, v)):
+            ref = torch.from_numpy(want[rows].astype(np.float32)).permute(1, 0, 2)[None]
+            assert got.dtype == (torch.bfloat16 if got is exact.layers[layer].keys else torch.float32)
+            assert torch.equal(got.float(), ref)

@@ -42,7 +42,7 @@ def to_transformers_cache(path: str | os.PathLike, config, *, num_tokens: int | 
         `GptOssConfig`, a slope_jax `ModelConfig`, or a checkpoint directory.
       num_tokens: build the cache of the first `num_tokens` tokens only (default: all `manifest["num_tokens"]`),
         e.g. n−1 to let the decode engine recompute the first token from the prompt's last token. A default export
-        supports any value ≥ n−1 (≥ 1); a `kv_full` export any value ≥ 1.
+        supports any value ≥ n−1; a `kv_full` export any value (0: an empty cache).
       dtype: torch dtype of the cache tensors (default: the model's if `config` is a model, else the export's,
         `manifest["dtype"]`; bfloat16 exports are read through ml_dtypes and converted exactly).
       device: torch device (default: the model's, else CPU).
@@ -70,8 +70,8 @@ def to_transformers_cache(path: str | os.PathLike, config, *, num_tokens: int | 
     compat.check_model(manifest, cfg, path, check_fingerprint=check_fingerprint)
     n = int(manifest["num_tokens"])
     t = n if num_tokens is None else int(num_tokens)
-    if not 1 <= t <= n:
-        raise kvfmt.KVFormatError(f"{path}: num_tokens={t} is outside [1, {n}] (the export holds {n} tokens)")
+    if not 0 <= t <= n:
+        raise kvfmt.KVFormatError(f"{path}: num_tokens={t} is outside [0, {n}] (the export holds {n} tokens)")
     if model is not None:
         dtype = model.dtype if dtype is None else dtype
         device = model.device if device is None else device
@@ -82,6 +82,8 @@ def to_transformers_cache(path: str | os.PathLike, config, *, num_tokens: int | 
     if len(cache.layers) != cfg.num_hidden_layers:
         raise RuntimeError(f"transformers {transformers.__version__} built a cache of {len(cache.layers)} layers for "
                            f"a {cfg.num_hidden_layers}-layer model")
+    if t == 0:
+        return cache  # empty: the decode engine starts at position 0
     w = cfg.sliding_window
     for i, cl in enumerate(cache.layers):
         kv = layers[i]

@@ -109,15 +109,9 @@ class TransformersEngine:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers ≥ 5.2x renamed it
 
     def start(self, path: str, num_tokens: int):
-        import transformers
-
         from slope_jax.kv import to_transformers_cache
 
-        if num_tokens == 0:
-            cache = transformers.DynamicCache(config=self.model.config)
-        else:
-            cache = to_transformers_cache(path, self.model, num_tokens=num_tokens,
-                                          check_fingerprint=self.check_fingerprint)
+        cache = to_transformers_cache(path, self.model, num_tokens=num_tokens, check_fingerprint=self.check_fingerprint)
         torch, model, kw = self.torch, self.model, self._cache_kw
 
         def step(token: int) -> np.ndarray:
