@@ -274,7 +274,9 @@ def main(argv, F: flags.FlagValues = FLAGS) -> int:
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(tok_path)
-    ids = F.ids or sorted(d for d in os.listdir(F.kv_dir) if os.path.isdir(os.path.join(F.kv_dir, d)))
+    # every request directory; names starting with '.' are an exporter's staging / replaced directories, never exports
+    ids = F.ids or sorted(d for d in os.listdir(F.kv_dir)
+                          if not d.startswith(".") and os.path.isdir(os.path.join(F.kv_dir, d)))
     prompts = read_prompts(F.requests, tokenizer) if F.requests else {}
     firsts = read_first_tokens(F.results) if F.results else {}
     engine = _engine(F)
