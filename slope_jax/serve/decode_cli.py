@@ -237,6 +237,12 @@ def decode_request(engine, path: str, *, max_new_tokens: int, temperature: float
 
 def _engine(F):
     if F.engine == "transformers":
+        try:
+            import torch  # noqa: F401
+            import transformers  # noqa: F401
+        except ImportError as e:
+            raise app.UsageError(f"--engine=transformers needs torch and transformers ({e}); install them with "
+                                 "pip install -e '.[decode]', or use --engine=reference") from e
         return TransformersEngine(F.checkpoint, F.dtype, F.check_fingerprint)
     return ReferenceEngine(F.checkpoint, F.dtype, F.max_new_tokens, F.check_fingerprint)
 
