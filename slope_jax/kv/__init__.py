@@ -1,8 +1,15 @@
 """KV cache export format and reader (`slope_jax.kv`), readable with numpy + safetensors alone (no JAX).
 
 `slope_jax.kv.decode` (a reference decode step over an export) needs JAX and is imported explicitly.
+`to_transformers_cache` (an export as a Hugging Face transformers cache) imports torch and transformers on call.
+`check_model` / `KVModelMismatch`: is an export the decode model's KV? (docs/kv-format.md describes the format.)
 """
 
+# bfloat16 exports: safetensors' numpy reader needs numpy to know the 'bfloat16' dtype, which ml_dtypes registers on
+# import (JAX imports it too, so only JAX-free readers — a decode engine — would otherwise fail on every bf16 export).
+import ml_dtypes  # noqa: F401
+
+from slope_jax.kv.compat import KVModelMismatch, check_model, model_config
 from slope_jax.kv.format import (
                                  AXES,
                                  FORMAT,
@@ -20,5 +27,14 @@ from slope_jax.kv.format import (
                                  write_shard_file,
 )
 
-__all__ = ["AXES", "FORMAT", "MANIFEST", "VERSION", "KVFormatError", "LayerKV", "kept_range", "load", "read_manifest",
-           "runs", "segment_name", "token_hash", "write_manifest", "write_shard_file"]
+__all__ = ["AXES", "FORMAT", "MANIFEST", "VERSION", "KVFormatError", "KVModelMismatch", "LayerKV", "check_model",
+           "kept_range", "load", "model_config", "read_manifest", "runs", "segment_name", "to_transformers_cache",
+           "token_hash", "write_manifest", "write_shard_file"]
+
+
+def to_transformers_cache(path, config, **kwargs):
+    """An export as a transformers `DynamicCache` for `GptOssForCausalLM`; see
+    `slope_jax.kv.transformers.to_transformers_cache` (imported here on call: torch and transformers stay optional)."""
+    from slope_jax.kv.transformers import to_transformers_cache as build
+
+    return build(path, config, **kwargs)
