@@ -62,9 +62,16 @@ class TensorEntry:
 
 
 def _reader(groups: list[list[int]], shape: tuple[int, ...], rows: tuple[int, int] | None):
-    def read(h, name):
-        t = h.get_slice(name)[rows[0]:rows[1]] if rows else h.get_tensor(name)
-        return names_lib.from_checkpoint(t, groups, shape)
+    def read(h, name, experts: tuple[int, int] | None = None):
+        """The parameter-layout array of one layer; with `experts=(lo, hi)` only those experts (the leading axis of
+        both the checkpoint tensor and the parameter), read lazily with `get_slice` (expert parallelism)."""
+        if experts is None:
+            t = h.get_slice(name)[rows[0]:rows[1]] if rows else h.get_tensor(name)
+            return names_lib.from_checkpoint(t, groups, shape)
+        if rows is not None or groups[0] != [0]:
+            raise CheckpointError(f"{name}: experts must be the leading, unmerged axis to read a range of them")
+        lo, hi = experts
+        return names_lib.from_checkpoint(h.get_slice(name)[lo:hi], groups, (hi - lo, *shape[1:]))
     return read
 
 
@@ -152,17 +159,6 @@ class TensorSource:
 
     def where(self, name: str) -> str:
         return os.path.join(self.directory, self.file_of.get(name, "?"))
-
-
-class _LeadingRows:
-    """A safetensors handle whose `get_tensor` returns only rows [lo, hi) of the leading axis (read lazily with
-    `get_slice`), so a `TensorEntry.read` of a per-layer expert tensor `[E, …]` reads only those experts."""
-
-    def __init__(self, handle, lo: int, hi: int):
-        self._h, self._lo, self._hi = handle, lo, hi
-
-    def get_tensor(self, name: str) -> np.ndarray:
-        return self._h.get_slice(name)[self._lo:self._hi]
 
 
 def _weight_files(directory: str) -> dict[str, str]:
@@ -340,7 +336,7 @@ def load_params(ckpt: CheckpointDir, dtype="bfloat16", *, shardings: dict | None
                      experts: tuple[int, int] | None = None) -> np.ndarray:
             h = ckpt.source.handle(entry.name)
             if experts is not None:  # only these experts (leading axis) of a per-layer expert tensor
-                return entry.read(_LeadingRows(h, *experts), entry.name)
+                return entry.read(h, entry.name, experts=experts)
             return h.get_slice(entry.name)[rows[0]:rows[1]] if rows else entry.read(h, entry.name)
 
         def shard(index, entries=entries, spec=spec, read_one=read_one, pname=pname) -> np.ndarray:
