@@ -14,7 +14,7 @@ from slope_jax.serve import requests as req_lib
 from slope_jax.serve.engine import PrefillEngine
 from slope_jax.serve.requests import RequestError
 
-DECODE_TOL = 1e-4  # measured max |Δlogit| 1.3e-6 (float32)
+DECODE_TOL = 1e-5  # measured max |Δlogit| 1.6e-6 (float32, both exports, all lengths)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_parallel_export_matches_single_device(exported):
         assert a.first_token == b.first_token
         for layer in ka:
             np.testing.assert_array_equal(ka[layer].positions, kb[layer].positions)
-            assert np.abs(ka[layer].k - kb[layer].k).max() < 1e-5
+            assert np.abs(ka[layer].k - kb[layer].k).max() < 1e-5  # measured max 1.9e-6
             assert np.abs(ka[layer].v - kb[layer].v).max() < 1e-5
 
 

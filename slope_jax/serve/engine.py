@@ -45,8 +45,8 @@ class PrefillResult:
     logits: float32 `[V]` at the last real position; num_tokens; kv: global layer id → LayerKV (natural order, all
     tokens; empty when not asked for); kv_path: the export directory (None without `kv_dir`); timings in ms:
     queue_ms (arrival → its step starts; includes compile_ms, the compilation of a new bucket for this step),
-    compute_ms (step start → first token on the host), ttft_ms (the sum), export_ms (KV export after the first
-    token; not part of TTFT).
+    compute_ms (step start → first token on the host), ttft_ms (the sum), export_ms (first token on the
+    host → this request's KV export published, the batch's earlier exports included; not part of TTFT).
     """
 
     first_token: int

@@ -42,6 +42,8 @@ flags.DEFINE_string("kv_dir", None, "Export each request's KV cache to KV_DIR/<i
                     "Every process writes the pieces it holds; use a shared filesystem across hosts.")
 flags.DEFINE_bool("kv_full", False, "Export every token of sliding-window layers (default: their last W tokens, "
                   "all a decoder needs).")
+flags.DEFINE_bool("overwrite", False, "Replace an existing export KV_DIR/<id>/ (atomically: readers see the old or "
+                  "the new one, never a mix). Default: a request whose export exists gets an error record.")
 flags.DEFINE_string("logits_dir", None, "Also save each request's last-position logits as LOGITS_DIR/<id>.npy "
                     "(float32), for verification.")
 flags.DEFINE_integer("top_k", 5, "Number of (token, logit) pairs per result.")
