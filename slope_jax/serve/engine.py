@@ -285,12 +285,8 @@ class PrefillEngine:
             raise RequestError(f"ids: need {len(tokens)} distinct ids, got {len(ids)} ({len(set(ids))} distinct)")
         for i, x in enumerate(ids):
             check_request_id(x, f"prompt {i}")
-        if kv_dir is not None:
-            for i, x in enumerate(ids):
-                try:
-                    kvfmt.check_target(kv_dir, x, overwrite)
-                except kvfmt.ExportExistsError as e:
-                    raise RequestError(f"prompt {i}: {e}") from e
+        if kv_dir is not None and not overwrite:
+            self._refuse_existing_exports(kv_dir, ids)
         if return_kv is None:
             return_kv = kv_dir is None and jax.process_count() == 1
         arrival = list(arrival_times) if arrival_times is not None else [now] * len(tokens)
@@ -308,6 +304,20 @@ class PrefillEngine:
                 for i, res in zip(chunk, out):
                     results[i] = res
         return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _refuse_existing_exports(kv_dir: str, ids: list[str]) -> None:
+        """RequestError naming the first prompt whose export `kv_dir/<id>` exists (process 0 looks; in a
+        multi-process run its answer is broadcast, so every process raises or none does)."""
+        exists = np.asarray([os.path.lexists(os.path.join(kv_dir, x)) for x in ids])
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            exists = np.asarray(multihost_utils.broadcast_one_to_all(exists))
+        for i, x in enumerate(ids):
+            if exists[i]:
+                raise RequestError(f"prompt {i}: KV export {os.path.join(kv_dir, x)!r} already exists: pass "
+                                   "overwrite=True (launcher: --overwrite) to replace it, or use a new id")
 
     def _global_input(self, host: np.ndarray, sharding):
         if sharding is None:
