@@ -229,3 +229,25 @@ def test_parallel_config_rejects_bad_degrees():
         ParallelConfig(ring=0)
     with pytest.raises(LayoutError, match="devices, but 8 are available"):
         make_mesh(ParallelConfig(ring=2), jax.devices())
+
+
+def test_ulysses_groups_stay_on_one_host():
+    """2 processes (hosts) x 6 devices: ulysses=3 or 6 keeps every Ulysses group on one host; ulysses=4 would split
+    one across hosts — a LayoutError unless explicitly allowed. The device map names every device's coordinates."""
+    from types import SimpleNamespace
+
+    from slope_jax.parallel import mesh as mesh_lib
+
+    devices = [SimpleNamespace(id=i, process_index=i // 6) for i in range(12)]
+    for ring, ulysses in ((4, 3), (2, 6), (12, 1)):
+        mesh_lib.check_ulysses_hosts(mesh_lib.device_grid(ParallelConfig(ring=ring, ulysses=ulysses), devices))
+    grid = mesh_lib.device_grid(ParallelConfig(ring=3, ulysses=4), devices)
+    with pytest.raises(LayoutError, match=r"ulysses=4: the Ulysses group of stage 0, ring rank 1 would span processes "
+                                          r"\(hosts\) \[0, 1\]; every process must hold a multiple of ulysses devices"):
+        mesh_lib.check_ulysses_hosts(grid)
+    mesh_lib.check_ulysses_hosts(grid, allow_cross_host_ulysses=True)
+    m = mesh_lib.device_map(make_mesh(ParallelConfig(pipeline=2, ring=2, ulysses=2), jax.devices()))
+    assert sorted(e["device"] for e in m) == sorted(d.id for d in jax.devices())
+    assert {(e["stage"], e["ring"], e["ulysses"]) for e in m} == {(p, r, u) for p in (0, 1) for r in (0, 1)
+                                                                   for u in (0, 1)}
+    assert mesh_lib.format_device_map(make_mesh(ParallelConfig(ring=8), jax.devices())).startswith("0->(p0 s0 r0 u0)")

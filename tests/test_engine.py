@@ -55,15 +55,22 @@ def test_bad_prompts_are_rejected_by_name(shipped, prompt, match):
 
 
 def test_bf16_close_to_float32(checkpoints, reference_engines):
-    """bf16 weights/activations vs the float32 path on the same checkpoint. Routing is discontinuous (spec §5), so
-    only compare where the top-1 matches; measured max |Δlogit| ~0.05 on these configs."""
+    """bf16 weights/activations vs the float32 path on the same checkpoint. Measured: max |Δlogit| 0.024 (0.7% of the
+    largest |logit|), correlation 0.99997. Top-1: where float32's margin between its best two logits exceeds twice
+    the tolerance, bf16 must pick the same token (the error bound makes any other choice impossible); inside that
+    margin (a near-tie; routing is discontinuous, spec §5) bf16's choice must be a float32 near-tie."""
     f32 = reference_engines["A"]
     bf16 = PrefillEngine.from_checkpoint(checkpoints["A"]["mxfp4"], dtype="bfloat16", progress=False, **TILES)
     prompts = [random_prompt(CONFIG_A, n, seed=n) for n in (5, 30)]
     for a, b in zip(f32.prefill(prompts), bf16.prefill(prompts)):
-        scale = np.abs(a.logits).max()
-        assert np.abs(a.logits - b.logits).max() < 0.1 * scale
-        assert np.corrcoef(a.logits, b.logits)[0, 1] > 0.99
+        tol = 0.03 * np.abs(a.logits).max()  # 4x the measured 0.7%
+        assert np.abs(a.logits - b.logits).max() < tol
+        assert np.corrcoef(a.logits, b.logits)[0, 1] > 0.9997  # 1 − corr: measured 3e-5
+        best, second = np.sort(a.logits)[-2:][::-1]
+        if best - second > 2 * tol:
+            assert b.first_token == a.first_token
+        else:
+            assert a.logits[b.first_token] >= best - 2 * tol
 
 
 def test_pad_tokens_change_no_real_bit(reference_engines):

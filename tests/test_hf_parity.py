@@ -12,9 +12,9 @@ from conftest import CONFIGS, TILES, random_prompt
 
 from slope_jax.serve.engine import PrefillEngine
 
-# measured max |Δ| on these configs: logits 1.4e-6, K/V 3e-6 (float32); asserted with margin:
-LOGIT_TOL = 2e-5
-KV_TOL = 2e-5
+# measured max |Δ| over both configs, both layouts, all lengths (float32): logits 2.5e-6, K/V 4.1e-6
+LOGIT_TOL = 1e-5  # 4x the measured error
+KV_TOL = 2e-5  # 5x the measured error
 
 
 def _lengths(cfg):

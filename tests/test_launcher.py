@@ -147,7 +147,7 @@ def test_decode_continuation_of_every_export(runs):
         cache = kv.load(rec["kv_path"])
         logits = decode.decode_step(cfg, single.params, cache, rec["first_token"], len(ids))
         full = single.prefill([ids + [rec["first_token"]]])[0].logits
-        assert np.abs(logits - full).max() < 1e-4, rid  # measured ~2e-6 (float32)
+        assert np.abs(logits - full).max() < 2e-5, rid  # measured ~2e-6 (float32)
 
 
 def test_killed_process_stops_the_run_cleanly(tmp_path):

@@ -1,5 +1,7 @@
 """Balance and collective traffic of the compiled parallel step (small case of benchmarks/cp_traffic.py)."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -7,6 +9,7 @@ from conftest import CONFIG_A
 
 from slope_jax.model import attention
 from slope_jax.model import gpt_oss as model
+from slope_jax.parallel import context_parallel
 from slope_jax.parallel.config import ParallelConfig
 from slope_jax.plan import traffic
 from slope_jax.serve.engine import PrefillEngine
@@ -26,11 +29,37 @@ def test_hlo_collective_bytes_match_formula(layout, tokens, params):
     meas = traffic.hlo_bytes_by_scope(hlo)
     pred = traffic.analytic_bytes(CONFIG_A, par, tokens, par.in_flight, eng.plan.slots_per_stage, 4)
     assert abs(meas["total"] - pred["total"]) <= 0.02 * pred["total"], (meas, pred)  # measured: exact
-    # sliding-window layers move only their halo: ppermutes, no all-to-all, no ring
+    # sliding-window layers move only their halo: ppermutes (one hop), or one all-gather when pieces are shorter
+    # than the halo; no all-to-all, no ring
     sliding = [c for c in traffic.hlo_collectives(hlo) if c.scope == "sliding_layer"]
-    assert {c.kind for c in sliding} == {"collective-permute"}
+    gathered = context_parallel.halo_by_gather(tokens // (2 * r * u), CONFIG_A.sliding_window)
+    assert {c.kind for c in sliding} == {"all-gather" if gathered else "collective-permute"}
     assert abs(meas["sliding_layer"] - pred["sliding_layer"]) <= 0.02 * pred["sliding_layer"]
     assert meas.get("full_layer", 0) == pytest.approx(pred["full_layer"], rel=0.02)
+
+
+def _sliding_collectives_per_layer(eng, tokens):
+    """Collective ops (each execution counted) per sliding layer, and in the whole step, of bucket `tokens`."""
+    cols = traffic.hlo_collectives(eng.compiled(tokens, 1).as_text())
+    layers = sum(eng.cfg.is_sliding(i) for i in range(eng.cfg.num_hidden_layers))
+    sliding = sum(c.executions for c in cols if c.scope == "sliding_layer")
+    return sliding / layers, sum(c.executions for c in cols)
+
+
+def test_short_prompt_halo_collectives_do_not_grow(params):
+    """A 5-token prompt on ring 2 × Ulysses 4 with W = 17 (pieces of 1 token; passing pieces would take 16 hops × 3
+    ppermutes per sliding layer) needs no more collectives per sliding layer than a long bucket (one hop)."""
+    cfg = dataclasses.replace(CONFIG_A, sliding_window=17, num_hidden_layers=2, layer_types=CONFIG_A.layer_types[:2])
+    two_layers = {**params, "layers": jax.tree.map(lambda a: a[:2], params["layers"])}  # half the compile time
+    eng = PrefillEngine(cfg, two_layers, ParallelConfig(ring=2, ulysses=4), "float32", q_tile=64, kv_tile=64,
+                        moe_tile=64)
+    short_t, long_t = eng.bucket(5), 16 * 16  # pieces of 1 and 16 = W−1 tokens
+    assert short_t // 16 < cfg.sliding_window - 1 <= long_t // 16
+    short, short_all = _sliding_collectives_per_layer(eng, short_t)
+    long, long_all = _sliding_collectives_per_layer(eng, long_t)
+    print(f"collectives per sliding layer: short {short}, long {long}; per step: {short_all}, {long_all}")
+    assert short <= long, (short, long)  # measured: 1 all-gather vs 3 collective-permutes
+    assert short_all <= long_all, (short_all, long_all)  # whole step too (positions included); measured 14 vs 20
 
 
 @pytest.mark.parametrize("ring,ulysses", [(2, 4), (4, 2), (8, 1)])

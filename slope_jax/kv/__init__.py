@@ -1,4 +1,4 @@
-"""KV cache export format and reader (`slope_jax.kv`), readable with numpy + safetensors alone (no JAX).
+"""KV cache export format and reader (`slope_jax.kv`), readable with numpy + safetensors + ml_dtypes alone (no JAX).
 
 `slope_jax.kv.decode` (a reference decode step over an export) needs JAX and is imported explicitly.
 `to_transformers_cache` (an export as a Hugging Face transformers cache) imports torch and transformers on call.
@@ -15,21 +15,29 @@ from slope_jax.kv.format import (
                                  FORMAT,
                                  MANIFEST,
                                  VERSION,
+                                 ExportExistsError,
                                  KVFormatError,
                                  LayerKV,
+                                 check_target,
+                                 clean_stale,
                                  kept_range,
                                  load,
+                                 new_run_nonce,
+                                 publish,
                                  read_manifest,
                                  runs,
                                  segment_name,
+                                 staging_dir,
                                  token_hash,
+                                 verify_files,
                                  write_manifest,
                                  write_shard_file,
 )
 
-__all__ = ["AXES", "FORMAT", "MANIFEST", "VERSION", "KVFormatError", "KVModelMismatch", "LayerKV", "check_model",
-           "kept_range", "load", "model_config", "read_manifest", "runs", "segment_name", "to_transformers_cache",
-           "token_hash", "write_manifest", "write_shard_file"]
+__all__ = ["AXES", "FORMAT", "MANIFEST", "VERSION", "ExportExistsError", "KVFormatError", "KVModelMismatch", "LayerKV",
+           "check_model", "check_target", "clean_stale", "kept_range", "load", "model_config", "new_run_nonce",
+           "publish", "read_manifest", "runs", "segment_name", "staging_dir", "to_transformers_cache", "token_hash",
+           "verify_files", "write_manifest", "write_shard_file"]
 
 
 def to_transformers_cache(path, config, **kwargs):

@@ -1,11 +1,13 @@
 """KV cache export for a decode engine (prefill/decode disaggregation), and its reader.
 
-An export is one directory per request:
+An export is one directory per request, published whole:
 
-    <kv_dir>/<request_id>/kv-p<process>.safetensors   one per process: the K/V pieces that process computed
-    <kv_dir>/<request_id>/manifest.json                written last, atomically: the export is valid iff it exists
+    <kv_dir>/<request_id>/kv-p<process>.safetensors   one per process that holds a piece: the K/V it computed
+    <kv_dir>/<request_id>/manifest.json                lists exactly those files with their size and SHA-256
 
-Format `slope_jax.kv` version 1 (readable without JAX: safetensors + JSON):
+Format `slope_jax.kv` version 2 (readable without JAX: numpy + safetensors + JSON; bfloat16 tensors come back as
+`ml_dtypes.bfloat16` numpy arrays — other readers `import ml_dtypes` so numpy knows the dtype — or as
+`torch.bfloat16` through `load(path, framework="pt")`):
 - every tensor's axis order is **declared** in the manifest (`axes`: token, kv_head, head_dim); a reader must not
   infer a layout from shapes (two layouts can share a shape);
 - K is post-RoPE (`rope_applied: true`), V as projected; tokens in natural order; each segment carries its int32
@@ -13,10 +15,19 @@ Format `slope_jax.kv` version 1 (readable without JAX: safetensors + JSON):
 - layers are keyed by **global** layer id with their kind; full layers hold tokens [0, n); sliding layers hold the
   last W tokens [max(0, n−W), n) unless the export was asked for the full KV (`sliding_policy: "full"`), W tokens
   being all a decoder needs (spec §2.3);
-- `num_tokens`, the SHA-256 of the token ids (int32 little-endian) and the model fingerprint identify what the KV
-  belongs to.
-Files are written to a temporary name and renamed; the manifest comes after every process's file is in place, so
-a crash never leaves a valid-looking partial export.
+- `num_tokens`, the SHA-256 of the token ids (int32 little-endian), the model fingerprint and layer types identify
+  what the KV belongs to; `run_nonce` names the engine run that wrote it; `checksums` gives every file's size and
+  SHA-256.
+
+Atomicity (nothing stale or mixed is ever readable). An export is built in a fresh directory
+`<kv_dir>/.tmp-<run nonce>-<counter>.<request_id>` (every process derives the same name: the run nonce is agreed
+once at engine start, the counter advances identically on every process). Each process writes its file there (and
+a digest sidecar); after a barrier, process 0 checks the digests, writes the manifest, and publishes:
+`publish` renames an existing export aside (`.old-…`), renames the new one into place, then deletes the old one.
+A crash at any point leaves the complete old export, the complete new one, or none under `<kv_dir>/<request_id>`
+(never a mix: a directory is only ever renamed in whole, and files of an older run cannot enter a fresh
+directory). Leftover `.tmp-`/`.old-` directories are ignored by readers (ids never start with '.') and removed by
+the next export of that id. Re-exporting an existing id needs `overwrite=True`; otherwise `ExportExistsError`.
 """
 
 from __future__ import annotations
@@ -25,22 +36,42 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
+import secrets
+import shutil
 from typing import Iterable
 
+import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy, so bf16 exports load as numpy arrays
 import numpy as np
 
 from slope_jax.atomic import atomic_json, atomic_write
 
 FORMAT = "slope_jax.kv"
-VERSION = 1
+VERSION = 2
 AXES = ["token", "kv_head", "head_dim"]
 MANIFEST = "manifest.json"
+SLIDING, FULL = "sliding_attention", "full_attention"
+POLICIES = ("last_window", "full")
+DTYPES = ("float32", "bfloat16", "float16")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_NONCE = re.compile(r"^[0-9a-f]{16}$")
+_STAGING = re.compile(r"^\.(tmp|old)-([0-9a-f]{16})-(\d+)\.(.+)$")  # .tmp-<run nonce>-<counter>.<request id>
+_DIGEST_SUFFIX = ".digest.json"
+
+# Test-only crash injection: called with the name of each commit point ("shard_written", "manifest_written",
+# "old_moved_aside", "new_in_place"); a test replaces it with a function that raises or exits there.
+_crash_point = None
+
+
+def _reached(point: str) -> None:
+    if _crash_point is not None:
+        _crash_point(point)
 
 
 @dataclasses.dataclass
 class LayerKV:
     """One layer's KV cache for one prompt: post-RoPE `k`, `v` `[T, K, H]` (activation dtype) in natural token order,
-    `positions` int32 `[T]` (0…T−1), `kind` "sliding_attention" or "full_attention"."""
+    `positions` int32 `[T]` (global token positions), `kind` "sliding_attention" or "full_attention"."""
 
     k: np.ndarray
     v: np.ndarray
@@ -52,13 +83,28 @@ class KVFormatError(ValueError):
     """An export on disk is inconsistent or of an unknown layout; the message names the field and what was found."""
 
 
+class ExportExistsError(FileExistsError):
+    """An export of this request id already exists and `overwrite` was not given."""
+
+
+def new_run_nonce() -> str:
+    """16 random hex digits naming one engine run (agreed by all processes at start-up)."""
+    return secrets.token_hex(8)
+
+
 def token_hash(ids: np.ndarray) -> str:
+    """SHA-256 (lowercase hex) of the token ids as int32 little-endian."""
     return hashlib.sha256(np.asarray(ids, dtype="<i4").tobytes()).hexdigest()
+
+
+def file_sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def kept_range(num_tokens: int, kind: str, window: int, full: bool) -> tuple[int, int]:
     """Token range [start, end) an export keeps for a layer."""
-    if kind == "sliding_attention" and not full:
+    if kind == SLIDING and not full:
         return max(0, num_tokens - window), num_tokens
     return 0, num_tokens
 
@@ -80,13 +126,34 @@ def segment_name(layer: int, what: str, start: int, end: int) -> str:
     return f"layer.{layer}.{what}.{start}-{end}"
 
 
+def shard_file_name(process: int) -> str:
+    return f"kv-p{process}.safetensors"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Writing
+def staging_dir(kv_dir: str, request_id: str, run_nonce: str, counter: int) -> str:
+    """The fresh directory an export of `request_id` is built in (same name on every process of the run)."""
+    if not _NONCE.match(run_nonce):
+        raise ValueError(f"run_nonce {run_nonce!r}: expected 16 lowercase hex digits")
+    return os.path.join(kv_dir, f".tmp-{run_nonce}-{int(counter)}.{request_id}")
+
+
+def check_target(kv_dir: str, request_id: str, overwrite: bool) -> None:
+    """Raise ExportExistsError if `<kv_dir>/<request_id>` exists and `overwrite` is False."""
+    if not overwrite and os.path.lexists(os.path.join(kv_dir, request_id)):
+        raise ExportExistsError(f"KV export {os.path.join(kv_dir, request_id)!r} already exists: pass "
+                                "overwrite=True (launcher: --overwrite) to replace it, or use a new id")
+
+
 def write_shard_file(directory: str, process: int, segments: Iterable[tuple[int, int, int, np.ndarray, np.ndarray]]
                      ) -> tuple[str, list[dict]]:
-    """Write one process's pieces: `segments` of (layer, start, end, k [end−start, K, H], v). Returns (file name,
-    segment records for the manifest)."""
+    """Write one process's pieces into the staging `directory`: `segments` of (layer, start, end,
+    k [end−start, K, H], v). Also writes the file's size and SHA-256 beside it (`<file>.digest.json`) for the
+    manifest. Returns (file name, segment records for the manifest)."""
     from safetensors.numpy import save_file
 
-    name = f"kv-p{process}.safetensors"
+    name = shard_file_name(process)
     tensors, records = {}, []
     for layer, start, end, k, v in segments:
         rec = {"layer": int(layer), "start": int(start), "end": int(end), "file": name,
@@ -97,13 +164,19 @@ def write_shard_file(directory: str, process: int, segments: Iterable[tuple[int,
         tensors[rec["positions"]] = np.arange(start, end, dtype=np.int32)
         records.append(rec)
     os.makedirs(directory, exist_ok=True)
-    atomic_write(os.path.join(directory, name), lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT}))
+    path = os.path.join(directory, name)
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT}))
+    atomic_json(path + _DIGEST_SUFFIX, {"bytes": os.path.getsize(path), "sha256": file_sha256(path)})
+    _reached("shard_written")
     return name, records
 
 
 def write_manifest(directory: str, *, request_id: str, token_ids: np.ndarray, cfg, dtype: str, full: bool,
-                   segments: list[dict], files: list[str], first_token: int | None = None) -> str:
-    """Write `manifest.json` (atomically, last). `segments`: records from every process's `write_shard_file`."""
+                   segments: list[dict], files: list[str], first_token: int | None = None,
+                   run_nonce: str | None = None) -> str:
+    """Write `manifest.json` (atomically, last) into the staging `directory`. `segments`: records from every
+    process's `write_shard_file`; `files`: the files they name, whose digest sidecars must be present (they are
+    checked against the files and removed). Raises KVFormatError if a file or its digest is missing or disagrees."""
     by_layer: dict[int, list[dict]] = {}
     for s in segments:
         by_layer.setdefault(s["layer"], []).append(s)
@@ -114,101 +187,293 @@ def write_manifest(directory: str, *, request_id: str, token_ids: np.ndarray, cf
         layers.append({"layer": layer, "kind": kind,
                        "token_range": list(kept_range(len(token_ids), kind, cfg.sliding_window, full)),
                        "segments": [{k: s[k] for k in ("file", "start", "end", "k", "v", "positions")} for s in segs]})
+    checksums = {}
+    for name in sorted(set(files)):
+        path = os.path.join(directory, name)
+        try:
+            with open(path + _DIGEST_SUFFIX) as f:
+                digest = json.load(f)
+        except OSError as e:
+            raise KVFormatError(f"{directory}: {name} or its digest was not written ({e})") from e
+        if not os.path.exists(path) or os.path.getsize(path) != digest["bytes"]:
+            raise KVFormatError(f"{directory}: {name} is missing or not {digest['bytes']} bytes as its writer reported")
+        checksums[name] = digest
     manifest = {
         "format": FORMAT, "version": VERSION, "request_id": request_id,
         "num_tokens": int(len(token_ids)), "token_ids_sha256": token_hash(token_ids),
-        "first_token": first_token,
+        "first_token": first_token, "run_nonce": run_nonce or new_run_nonce(),
         "model": {"fingerprint": cfg.fingerprint(), "num_hidden_layers": cfg.num_hidden_layers,
                   "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
-                  "sliding_window": cfg.sliding_window},
+                  "sliding_window": cfg.sliding_window, "layer_types": list(cfg.layer_types)},
         "dtype": dtype, "axes": {"k": AXES, "v": AXES, "positions": ["token"]},
         "rope_applied": True, "token_order": "natural",
         "sliding_policy": "full" if full else "last_window",
-        "files": sorted(set(files)), "layers": layers,
+        "files": sorted(checksums), "checksums": checksums, "layers": layers,
     }
     path = os.path.join(directory, MANIFEST)
     atomic_json(path, manifest)
+    for name in checksums:
+        os.remove(os.path.join(directory, name) + _DIGEST_SUFFIX)
+    _fsync_dir(directory)
+    _reached("manifest_written")
     return path
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(kv_dir: str, request_id: str, staging: str, *, overwrite: bool) -> str:
+    """Move a complete staging directory (manifest written) to `<kv_dir>/<request_id>` and return that path.
+
+    An existing export is renamed aside first and deleted only after the new one is in place, so a crash leaves
+    the old export, the new one, or none — never a mix. Then stale staging directories of this id (earlier
+    crashes) are removed. Raises ExportExistsError if the target exists and `overwrite` is False."""
+    final = os.path.join(kv_dir, request_id)
+    check_target(kv_dir, request_id, overwrite)
+    old = None
+    if os.path.lexists(final):
+        old = os.path.join(kv_dir, ".old-" + os.path.basename(staging)[len(".tmp-"):])
+        os.rename(final, old)
+        _reached("old_moved_aside")
+    os.rename(staging, final)
+    _fsync_dir(kv_dir)
+    _reached("new_in_place")
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    clean_stale(kv_dir, request_id)
+    return final
+
+
+def clean_stale(kv_dir: str, request_id: str, keep: str | None = None) -> list[str]:
+    """Remove staging (`.tmp-…`) and set-aside (`.old-…`) directories of `request_id` under `kv_dir` except `keep`;
+    returns the removed paths."""
+    removed = []
+    try:
+        names = os.listdir(kv_dir)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        m = _STAGING.match(name)
+        path = os.path.join(kv_dir, name)
+        if m and m.group(4) == request_id and (keep is None or os.path.abspath(path) != os.path.abspath(keep)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Reading
-def read_manifest(path: str) -> dict:
-    """The manifest of an export directory, with its format, version and declared layout checked."""
+def _fail(path: str, field: str, msg: str):
+    raise KVFormatError(f"{path}: {field}: {msg}")
+
+
+def _is_int(x, lo: int = 0) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= lo
+
+
+def read_manifest(path: str, cfg=None) -> dict:
+    """The manifest of an export directory, checked for agreement with itself (no tensor is read): format, version,
+    declared layout, identity fields, model section, every layer's kind (vs `model.layer_types`), kept token range
+    (vs `num_tokens`, `sliding_window` and `sliding_policy`), segments tiling that range, and `files` vs
+    `checksums` vs the files the segments name. With `cfg` (a ModelConfig) the model fingerprint, layer types and
+    shapes must also match it. Raises KVFormatError naming the field."""
     mpath = os.path.join(path, MANIFEST)
     if not os.path.exists(mpath):
         raise KVFormatError(f"{path}: no {MANIFEST} (an unfinished or failed export is never valid)")
     try:
         with open(mpath) as f:
             m = json.load(f)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise KVFormatError(f"{mpath}: not valid JSON ({e})") from e
+    if not isinstance(m, dict):
+        raise KVFormatError(f"{mpath}: expected a JSON object, got {type(m).__name__}")
     if m.get("format") != FORMAT or m.get("version") != VERSION:
         raise KVFormatError(f"{mpath}: format {m.get('format')!r} version {m.get('version')!r}, expected "
                             f"{FORMAT!r} version {VERSION}")
     axes = m.get("axes")
     if axes != {"k": AXES, "v": AXES, "positions": ["token"]}:
-        raise KVFormatError(f"{mpath}: undeclared or unknown layout axes={axes!r}; this reader knows "
+        raise KVFormatError(f"{mpath}: axes: undeclared or unknown layout axes={axes!r}; this reader knows "
                             f"k, v = {AXES} and positions = ['token'] only")
     if m.get("rope_applied") is not True or m.get("token_order") != "natural":
         raise KVFormatError(f"{mpath}: rope_applied={m.get('rope_applied')!r}, token_order={m.get('token_order')!r}; "
                             "expected post-RoPE K in natural token order")
+    _check_identity(path, m)
+    model = _check_model(path, m.get("model"), cfg)
+    _check_layers(path, m, model)
     return m
 
 
-def load(path: str) -> dict:
+def _check_identity(path: str, m: dict) -> None:
+    rid = m.get("request_id")
+    if not isinstance(rid, str) or rid != os.path.basename(os.path.normpath(path)):
+        _fail(path, "request_id", f"{rid!r} does not name this export directory "
+              f"{os.path.basename(os.path.normpath(path))!r}")
+    if not _is_int(m.get("num_tokens"), 1):
+        _fail(path, "num_tokens", f"{m.get('num_tokens')!r} is not a positive integer")
+    if not isinstance(m.get("token_ids_sha256"), str) or not _HEX64.match(m["token_ids_sha256"]):
+        _fail(path, "token_ids_sha256", f"{m.get('token_ids_sha256')!r} is not 64 lowercase hex digits (SHA-256 of "
+              "the token ids as int32 little-endian)")
+    if not isinstance(m.get("run_nonce"), str) or not _NONCE.match(m["run_nonce"]):
+        _fail(path, "run_nonce", f"{m.get('run_nonce')!r} is not 16 lowercase hex digits")
+    if m.get("first_token") is not None and not _is_int(m["first_token"]):
+        _fail(path, "first_token", f"{m['first_token']!r} is not a token id")
+    if m.get("dtype") not in DTYPES:
+        _fail(path, "dtype", f"{m.get('dtype')!r} is not one of {list(DTYPES)}")
+    if m.get("sliding_policy") not in POLICIES:
+        _fail(path, "sliding_policy", f"{m.get('sliding_policy')!r} is not one of {list(POLICIES)}")
+
+
+def _check_model(path: str, model, cfg) -> dict:
+    if not isinstance(model, dict):
+        _fail(path, "model", f"expected an object, got {model!r}")
+    for key in ("num_hidden_layers", "num_key_value_heads", "head_dim", "sliding_window"):
+        if not _is_int(model.get(key), 1):
+            _fail(path, f"model.{key}", f"{model.get(key)!r} is not a positive integer")
+    types = model.get("layer_types")
+    if not isinstance(types, list) or any(t not in (SLIDING, FULL) for t in types):
+        _fail(path, "model.layer_types", f"{types!r} is not a list of layer types ({SLIDING!r} or {FULL!r})")
+    if len(types) != model["num_hidden_layers"]:
+        _fail(path, "model.num_hidden_layers", f"{model['num_hidden_layers']}, but model.layer_types lists "
+              f"{len(types)} layers")
+    if not isinstance(model.get("fingerprint"), str):
+        _fail(path, "model.fingerprint", f"{model.get('fingerprint')!r} is not a string")
+    if cfg is not None:
+        want = {"fingerprint": cfg.fingerprint(), "num_hidden_layers": cfg.num_hidden_layers,
+                "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+                "sliding_window": cfg.sliding_window, "layer_types": list(cfg.layer_types)}
+        for key, value in want.items():
+            if model[key] != value:
+                _fail(path, f"model.{key}", f"the export says {model[key]!r}, the model has {value!r}")
+    return model
+
+
+def _check_layers(path: str, m: dict, model: dict) -> None:
+    files, sums = m.get("files"), m.get("checksums")
+    if not isinstance(files, list) or len(set(files)) != len(files) or not all(
+            isinstance(f, str) and re.fullmatch(r"kv-p\d+\.safetensors", f) for f in files):
+        _fail(path, "files", f"{files!r} is not a list of distinct kv-p<process>.safetensors names")
+    if not isinstance(sums, dict) or sorted(sums) != sorted(files):
+        _fail(path, "checksums", f"covers {sorted(sums) if isinstance(sums, dict) else sums!r}, 'files' lists "
+              f"{sorted(files)}")
+    for name, d in sums.items():
+        if not isinstance(d, dict) or not _is_int(d.get("bytes"), 1):
+            _fail(path, f"checksums.{name}.bytes", f"{d!r} has no positive integer 'bytes'")
+        if not isinstance(d.get("sha256"), str) or not _HEX64.match(d["sha256"]):
+            _fail(path, f"checksums.{name}.sha256", f"{d.get('sha256')!r} is not 64 lowercase hex digits")
+    n_layers, n = model["num_hidden_layers"], m["num_tokens"]
+    layers = m.get("layers")
+    if not isinstance(layers, list) or not all(isinstance(r, dict) and _is_int(r.get("layer")) for r in layers):
+        _fail(path, "layers", "expected a list of layer records with integer 'layer'")
+    ids = [r["layer"] for r in layers]
+    missing = [i for i in range(n_layers) if i not in ids]
+    if missing:
+        _fail(path, "layers", f"layer(s) {missing} missing from the manifest (num_hidden_layers={n_layers})")
+    if sorted(ids) != list(range(n_layers)):
+        _fail(path, "layers", f"layer ids {sorted(ids)} are not exactly 0..{n_layers - 1}")
+    used = set()
+    for rec in layers:
+        layer = rec["layer"]
+        kind = model["layer_types"][layer]
+        if rec.get("kind") != kind:
+            _fail(path, f"layers[{layer}].kind", f"{rec.get('kind')!r}, but model.layer_types[{layer}] is {kind!r}")
+        want = list(kept_range(n, kind, model["sliding_window"], m["sliding_policy"] == "full"))
+        if rec.get("token_range") != want:
+            _fail(path, f"layers[{layer}].token_range", f"{rec.get('token_range')!r}, but a {kind} layer of an "
+                  f"export with num_tokens={n}, sliding_window={model['sliding_window']}, "
+                  f"sliding_policy={m['sliding_policy']!r} keeps {want}")
+        segs = rec.get("segments")
+        if not isinstance(segs, list):
+            _fail(path, f"layers[{layer}].segments", f"expected a list, got {segs!r}")
+        cursor = want[0]
+        for seg in sorted(segs, key=lambda s: s.get("start", -1) if isinstance(s, dict) else -1):
+            if not isinstance(seg, dict) or not all(isinstance(seg.get(x), str) for x in ("file", "k", "v",
+                                                                                           "positions")):
+                _fail(path, f"layers[{layer}].segments", f"malformed segment {seg!r}")
+            start, end = seg.get("start"), seg.get("end")
+            if not (_is_int(start) and _is_int(end)) or start != cursor or end <= start:
+                _fail(path, f"layers[{layer}].segments", f"layer {layer} tokens [{cursor}, …) are not covered: "
+                      f"next segment is [{start}, {end}) (declared range {want})")
+            if seg["file"] not in files:
+                _fail(path, f"layers[{layer}].segments", f"segment [{start}, {end}) refers to {seg['file']!r}, not "
+                      "in 'files'")
+            used.add(seg["file"])
+            cursor = end
+        if cursor != want[1]:
+            _fail(path, f"layers[{layer}].segments", f"layer {layer} covers tokens up to {cursor}, the manifest "
+                  f"declares {want} (num_tokens={n})")
+    if used != set(files):
+        _fail(path, "files", f"lists {sorted(set(files) - used)}, which no segment uses")
+
+
+def verify_files(path: str, m: dict, *, hashes: bool = True) -> None:
+    """Check every listed file exists with the size (and, with `hashes`, the SHA-256) the manifest records.
+    Raises KVFormatError naming the file and field."""
+    for name in m["files"]:
+        fpath = os.path.join(path, name)
+        if not os.path.exists(fpath):
+            raise KVFormatError(f"{path}: files: manifest lists {name}, which does not exist")
+        want = m["checksums"][name]
+        size = os.path.getsize(fpath)
+        if size != want["bytes"]:
+            _fail(path, f"checksums.{name}.bytes", f"the file has {size} bytes, the manifest records {want['bytes']}")
+        if hashes and file_sha256(fpath) != want["sha256"]:
+            _fail(path, f"checksums.{name}.sha256", "the file's SHA-256 differs from the manifest's (the file was "
+                  "modified or belongs to another export)")
+
+
+def load(path: str, cfg=None, *, verify: bool = True, framework: str = "numpy") -> dict:
     """Read an export: global layer id → `LayerKV(k, v, positions, kind)` (the structure of `PrefillResult.kv`).
 
-    Raises KVFormatError for a missing manifest or file, an unknown layout, a missing layer, a tensor whose length
-    disagrees with its declared token range, or token ranges that do not tile the layer's kept range.
+    Args:
+      cfg: optional ModelConfig the export must belong to (fingerprint, layer types, shapes).
+      verify: check every file's SHA-256 (sizes are always checked).
+      framework: "numpy" (bfloat16 as `ml_dtypes.bfloat16`) or "pt" (torch tensors, `torch.bfloat16`).
+    Raises:
+      KVFormatError (naming the field) for a missing manifest or file, an inconsistent manifest (`read_manifest`),
+      a size or hash mismatch, a tensor whose shape, dtype or positions disagree with the manifest.
     """
     from safetensors import safe_open
 
-    m = read_manifest(path)
-    n_layers = m["model"]["num_hidden_layers"]
+    if framework not in ("numpy", "pt"):
+        raise ValueError(f"framework={framework!r}: expected 'numpy' or 'pt'")
+    m = read_manifest(path, cfg)
+    verify_files(path, m, hashes=verify)
     kh, hd = m["model"]["num_key_value_heads"], m["model"]["head_dim"]
-    handles = {}
-    for fname in m["files"]:
-        fpath = os.path.join(path, fname)
-        if not os.path.exists(fpath):
-            raise KVFormatError(f"{path}: manifest lists {fname}, which does not exist")
-        handles[fname] = safe_open(fpath, framework="numpy")
-    layers = {rec["layer"]: rec for rec in m["layers"]}
-    missing = [i for i in range(n_layers) if i not in layers]
-    if missing:
-        raise KVFormatError(f"{path}: layer(s) {missing} missing from the manifest (num_hidden_layers={n_layers})")
+    handles = {name: safe_open(os.path.join(path, name), framework=framework) for name in m["files"]}
+    if framework == "pt":
+        import torch
+
+        concat, empty = torch.cat, (lambda shape, dt: torch.zeros(shape, dtype=getattr(torch, dt)))
+    else:
+        concat, empty = np.concatenate, (lambda shape, dt: np.zeros(shape, dt))
     out = {}
-    for layer in range(n_layers):
-        rec = layers[layer]
-        start, end = rec["token_range"]
+    for rec in sorted(m["layers"], key=lambda r: r["layer"]):
+        layer = rec["layer"]
         ks, vs, ps = [], [], []
-        cursor = start
         for seg in sorted(rec["segments"], key=lambda s: s["start"]):
-            if seg["start"] != cursor:
-                raise KVFormatError(f"{path}: layer {layer} tokens [{cursor}, {seg['start']}) are not covered "
-                                    f"(declared range [{start}, {end}))")
-            h = handles.get(seg["file"])
-            if h is None:
-                raise KVFormatError(f"{path}: layer {layer} segment refers to {seg['file']}, not in 'files'")
             try:
-                k, v, pos = (h.get_tensor(seg[x]) for x in ("k", "v", "positions"))
+                k, v, pos = (handles[seg["file"]].get_tensor(seg[x]) for x in ("k", "v", "positions"))
             except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for a missing key
-                raise KVFormatError(f"{path}: layer {layer}: tensor missing from {seg['file']}: {e}") from e
+                _fail(path, f"layers[{layer}].segments", f"tensor missing from {seg['file']}: {e}")
             want = seg["end"] - seg["start"]
             for name, t in (("k", k), ("v", v)):
-                if t.shape != (want, kh, hd):
-                    raise KVFormatError(f"{path}: layer {layer} {name} tensor {seg[name]!r} has shape "
-                                        f"{list(t.shape)}, the manifest declares [{want}, {kh}, {hd}] "
-                                        f"(tokens [{seg['start']}, {seg['end']}) x kv_head x head_dim)")
-            if not np.array_equal(pos, np.arange(seg["start"], seg["end"])):
-                raise KVFormatError(f"{path}: layer {layer} positions of {seg['positions']!r} are not "
-                                    f"[{seg['start']}, {seg['end']})")
+                if tuple(t.shape) != (want, kh, hd):
+                    _fail(path, f"layers[{layer}].segments", f"layer {layer} {name} tensor {seg[name]!r} has shape "
+                          f"{list(t.shape)}, the manifest declares [{want}, {kh}, {hd}] (tokens "
+                          f"[{seg['start']}, {seg['end']}) x model.num_key_value_heads x model.head_dim)")
+                if str(t.dtype).removeprefix("torch.") != m["dtype"]:
+                    _fail(path, "dtype", f"layer {layer} {name} tensor {seg[name]!r} is {t.dtype}, the manifest "
+                          f"declares {m['dtype']}")
+            if not np.array_equal(np.asarray(pos), np.arange(seg["start"], seg["end"])):
+                _fail(path, f"layers[{layer}].segments", f"positions tensor {seg['positions']!r} does not hold "
+                      f"[{seg['start']}, {seg['end']})")
             ks.append(k), vs.append(v), ps.append(pos)
-            cursor = seg["end"]
-        if cursor != end:
-            raise KVFormatError(f"{path}: layer {layer} covers tokens up to {cursor}, the manifest declares "
-                                f"[{start}, {end}) (num_tokens={m['num_tokens']})")
-        out[layer] = LayerKV(np.concatenate(ks) if ks else np.zeros((0, kh, hd)),
-                             np.concatenate(vs) if vs else np.zeros((0, kh, hd)),
-                             np.concatenate(ps) if ps else np.zeros((0,), np.int32), rec["kind"])
+        dt = m["dtype"]
+        out[layer] = LayerKV(concat(ks) if ks else empty((0, kh, hd), dt), concat(vs) if vs else empty((0, kh, hd), dt),
+                             concat(ps) if ps else empty((0,), "int32"), rec["kind"])
     return out

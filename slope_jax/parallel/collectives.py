@@ -88,6 +88,28 @@ def piece_pass(x: jax.Array, ring: int, ulysses: int) -> jax.Array:
     return jnp.stack([recv0, recv1])
 
 
+def natural_piece_order(ring: int, ulysses: int) -> list[int]:
+    """For each zigzag piece g = chunk·U + u of the sequence (natural order), its row d·2 + slot in the `[R·U, 2, …]`
+    result of an all-gather over `(ring, ulysses)` (device d = r·U + u holds chunks r and 2R−1−r in slots 0, 1)."""
+    rows = []
+    for chunk in range(2 * ring):
+        r, slot = (chunk, 0) if chunk < ring else (2 * ring - 1 - chunk, 1)
+        rows += [(r * ulysses + u) * 2 + slot for u in range(ulysses)]
+    return rows
+
+
+def gather_sequence(x: jax.Array, ring: int, ulysses: int) -> jax.Array:
+    """`[2, Pz_{ring,ulysses}, …] → [2R·U·Pz, …]` replicated over `(ring, ulysses)`: the whole sequence in natural
+    token order — one all-gather over `(ring, ulysses)`, then a static reorder of the 2RU pieces
+    (`natural_piece_order`). Bytes sent per device: the operand to each of the RU−1 other devices. Used for the
+    sliding-window halo of short buckets, where the whole sequence is smaller than RU halos."""
+    if ring * ulysses == 1:
+        return x.reshape(-1, *x.shape[2:])
+    g = jax.lax.all_gather(x, ("ring", "ulysses"), axis=0, tiled=False)  # [RU, 2, Pz, …], device d = r·U + u
+    g = g.reshape(2 * ring * ulysses, *x.shape[1:])[jnp.asarray(natural_piece_order(ring, ulysses))]
+    return g.reshape(-1, *x.shape[2:])
+
+
 def vocab_parallel_embed(table: jax.Array, ids: jax.Array, pipeline: int) -> jax.Array:
     """Embedding lookup with the table's vocabulary rows sharded over `pipeline`.
 

@@ -11,9 +11,16 @@ Full-attention layers — Ulysses × ring (design §2.4):
      s > r query chunk 2R−1−r sees both KV chunks. The next `ppermute` is issued before the current block's compute.
      Partial results merge in float32 `(o, m, l)`; the sink enters once, at the end.
   3. inverse all-to-all back to `[2, Pz, N, H]`.
-Sliding-window layers — halo (design §2.5): each piece receives the K/V (and positions) of the W−1 tokens before it
-from the device holding them, in ⌈(W−1)/Pz⌉ hops of `collectives.piece_pass` when pieces are shorter than the halo,
-then attends locally. No all-to-all and no ring.
+Sliding-window layers — halo (design §2.5): each piece receives the K/V (and positions) of the W−1 tokens before it,
+then attends locally over exactly those W−1 + Pz keys. No all-to-all and no ring. Two ways, chosen per bucket
+(`halo_by_gather`) so that the collectives per sliding layer never grow as the prompt shrinks:
+  * Pz ≥ W−1 (long buckets): one hop of `collectives.piece_pass` (2 ppermutes, 3 when U > 1) brings the tail of the
+    preceding piece; traffic W−1 tokens per piece.
+  * Pz < W−1 (short buckets, e.g. a 5-token prompt on R=2 × U=4 with W=128): passing pieces would take ⌈(W−1)/Pz⌉
+    hops (up to ~250 ppermutes per layer); instead one all-gather over `(ring, ulysses)` brings the whole sequence
+    (T = 2RU·Pz < 2RU·(W−1) tokens, small by construction) and each piece slices its W−1 predecessors from it.
+    1 collective per sliding layer; positions likewise come from one all-gather per step.
+Both give each piece the same keys in the same order, so the results are identical.
 
 Shapes per device: `Pz` piece, `C = U·Pz` chunk, `N` query heads, `K` KV heads, `H` head_dim.
 """
@@ -45,15 +52,33 @@ class CPPositions(NamedTuple):
     halo: jax.Array
 
 
+def halo_by_gather(pz: int, window: int) -> bool:
+    """True when sliding layers take their halo from one all-gather of the whole sequence (pieces shorter than the
+    halo, Pz < W−1) rather than from one `piece_pass` hop (module docstring)."""
+    return 0 < pz < window - 1
+
+
+def _window_keys(seq: jax.Array, piece: jax.Array, pz: int, halo: int, fill) -> jax.Array:
+    """From the whole sequence `seq` `[T, …]` (natural order), the `[2, W−1 + Pz, …]` keys of this device's two pieces
+    (`piece`: their global indices): the W−1 tokens before each piece (`fill` before token 0), then the piece."""
+    padded = jnp.concatenate([jnp.full((halo, *seq.shape[1:]), fill, seq.dtype), seq])
+    return jnp.stack([jax.lax.dynamic_slice_in_dim(padded, piece[j] * pz, halo + pz) for j in range(2)])
+
+
 def exchange_positions(pos: jax.Array, *, ring: int, ulysses: int, window: int) -> CPPositions:
-    """Gather the positions of the chunks (all-gather over `ulysses`, then `ring`) and of the halos (⌈(W−1)/Pz⌉ hops of
-    `collectives.piece_pass`). `pos`: int32 `[2Pz]` local positions in layout order."""
+    """Gather the positions of the chunks (all-gather over `ulysses`, then `ring`) and of the halos (one
+    `piece_pass` hop, or one all-gather of the sequence when `halo_by_gather`). `pos`: int32 `[2Pz]` local
+    positions in layout order."""
     pz = pos.shape[0] // 2
     pp = pos.reshape(2, pz)
     chunks = jax.lax.all_gather(pp, "ulysses", axis=1, tiled=True) if ulysses > 1 else pp  # [2, C]
     ring_pos = jax.lax.all_gather(chunks, "ring") if ring > 1 else chunks[None]  # [R, 2, C]
     halo = max(window - 1, 0)
     parts = []
+    if halo and halo_by_gather(pz, window):
+        seq = collectives.gather_sequence(pp, ring, ulysses)  # [T]
+        halo_pos = _window_keys(seq, _piece_index(ring, ulysses), pz, halo, attn_lib.INVALID_POS)[:, :halo]
+        return CPPositions(pos, chunks, ring_pos, halo_pos)
     if halo:
         piece = _piece_index(ring, ulysses)
         buf = pp[:, pz - min(pz, halo):]
@@ -162,7 +187,12 @@ def sliding_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions
     kv = jnp.stack([k, v], axis=1).reshape(2, pz, 2, k.shape[1], h)  # [slot, Pz, kv, K, H]
     pp = pos.local.reshape(2, pz)
     keys, kpos = kv, pp
-    if halo > 0:
+    if halo > 0 and halo_by_gather(pz, window):
+        with jax.named_scope("halo"):
+            seq = collectives.gather_sequence(kv, ring, ulysses)  # [T, kv, K, H]
+            keys = _window_keys(seq, _piece_index(ring, ulysses), pz, halo, 0)
+            kpos = jnp.concatenate([pos.halo, pp], axis=1)
+    elif halo > 0:
         with jax.named_scope("halo"):
             buf = kv[:, pz - min(pz, halo):]
             parts = []

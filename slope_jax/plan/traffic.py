@@ -7,12 +7,12 @@ all-to-all keeps 1/U of its operand, a ppermute sends all of it.
 
 Per step of M requests, P stages of S slots (S/2 sliding + S/2 full), T tokens, Pz = T/(2RU), C = U·Pz, dtype of b
 bytes, K' = max(K, U) KV heads after GQA replication, h = ⌈(W−1)/Pz⌉ halo hops of s = min(Pz, W−1) tokens through
-(2 + [U>1]) ppermutes each:
-  sliding layer: h·(2 + [U>1])·s·2·K·H·b                                 (the halo's K and V, nothing else)
+(2 + [U>1]) ppermutes each when Pz ≥ W−1, else one all-gather of the sequence (`context_parallel.halo_by_gather`):
+  sliding layer: h·(2 + [U>1])·s·2·K·H·b, or 2Pz·2·K·H·b when gathered    (the halo's K and V, nothing else)
   full layer:    [U>1]·(2·2Pz·N·H·b + 2·2Pz·K'·H·b) + [R>1]·(R−1)·2·2C·(K'/U)·H·b   (Ulysses q, out, kv; ring kv)
   per tick:      S/2 · (sliding + full) + [RU>1]·4D (last-token psum) + [P>1]·2Pz·D·b (stage hand-off)
   per step:      (M + P − 1) ticks
-                 + positions, once: [U>1]·4·2Pz + [R>1]·4·2C (all-gathers) + h·(2 + [U>1])·4s (halo positions)
+                 + positions, once: [U>1]·4·2Pz + [R>1]·4·2C (all-gathers) + h·(2 + [U>1])·4s or 4·2Pz (halo positions)
                  + [P>1]·(M·2Pz·D·b (vocab-parallel embedding psum) + 4·M·D + 4·M·V'/P (final states, logits))
 """
 
@@ -182,7 +182,11 @@ def analytic_bytes(cfg: ModelConfig, parallel: ParallelConfig, t: int, m: int, s
     ticks = m + P - 1
 
     sliding = halo_pos = 0.0
-    if R * U > 1 and W > 1:
+    gather = (R * U - 1) if R * U > 1 and 0 < pz < W - 1 else 0  # wire factor: halo by all-gather (short buckets)
+    if gather:  # one all-gather of the whole sequence's K/V per sliding layer (context_parallel.halo_by_gather)
+        sliding = 2 * pz * 2 * K * H * b
+        halo_pos = 4 * 2 * pz
+    elif R * U > 1 and W > 1:
         hops = -(-(W - 1) // pz)
         s = min(pz, W - 1)
         perms = 2 + (U > 1)
@@ -206,8 +210,9 @@ def analytic_bytes(cfg: ModelConfig, parallel: ParallelConfig, t: int, m: int, s
     out = {"sliding_layer": ticks * pairs * sliding, "full_layer": ticks * pairs * full, "head": ticks * head,
            "pipeline": ticks * pipe, "positions": positions, "embed": embed, "logits": logits}
     out["total"] = sum(out.values())
-    wire_pos = halo_pos + (4 * 2 * pz * (U - 1) if U > 1 else 0) + (4 * 2 * c * (R - 1) if R > 1 else 0)
+    wire_pos = (halo_pos * max(gather, 1) + (4 * 2 * pz * (U - 1) if U > 1 else 0)
+                + (4 * 2 * c * (R - 1) if R > 1 else 0))
     wire_reduce = 2 * (P - 1) / P if P > 1 else 0  # ring all-reduce
-    out["wire"] = (ticks * (pairs * (sliding + wire_full) + head + pipe) + wire_pos
+    out["wire"] = (ticks * (pairs * (sliding * max(gather, 1) + wire_full) + head + pipe) + wire_pos
                    + wire_reduce * (embed + 4 * m * D) + (P - 1) * 4 * m * vrows // P)
     return out

@@ -33,7 +33,7 @@ from slope_jax.model.config import ModelConfig
 from slope_jax.parallel import layout
 from slope_jax.parallel import pipeline as pipe_lib
 from slope_jax.parallel.config import ParallelConfig
-from slope_jax.parallel.mesh import make_mesh
+from slope_jax.parallel.mesh import format_device_map, make_mesh
 from slope_jax.serve.requests import RequestError, check_request_id
 
 log = logging.getLogger(__name__)
@@ -47,8 +47,8 @@ class PrefillResult:
     logits: float32 `[V]` at the last real position; num_tokens; kv: global layer id → LayerKV (natural order, all
     tokens; empty when not asked for); kv_path: the export directory (None without `kv_dir`); timings in ms:
     queue_ms (arrival → its step starts; includes compile_ms, the compilation of a new bucket for this step),
-    compute_ms (step start → first token on the host), ttft_ms (the sum), export_ms (KV export after the first
-    token; not part of TTFT).
+    compute_ms (step start → first token on the host), ttft_ms (the sum), export_ms (first token on the
+    host → this request's KV export published, the batch's earlier exports included; not part of TTFT).
     """
 
     first_token: int
@@ -77,14 +77,18 @@ class PrefillEngine:
       parallel: the layout; its device count must equal `jax.device_count()` (or `len(devices)`).
       dtype: activation dtype ("bfloat16" or "float32"); float params are cast to it.
       q_tile, kv_tile, moe_tile: attention and MoE tile sizes (tokens).
+      allow_cross_host_ulysses: let a Ulysses group span processes (hosts); default False (LayoutError), see
+        `parallel.mesh`.
     Raises:
       LayoutError for a layout the model or the devices cannot take.
     """
 
     def __init__(self, cfg: ModelConfig, params: dict, parallel: ParallelConfig = ParallelConfig(),
                  dtype="bfloat16", *, devices=None, q_tile: int = 256, kv_tile: int = 256, moe_tile: int = 128,
-                 _placed: bool = False):
+                 allow_cross_host_ulysses: bool = False, _placed: bool = False):
         devices = list(jax.devices() if devices is None else devices)
+        self.run_nonce = _agreed_run_nonce()  # names this run's KV export staging directories on every process
+        self._exports = 0  # export counter, advanced identically on every process
         self.cfg = cfg
         self.parallel = parallel.validate(cfg, len(devices) if parallel.num_devices > 1 else None)
         self.dtype = jnp.dtype(dtype)
@@ -96,9 +100,10 @@ class PrefillEngine:
             self.params = params if _placed else self._cast(params, devices[0])
             self._step = jax.jit(self._single_device_step)
         else:
-            self.mesh = make_mesh(parallel, devices)
+            self.mesh = make_mesh(parallel, devices, allow_cross_host_ulysses=allow_cross_host_ulysses)
             self.plan = pipe_lib.plan_stages(cfg, parallel.pipeline)
             self.params = params if _placed else self._place(params)
+            log.info("engine: device -> (process, stage, ring, ulysses): %s", format_device_map(self.mesh))
             self._step = pipe_lib.build_prefill_step(cfg, parallel, self.mesh, self.plan, self.dtype, **self.tiles)
         log.info("engine: layout pipeline=%d ring=%d ulysses=%d expert=%d on %d device(s), dtype=%s, "
                  "%d empty slot(s)", parallel.pipeline, parallel.ring, parallel.ulysses, parallel.expert_degree(cfg),
@@ -123,7 +128,8 @@ class PrefillEngine:
         if parallel.num_devices == 1:
             params = ckpt_lib.load_params(ck, dtype, progress=progress)
         else:
-            mesh = make_mesh(parallel, devices)
+            mesh = make_mesh(parallel, devices,
+                             allow_cross_host_ulysses=kwargs.get("allow_cross_host_ulysses", False))
             plan = pipe_lib.plan_stages(cfg, parallel.pipeline)
             shardings = cls._shardings(cfg, dtype, mesh, plan, parallel)
             params = ckpt_lib.load_params(ck, dtype, shardings=shardings, stack_layers=plan.flat,
@@ -262,7 +268,8 @@ class PrefillEngine:
 
     def prefill(self, prompts: Sequence[Sequence[int]], kv_dir: str | None = None, *,
                 ids: Sequence[str] | None = None, kv_full: bool = False, return_kv: bool | None = None,
-                top_k: int = 5, arrival_times: Sequence[float] | None = None) -> list[PrefillResult]:
+                top_k: int = 5, arrival_times: Sequence[float] | None = None,
+                overwrite: bool = False) -> list[PrefillResult]:
         """Prefill a batch of prompts (token ids); one PrefillResult per prompt, in order.
 
         Args:
@@ -271,26 +278,32 @@ class PrefillEngine:
             first token is known.
           ids: export directory names (default "0", "1", …); each must be a plain file name.
           kv_full: export every token of sliding layers too (default: their last W tokens).
-          return_kv: fill `PrefillResult.kv` (default: True without `kv_dir`). In a multi-process run this gathers
-            the whole cache to every process.
+          return_kv: fill `PrefillResult.kv` (default: True without `kv_dir` in a single-process run, else False:
+            in a multi-process run it gathers the whole cache to every process, ~10 GB per 128K-token request of
+            gpt-oss-120b).
           top_k: how many (token, logit) pairs to report.
           arrival_times: `time.perf_counter()` of each prompt's arrival, for queue_ms (default: now).
+          overwrite: replace an existing export `kv_dir/<id>/` (atomically: a reader sees the old or the new one);
+            default False: an existing export is an error.
         Raises:
-          RequestError (naming the prompt) before any compute if a prompt or id is invalid; under several processes
+          RequestError (naming the prompt) before any compute if a prompt or id is invalid, or its export exists
+          and `overwrite` is False; under several processes
           also when the processes did not all pass the same prompts, ids and options (checked by an all-gather of a
           hash before any step, so a mismatch is an error on every process instead of mixed results or a hang).
         """
         now = time.perf_counter()
         if jax.process_count() > 1:
-            _check_same_on_all_processes(prompts, ids, kv_dir is not None, kv_full, return_kv, top_k)
+            _check_same_on_all_processes(prompts, ids, kv_dir is not None, kv_full, return_kv, top_k, overwrite)
         tokens = [self.validate_prompt(i, p) for i, p in enumerate(prompts)]
         ids = [str(i) for i in range(len(tokens))] if ids is None else [str(x) for x in ids]
         if len(ids) != len(tokens) or len(set(ids)) != len(ids):
             raise RequestError(f"ids: need {len(tokens)} distinct ids, got {len(ids)} ({len(set(ids))} distinct)")
         for i, x in enumerate(ids):
             check_request_id(x, f"prompt {i}")
+        if kv_dir is not None and not overwrite:
+            self._refuse_existing_exports(kv_dir, ids)
         if return_kv is None:
-            return_kv = kv_dir is None
+            return_kv = kv_dir is None and jax.process_count() == 1
         arrival = list(arrival_times) if arrival_times is not None else [now] * len(tokens)
         results: list[PrefillResult | None] = [None] * len(tokens)
         groups: dict[int, list[int]] = {}
@@ -301,10 +314,25 @@ class PrefillEngine:
             for start in range(0, len(members), per_step):
                 chunk = members[start:start + per_step]
                 out = self._run(t, [tokens[i] for i in chunk], [ids[i] for i in chunk], [arrival[i] for i in chunk],
-                                kv_dir=kv_dir, kv_full=kv_full, return_kv=return_kv, top_k=top_k)
+                                kv_dir=kv_dir, kv_full=kv_full, return_kv=return_kv, top_k=top_k,
+                                overwrite=overwrite)
                 for i, res in zip(chunk, out):
                     results[i] = res
         return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _refuse_existing_exports(kv_dir: str, ids: list[str]) -> None:
+        """RequestError naming the first prompt whose export `kv_dir/<id>` exists (process 0 looks; in a
+        multi-process run its answer is broadcast, so every process raises or none does)."""
+        exists = np.asarray([os.path.lexists(os.path.join(kv_dir, x)) for x in ids])
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            exists = np.asarray(multihost_utils.broadcast_one_to_all(exists))
+        for i, x in enumerate(ids):
+            if exists[i]:
+                raise RequestError(f"prompt {i}: KV export {os.path.join(kv_dir, x)!r} already exists: pass "
+                                   "overwrite=True (launcher: --overwrite) to replace it, or use a new id")
 
     def _global_input(self, host: np.ndarray, sharding):
         if sharding is None:
@@ -312,7 +340,7 @@ class PrefillEngine:
         return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
     def _run(self, t: int, batch: list[np.ndarray], ids: list[str], arrival: list[float], *, kv_dir, kv_full,
-             return_kv, top_k) -> list[PrefillResult]:
+             return_kv, top_k, overwrite=False) -> list[PrefillResult]:
         R, U = self.parallel.ring, self.parallel.ulysses
         m = len(batch)
         tokens = np.zeros((m, t), np.int32)
@@ -341,10 +369,7 @@ class PrefillEngine:
                                      top_k=[(int(i), float(lg[i])) for i in top], compile_ms=compile_ms,
                                      queue_ms=1e3 * (t0 - arrival[j]), compute_ms=1e3 * (t1 - t0)))
         if kv_dir is not None:
-            for j, res in enumerate(out):
-                e0 = time.perf_counter()
-                res.kv_path = self._export(kv_dir, ids[j], batch[j], j, k, v, kv_full, res.first_token)
-                res.export_ms = 1e3 * (time.perf_counter() - e0)
+            self._export_batch(kv_dir, ids, batch, k, v, kv_full, out, overwrite)
         if return_kv:
             kh, vh = self._gather_kv(k, v)
             for j, res in enumerate(out):
@@ -390,27 +415,55 @@ class PrefillEngine:
                 rows = sel[row0:row0 + (b - a)]
                 yield layer, a, b, rows_k[j, e, rows], rows_v[j, e, rows]
 
-    def _export(self, kv_dir: str, request_id: str, ids: np.ndarray, j: int, k, v, full: bool, first: int) -> str:
-        """Write request j's KV: this process's pieces, a barrier, then (process 0) the manifest."""
-        directory = os.path.join(kv_dir, request_id)
-        os.makedirs(directory, exist_ok=True)
-        me = jax.process_index()
+    def _export_batch(self, kv_dir: str, ids: list[str], batch: list[np.ndarray], k, v, full: bool,
+                      out: list[PrefillResult], overwrite: bool) -> None:
+        """Export every request of a step (`slope_jax.kv.format`: staging directory, barrier, manifest, publish).
+
+        Each device shard of K/V is copied to the host once for the whole batch, not once per request. Per request,
+        every process writes its pieces into the same fresh staging directory (named from the run nonce and the
+        export counter); after a barrier process 0 writes the manifest and publishes. Sets `kv_path` and `export_ms`
+        (first token on the host → this request's export published). Raises RequestError naming the requests whose
+        export could not be published (in a multi-process run every process raises it).
+        """
+        e0 = time.perf_counter()
+        me, multi = jax.process_index(), jax.process_count() > 1
         positions = self._layout_positions(k.shape[2])
-        n = int(ids.size)
-        local = []
-        for sk, sv in zip(k.addressable_shards, v.addressable_shards):
-            local += self._segments(sk.index, np.asarray(sk.data), np.asarray(sv.data), j, n, full, positions)
-        if local:
-            kvfmt.write_shard_file(directory, me, local)
-        if jax.process_count() > 1:
+        host = [(sk.index, np.asarray(sk.data), np.asarray(sv.data))
+                for sk, sv in zip(k.addressable_shards, v.addressable_shards)]
+        failed: dict[str, str] = {}
+        for j, (rid, res) in enumerate(zip(ids, out)):
+            staging = kvfmt.staging_dir(kv_dir, rid, self.run_nonce, self._exports)
+            self._exports += 1
+            n = int(batch[j].size)
+            local = [seg for index, hk, hv in host for seg in self._segments(index, hk, hv, j, n, full, positions)]
+            if local:
+                kvfmt.write_shard_file(staging, me, local)
+            if multi:
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices(f"slope_jax kv export {os.path.basename(staging)}")
+            if me == 0:
+                try:
+                    records = self._all_segment_records(k, j, n, full, positions)
+                    kvfmt.write_manifest(staging, request_id=rid, token_ids=batch[j], cfg=self.cfg,
+                                         dtype=self.dtype.name, full=full, segments=records,
+                                         files=[r["file"] for r in records], first_token=res.first_token,
+                                         run_nonce=self.run_nonce)
+                    kvfmt.publish(kv_dir, rid, staging, overwrite=overwrite)
+                except Exception as e:  # noqa: BLE001 - reported to every process below, then raised
+                    if not multi:
+                        raise
+                    failed[rid] = f"{type(e).__name__}: {e}"
+            res.kv_path = os.path.join(kv_dir, rid)
+            res.export_ms = 1e3 * (time.perf_counter() - e0)
+        if multi:  # every process learns which exports process 0 published (and waits for them)
             from jax.experimental import multihost_utils
 
-            multihost_utils.sync_global_devices(f"slope_jax kv export {request_id}")
-        if me == 0:
-            records = self._all_segment_records(k, j, n, full, positions)
-            kvfmt.write_manifest(directory, request_id=request_id, token_ids=ids, cfg=self.cfg, dtype=self.dtype.name,
-                                 full=full, segments=records, files=[r["file"] for r in records], first_token=first)
-        return directory
+            ok = multihost_utils.broadcast_one_to_all(np.asarray([rid not in failed for rid in ids]))
+            if not np.all(ok):
+                bad = [rid for rid, good in zip(ids, ok) if not good]
+                raise RequestError(f"KV export of request(s) {bad} failed on process 0"
+                                   + (f": {'; '.join(failed.values())}" if failed else "; see its log"))
 
     def _all_segment_records(self, k, j: int, n: int, full: bool, positions: np.ndarray) -> list[dict]:
         """Manifest records of every process's pieces, derived from the global sharding (no communication)."""
@@ -454,6 +507,17 @@ def _check_same_on_all_processes(prompts, ids, *options) -> None:
         desc = "; ".join(f"process(es) {pids} passed inputs {key[:4].hex()}" for key, pids in groups.items())
         raise RequestError(f"prefill: the processes passed different prompts, ids or options ({desc}); under several "
                            "processes every process must call prefill with the same arguments")
+
+
+def _agreed_run_nonce() -> str:
+    """A fresh run nonce, the same on every process (process 0's, broadcast once at engine start)."""
+    nonce = kvfmt.new_run_nonce()
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        raw = np.frombuffer(bytes.fromhex(nonce), np.uint8)
+        nonce = bytes(np.asarray(multihost_utils.broadcast_one_to_all(raw), np.uint8)).hex()
+    return nonce
 
 
 def _mib(nbytes: int) -> str:

@@ -54,6 +54,8 @@ flags.DEFINE_string("kv_dir", None, "Export each request's KV cache to KV_DIR/<i
                     "Every process writes the pieces it holds; use a shared filesystem across hosts.")
 flags.DEFINE_bool("kv_full", False, "Export every token of sliding-window layers (default: their last W tokens, "
                   "all a decoder needs).")
+flags.DEFINE_bool("overwrite", False, "Replace an existing export KV_DIR/<id>/ (atomically: readers see the old or "
+                  "the new one, never a mix). Default: a request whose export exists gets an error record.")
 flags.DEFINE_string("logits_dir", None, "Also save each request's last-position logits as LOGITS_DIR/<id>.npy "
                     "(float32), for verification.")
 flags.DEFINE_integer("top_k", 5, "Number of (token, logit) pairs per result.")
@@ -84,7 +86,7 @@ flags.DEFINE_bool("summary", True, "Print a one-screen summary at the end (proce
 # Flags that shape the compiled step or what it reads: every process must agree on them (start-up fingerprint).
 # A new flag of that kind must be added here.
 _STEP_FLAGS = ("pipeline", "ring", "ulysses", "microbatches", "expert", "dtype", "q_tile", "kv_tile", "moe_tile",
-               "kv_full", "cpu_devices", "platform")
+               "kv_full", "overwrite", "cpu_devices", "platform")
 _STATE: dict = {"watch": None}
 
 
@@ -341,6 +343,7 @@ def _serve():
     import jax
     import numpy as np
 
+    from slope_jax import kv as kvfmt
     from slope_jax.checkpoints.hf import open_checkpoint
     from slope_jax.parallel.config import ParallelConfig
     from slope_jax.serve import requests
@@ -408,6 +411,12 @@ def _serve():
             except requests.LineError as e:
                 emit(requests.error_record(e))
                 return []
+            if FLAGS.kv_dir is not None:  # an existing export is this request's error, found before any compute
+                try:
+                    kvfmt.check_target(FLAGS.kv_dir, req.id, FLAGS.overwrite)
+                except kvfmt.ExportExistsError as e:
+                    emit({"id": req.id, "line": req.line, "error": f"line {req.line} ({req.id}): {e}"})
+                    return []
             try:
                 engine.check_fits(req.tokens.size, budget)
             except Exception as e:  # noqa: BLE001 - RequestError, or a failure compiling its bucket: its own error
@@ -430,7 +439,7 @@ def _serve():
         prompts = [np.asarray(p[1], np.int32) for p in payload]
         arrivals = [pending[i].arrival for i in ids] if me == 0 else None
         outcomes = _prefill_isolated(engine, prompts, ids, arrivals, kv_dir=FLAGS.kv_dir, kv_full=FLAGS.kv_full,
-                                     return_kv=False, top_k=FLAGS.top_k)
+                                     return_kv=False, top_k=FLAGS.top_k, overwrite=FLAGS.overwrite)
         if me == 0:
             for rid, res in zip(ids, outcomes):
                 req = pending[rid]
