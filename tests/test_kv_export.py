@@ -338,10 +338,10 @@ def test_bf16_export_reads_without_jax(tmp_path):
     ('{"id": ".hidden", "tokens": [1]}', "must not start with '.'"),
     ('{"id": "a", "tokens": []}', "the prompt is empty"),
     ('{"id": "a", "tokens": [1, 448]}', r"token id 448 at index 1 is outside the vocabulary \[0, 448\)"),
-    ('{"id": "a", "tokens": [1, true]}', "'tokens' must be a list of integers"),
+    ('{"id": "a", "tokens": [1, true]}', r"'tokens'\[1\] is True \(bool\); token ids must be integers"),
     ('{"id": "a", "tokens": [1], "text": "x"}', "exactly one of 'tokens' or 'text'"),
     ('{"id": "a", "text": "hello"}', "needs a tokenizer"),
-    ('{"id": "a", "tokens": [1], "ttft_slo_ms": -5}', "'ttft_slo_ms' must be a positive number"),
+    ('{"id": "a", "tokens": [1], "ttft_slo_ms": -5}', "'ttft_slo_ms' must be a finite number > 0, got -5"),
     ('{"id": "a", "tokens": [1], "temperature": 0}', r"unknown field\(s\) \['temperature'\]"),
     ('{"id": "a", "tokens": [1, 2, 3, 4, 5, 6]}', r"6 tokens exceeds the limit of 5 \(--max_tokens\)"),
 ])

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 
 from slope_jax.checkpoints import writer
 from slope_jax.serve import fingerprint, launcher, requests
-from slope_jax.serve.batching import Batcher
+from slope_jax.serve.scheduler import Pending, Scheduler
 
 PY = sys.executable
 
@@ -77,25 +77,28 @@ def test_text_literal_encodes_special_token_strings_as_text():
     assert tok.decode(literal.tolist()) == "a <|endoftext|> b"
 
 
-class _Item:
-    def __init__(self, arrival):
-        self.arrival = arrival
+def test_launcher_scheduler_waits_at_most_batch_wait_after_the_first_request():
+    # the launcher's batching policy with no SLO: FCFS, bounded wait, never waiting for the batch to fill
+    b = Scheduler(lambda lengths: 1.0, batch_size=4, batch_wait_ms=5, order="fcfs", slo_policy="none")
 
+    def item(i, arrival):
+        return Pending(i, str(i), 10, arrival)
 
-def test_batcher_waits_at_most_batch_wait_after_the_first_request():
-    b = Batcher(batch_size=4, wait_s=0.005)
     assert b.take_batch(10.0, closed=False) == ([], [], None)  # nothing pending: wait for input
-    first = _Item(10.0)
+    first = item(0, 10.0)
     b.add(first)
     batch, rejected, wait = b.take_batch(10.001, closed=False)
     assert batch == [] and rejected == [] and wait == pytest.approx(0.004)
-    b.add(_Item(10.002))
+    b.add(item(1, 10.002))
     batch, _, _ = b.take_batch(10.005, closed=False)  # first request's wait is over: go with what is there
     assert len(batch) == 2 and batch[0] is first
-    for _ in range(6):
-        b.add(_Item(11.0))
-    assert len(b.take_batch(11.0, closed=False)[0]) == 4  # full: no wait at all
-    assert len(b.take_batch(11.0, closed=True)[0]) == 2  # input closed: no wait either
+    b.finished(10.1)
+    for i in range(6):
+        b.add(item(2 + i, 11.0))
+    batch, _, _ = b.take_batch(11.0, closed=False)
+    assert len(batch) == 4  # full: no wait at all
+    b.finished(11.1)
+    assert len(b.take_batch(11.1, closed=True)[0]) == 2  # input closed: no wait either
 
 
 def test_fingerprint_compare_names_each_differing_field(checkpoints, tmp_path):

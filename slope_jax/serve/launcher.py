@@ -24,6 +24,7 @@ disagree on anything that shapes the compiled step (the differing field is named
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -33,11 +34,18 @@ import traceback
 
 from absl import app, flags, logging
 
+from slope_jax.serve.scheduler import Pending
+
 FLAGS = flags.FLAGS
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 flags.DEFINE_string("checkpoint", os.path.join(_REPO, "checkpoints", "tiny-gpt-oss"),
                     "Checkpoint directory (HF layout with config.json and safetensors, or an original/ directory).")
+flags.DEFINE_enum("layout", "manual", ["manual", "auto"], "manual: the layout is --pipeline/--ring/--ulysses/--expert. "
+                  "auto: the SLO planner (slope_jax.plan) picks it for --expected_lengths, --ttft_slo_ms and this "
+                  "machine's devices (--hardware); the choice and its reason are logged at start-up.")
+flags.DEFINE_list("expected_lengths", [], "--layout=auto: prompt lengths the layout must serve (default: the "
+                  "--precompile lengths, else --max_tokens capped at 32768).")
 flags.DEFINE_integer("pipeline", 1, "Pipeline stages (layers are split over them).")
 flags.DEFINE_integer("ring", 1, "Ring-attention degree (zigzag sequence chunks).")
 flags.DEFINE_integer("ulysses", 1, "Ulysses degree (all-to-all between sequence and head shards).")
@@ -60,6 +68,16 @@ flags.DEFINE_string("logits_dir", None, "Also save each request's last-position 
                     "(float32), for verification.")
 flags.DEFINE_integer("top_k", 5, "Number of (token, logit) pairs per result.")
 flags.DEFINE_integer("batch_size", 8, "Most requests per batch (grouped by length bucket inside).")
+flags.DEFINE_float("ttft_slo_ms", None, "Default TTFT SLO in ms for requests without their own \"ttft_slo_ms\" "
+                   "(default: none). Deadline = arrival + SLO.")
+flags.DEFINE_enum("slo_policy", "reject", ["reject", "serve_late", "none"], "A request predicted to miss its "
+                  "deadline (queue ahead + its batch's predicted compute): reject = an error record at once naming "
+                  "predicted vs allowed ms; serve_late = serve it behind on-time requests and flag it \"late\"; "
+                  "none = no admission control.")
+flags.DEFINE_enum("order", "edf", ["edf", "fcfs"], "Service order: earliest deadline first, or arrival order.")
+flags.DEFINE_float("slo_percentile", 90.0, "--layout=auto: the TTFT percentile the SLO applies to (0-100).")
+flags.DEFINE_string("hardware", None, "Hardware profile the cost model predicts with (configs/hardware/NAME.json: "
+                    "mi250, mi250x, mi300x, a100, h100, h200, cpu). Default: from the device kind.")
 flags.DEFINE_float("batch_wait_ms", 5.0, "Longest a batch waits for more requests after its first one arrived; a batch "
                    "never waits to fill up to --batch_size.")
 flags.DEFINE_integer("max_tokens", None, "Longest accepted prompt (default and upper limit: the model's "
@@ -85,8 +103,9 @@ flags.DEFINE_bool("summary", True, "Print a one-screen summary at the end (proce
 
 # Flags that shape the compiled step or what it reads: every process must agree on them (start-up fingerprint).
 # A new flag of that kind must be added here.
-_STEP_FLAGS = ("pipeline", "ring", "ulysses", "microbatches", "expert", "dtype", "q_tile", "kv_tile", "moe_tile",
-               "kv_full", "overwrite", "cpu_devices", "platform")
+_STEP_FLAGS = ("layout", "expected_lengths", "ttft_slo_ms", "slo_percentile", "hardware", "pipeline", "ring",
+               "ulysses", "microbatches", "expert", "dtype", "q_tile", "kv_tile", "moe_tile", "kv_full", "overwrite",
+               "cpu_devices", "platform")
 _STATE: dict = {"watch": None}
 
 
@@ -116,6 +135,15 @@ def _check_flags() -> None:
         value = getattr(FLAGS, name)
         if value is not None and not value > 0:
             raise FlagError(f"--{name}={value}: must be > 0")
+    if FLAGS.ttft_slo_ms is not None and not 0 < FLAGS.ttft_slo_ms < float("inf"):
+        raise FlagError(f"--ttft_slo_ms={FLAGS.ttft_slo_ms}: must be a finite number > 0")
+    if not 0 < FLAGS.slo_percentile <= 100:
+        raise FlagError(f"--slo_percentile={FLAGS.slo_percentile}: must be in (0, 100]")
+    for x in FLAGS.expected_lengths:
+        if not x.strip().isdigit() or int(x) < 1:
+            raise FlagError(f"--expected_lengths: {x!r} is not a positive prompt length")
+    if FLAGS.layout == "auto" and FLAGS.ttft_slo_ms is None:
+        raise FlagError("--layout=auto needs --ttft_slo_ms: the planner picks the layout that meets it")
     if not FLAGS.batch_wait_ms >= 0:
         raise FlagError(f"--batch_wait_ms={FLAGS.batch_wait_ms}: must be >= 0")
     if not 0 <= FLAGS.process_id < FLAGS.num_processes:
@@ -173,11 +201,11 @@ def _any_process(flag: bool) -> bool:
 
 
 class _Intake:
-    """Process 0's side of the loop: lines from the reader thread → parsed requests in the batcher, bad lines →
-    error records at once."""
+    """Process 0's side of the loop: lines from the reader thread → parsed requests (as `scheduler.Pending`) in the
+    scheduler, bad lines and rejected requests → error records at once."""
 
-    def __init__(self, reader, batcher, parse_line, emit):
-        self.reader, self.batcher, self.parse_line, self.emit = reader, batcher, parse_line, emit
+    def __init__(self, reader, scheduler, parse_line, emit):
+        self.reader, self.scheduler, self.parse_line, self.emit = reader, scheduler, parse_line, emit
         self.closed = False
 
     def _accept(self, item) -> None:
@@ -185,14 +213,17 @@ class _Intake:
             self.closed = True
             return
         for req in self.parse_line(*item):
-            self.batcher.add(req)
+            deadline = None if req.ttft_slo_ms is None else req.arrival + req.ttft_slo_ms / 1e3
+            self.scheduler.add(Pending(req, req.id, int(req.tokens.size), req.arrival, deadline))
 
     def next_batch(self):
         """The next batch to run (a list of Request), or None when the input is closed and everything is served."""
         while True:
-            batch, rejected, wait_s = self.batcher.take_batch(time.perf_counter(), self.closed)
-            for req in rejected:
-                self.emit({"id": req.id, "line": req.line, "error": "rejected by the scheduler"})
+            batch, rejected, wait_s = self.scheduler.take_batch(time.perf_counter(), self.closed)
+            for item, reason in rejected:
+                req = item.request
+                self.emit({"id": req.id, "line": req.line, "error": f"line {req.line} ({req.id}): rejected: {reason}",
+                           "rejected": True, "ttft_slo_ms": item.slo_ms, "num_tokens": item.num_tokens})
             if batch:
                 return batch
             if self.closed:
@@ -320,7 +351,7 @@ def _fail(message: str):
     sys.exit(2)
 
 
-def _result_record(req, res, engine, tokenizer) -> dict:
+def _result_record(req, res, engine, tokenizer, item=None) -> dict:
     import numpy as np
 
     if not np.all(np.isfinite(res.logits)):
@@ -333,9 +364,14 @@ def _result_record(req, res, engine, tokenizer) -> dict:
                 "ttft_ms": round(res.ttft_ms, 3), "queue_ms": round(res.queue_ms, 3),
                 "compile_ms": round(res.compile_ms, 3), "compute_ms": round(res.compute_ms, 3),
                 "export_ms": round(res.export_ms, 3), "kv_path": res.kv_path})
-    if req.ttft_slo_ms is not None:
-        rec["ttft_slo_ms"] = req.ttft_slo_ms
-        rec["slo_met"] = res.ttft_ms <= req.ttft_slo_ms
+    if item is not None and item.predicted_ttft_ms is not None:  # the cost model's TTFT beside the measured one
+        rec["predicted_ttft_ms"] = round(item.predicted_ttft_ms, 3)
+    slo_ms = req.ttft_slo_ms if item is None or item.slo_ms is None else item.slo_ms
+    if slo_ms is not None:
+        rec["ttft_slo_ms"] = round(slo_ms, 3)
+        rec["slo_met"] = res.ttft_ms <= slo_ms
+    if item is not None and item.late:
+        rec["late"] = True
     return rec
 
 
@@ -346,20 +382,36 @@ def _serve():
     from slope_jax import kv as kvfmt
     from slope_jax.checkpoints.hf import open_checkpoint
     from slope_jax.parallel.config import ParallelConfig
-    from slope_jax.serve import requests
-    from slope_jax.serve.batching import Batcher, LineReader
+    from slope_jax.serve import requests, slo
+    from slope_jax.serve.batching import LineReader
+    from slope_jax.serve.scheduler import Scheduler, slo_stats
     from slope_jax.serve.engine import PrefillEngine
 
     t_start = time.perf_counter()
     me = jax.process_index()
-    parallel = ParallelConfig(pipeline=FLAGS.pipeline, ring=FLAGS.ring, ulysses=FLAGS.ulysses,
-                              microbatches=FLAGS.microbatches, expert=FLAGS.expert)
     cfg = open_checkpoint(FLAGS.checkpoint).config  # headers only: check the limits before loading weights
     if FLAGS.max_tokens is not None and FLAGS.max_tokens > cfg.max_position_embeddings:
         raise FlagError(f"--max_tokens={FLAGS.max_tokens} exceeds the model's max_position_embeddings="
                         f"{cfg.max_position_embeddings} ({FLAGS.checkpoint})")
-    parallel.validate(cfg, jax.device_count() if parallel.num_devices > 1 else None)
     max_tokens = FLAGS.max_tokens or cfg.max_position_embeddings
+    device = jax.devices()[0]
+    try:
+        hardware = FLAGS.hardware or slo.hardware_for(device.device_kind, device.platform)
+    except ValueError as e:
+        raise FlagError(str(e)) from e
+    if FLAGS.layout == "auto":
+        lengths = [int(x) for x in (FLAGS.expected_lengths or FLAGS.precompile)] or [min(max_tokens, 32768)]
+        parallel, reason = slo.auto_layout(cfg, hardware, jax.device_count(), jax.local_device_count(), lengths,
+                                           FLAGS.ttft_slo_ms, FLAGS.slo_percentile / 100)
+        if FLAGS.microbatches:
+            parallel = dataclasses.replace(parallel, microbatches=FLAGS.microbatches)
+        logging.info("--layout=auto on %d %s device(s), lengths %s, TTFT SLO %g ms: pipeline=%d ring=%d ulysses=%d "
+                     "expert=%s (%s)", jax.device_count(), hardware, lengths, FLAGS.ttft_slo_ms, parallel.pipeline,
+                     parallel.ring, parallel.ulysses, parallel.expert, reason)
+    else:
+        parallel = ParallelConfig(pipeline=FLAGS.pipeline, ring=FLAGS.ring, ulysses=FLAGS.ulysses,
+                                  microbatches=FLAGS.microbatches, expert=FLAGS.expert)
+    parallel.validate(cfg, jax.device_count() if parallel.num_devices > 1 else None)
     engine = PrefillEngine.from_checkpoint(FLAGS.checkpoint, parallel, FLAGS.dtype, progress=me == 0,
                                            q_tile=FLAGS.q_tile, kv_tile=FLAGS.kv_tile, moe_tile=FLAGS.moe_tile)
     if FLAGS.precompile:
@@ -424,36 +476,47 @@ def _serve():
                 return []
             return [req]
 
-        intake = _Intake(LineReader(src), Batcher(FLAGS.batch_size, FLAGS.batch_wait_ms / 1e3), parse_line, emit)
+        predict_ms = slo.batch_model(engine, hardware, FLAGS.dtype, jax.local_device_count())
+        scheduler = Scheduler(predict_ms, batch_size=FLAGS.batch_size, batch_wait_ms=FLAGS.batch_wait_ms,
+                              order=FLAGS.order, slo_policy=FLAGS.slo_policy, default_slo_ms=FLAGS.ttft_slo_ms)
+        intake = _Intake(LineReader(src), scheduler, parse_line, emit)
     while True:
         payload = None
         if me == 0:
             batch = intake.next_batch()
             if batch is not None:
-                pending = {r.id: r for r in batch}
-                payload = [[r.id, r.tokens.tolist()] for r in batch]
+                pending = {item.id: item for item in batch}
+                payload = [[item.id, item.request.tokens.tolist()] for item in batch]
         payload = broadcast(payload)
         if payload is None:
             break
         ids = [p[0] for p in payload]
         prompts = [np.asarray(p[1], np.int32) for p in payload]
-        arrivals = [pending[i].arrival for i in ids] if me == 0 else None
+        arrivals = [pending[i].arrival_s for i in ids] if me == 0 else None
+        t_batch = time.perf_counter()
         outcomes = _prefill_isolated(engine, prompts, ids, arrivals, kv_dir=FLAGS.kv_dir, kv_full=FLAGS.kv_full,
                                      return_kv=False, top_k=FLAGS.top_k, overwrite=FLAGS.overwrite)
         if me == 0:
+            # the engine's busy time for the cost model's online correction: wall time less first-time compilation
+            busy_ms = (time.perf_counter() - t_batch) * 1e3 - sum({r.compile_ms for r in outcomes
+                                                                   if not isinstance(r, str)})
+            predict_ms.observe([len(p) for p in prompts], busy_ms)
+            scheduler.finished(time.perf_counter())
             for rid, res in zip(ids, outcomes):
-                req = pending[rid]
+                item = pending[rid]
+                req = item.request
                 if isinstance(res, str):
                     emit({"id": rid, "line": req.line, "error": res})
                     continue
                 if FLAGS.logits_dir:
                     np.save(os.path.join(FLAGS.logits_dir, f"{rid}.npy"), res.logits)
-                emit(_result_record(req, res, engine, tokenizer))
+                emit(_result_record(req, res, engine, tokenizer, item))
     if me == 0:
         if out is not sys.stdout:
             out.close()
         if FLAGS.summary:
-            print(_summary(records, time.perf_counter() - t_start), file=sys.stderr)
+            wall_s = time.perf_counter() - t_start
+            print(_summary(records, wall_s) + "\n" + slo_stats(records, wall_s).summary_line(), file=sys.stderr)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
