@@ -130,6 +130,8 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
 
     links = _links(parallel, devices_per_host)
     bw = {"intra": hw.intra_host_bytes_per_s, "inter": hw.inter_host_bytes_per_s}
+    if hw.shared_compute:  # virtual devices' collectives are copies through the one host's memory
+        bw = {k: v / devices for k, v in bw.items()}
     if devices > 1:
         lb = traffic.link_bytes(cfg, parallel, t, m, S, b, ep)
     else:

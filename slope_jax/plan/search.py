@@ -82,10 +82,14 @@ def evaluate(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: 
 
 
 def plan(cfg: ModelConfig, hardware: str | Hardware, num_devices: int, devices_per_host: int, lengths, *,
-         slo_ms: float, percentile: float = 0.9, layouts=None, **kw) -> list[dict]:
-    """Per length: every layout's evaluation, the feasible ones, the chosen one and the reason (or why none)."""
+         slo_ms: float, percentile: float = 0.9, layouts=None, with_expert: bool = True, **kw) -> list[dict]:
+    """Per length: every layout's evaluation, the feasible ones, the chosen one and the reason (or why none).
+
+    layouts: the candidates (default `enumerate_layouts`, with EP layouts unless `with_expert` is False); `kw` goes
+    to `predict` (dtype, tiles, bucket, memory_limit_bytes).
+    """
     hw = load(hardware)
-    layouts = layouts or enumerate_layouts(cfg, num_devices, devices_per_host)
+    layouts = layouts or enumerate_layouts(cfg, num_devices, devices_per_host, with_expert=with_expert)
     out = []
     for n in lengths:
         rows = [evaluate(cfg, par, n, hw, slo_ms=slo_ms, percentile=percentile, devices_per_host=devices_per_host,
@@ -118,7 +122,8 @@ def choose_layout(cfg: ModelConfig, hardware: str | Hardware, num_devices: int, 
     """The layout for a length mix (for `--layout=auto`): the feasible layout with the best goodput at the longest
     length, i.e. the one whose SLO is hardest to meet; if none meets the SLO, the fastest that fits memory.
 
-    Returns `(ParallelConfig, reason, table)` with `table` the per-length `plan` output.
+    `kw` goes to `plan` (e.g. `with_expert=False` where the engine has no expert parallelism, `memory_limit_bytes`,
+    `dtype`). Returns `(ParallelConfig, reason, table)` with `table` the per-length `plan` output.
     Raises LayoutError when no layout fits in memory.
     """
     lengths = sorted(int(x) for x in lengths)
