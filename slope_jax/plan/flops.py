@@ -22,6 +22,7 @@ Executed FLOPs per device (`per_device`) follow the engine's structure (design Â
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -142,8 +143,13 @@ def _attention_calls(cfg: ModelConfig, t: int, ring: int, ulysses: int, tiles: T
     """Attention FLOPs of one sliding and one full layer on each device `[R, U]` of the CP path, by call class
     (`sliding`, `step0`: the ring's causal step, `ring`: steps 1..Râˆ’1), each also as `<class>_pass`: the FLOPs of one
     key tile per query tile (what one pass of the dynamic key-tile loop costs; for checking compiled programs)."""
-    N, H, W = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
-    R, U = ring, ulysses
+    return _attention_calls_cached(cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window, t, ring, ulysses,
+                                   tiles.q_tile, tiles.kv_tile)
+
+
+@functools.lru_cache(maxsize=256)
+def _attention_calls_cached(N: int, H: int, W: int, t: int, R: int, U: int, q_tile: int, kv_tile: int):
+    tiles = Tiles(q_tile, kv_tile)
     pz = t // (2 * R * U)
     c = U * pz
     pos = _layout_positions(t, R, U).reshape(R, U, 2, pz)
@@ -209,9 +215,12 @@ def per_device(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int,
     if P * R * U == 1:
         pos = np.arange(t)
         cls = {"sliding": [0.0, 0.0], "step0": [0.0, 0.0]}
+        seen: dict[int, tuple[int, int, int]] = {}
         for layer in range(cfg.num_hidden_layers):
             w = cfg.sliding_window if cfg.is_sliding(layer) else NO_WINDOW
-            nt, bq, bk = visited_tiles(pos, pos, w, tiles.q_tile, tiles.kv_tile)
+            if w not in seen:
+                seen[w] = visited_tiles(pos, pos, w, tiles.q_tile, tiles.kv_tile)
+            nt, bq, bk = seen[w]
             per_tile = 4 * bq * bk * cfg.num_attention_heads * cfg.head_dim
             c = cls["sliding" if cfg.is_sliding(layer) else "step0"]
             c[0] += m * nt * per_tile

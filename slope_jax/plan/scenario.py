@@ -6,7 +6,6 @@ the command after changing the model, the profile or the cost model.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 from slope_jax.atomic import atomic_write
@@ -149,16 +148,24 @@ def write(path: str) -> None:
               "fill from (P−1)/P to (P−1)/(C+P−1).")
         ep = [r for r in final["layouts"] if r["expert"] > 1 and r["fits_memory"]]
         if ep:
-            e1 = min(ep, key=lambda r: r["ttft_ms"])
-            t = e1["time_breakdown_ms"]
-            par = ParallelConfig(pipeline=e1["pipeline"], ring=e1["ring"], ulysses=e1["ulysses"], expert=e1["expert"])
-            a2a_ms = _ep_all_to_all_ms(cfg, par, LENGTHS[-1], hw)
-            w(f"- **Expert parallelism with an all-to-all dispatch**: {e1['layout']} fits one stage in "
-              f"{e1['memory_bytes_per_device'] / 2**30:.1f} GiB per GCD, but its all-gather dispatch moves "
-              f"{e1['link_bytes_per_device']['ep_dispatch'] / 1e9:.1f} GB per GCD ({t['ep_dispatch']:.0f} ms over "
-              "the inter-host links). Sending each token only to its k experts' owners (all-to-all, "
-              f"≈ 2·k·T_local·D bytes per layer) would take ~{a2a_ms:.0f} ms, bringing it to "
-              f"~{e1['ttft_ms'] - t['ep_dispatch'] + a2a_ms:.0f} ms.")
+            n = LENGTHS[-1]
+            cands = []
+            for r in ep:
+                par = ParallelConfig(pipeline=r["pipeline"], ring=r["ring"], ulysses=r["ulysses"], expert=r["expert"])
+                cands.append((predict(cfg, par, n, hw, bucket=-(-n // par.token_multiple) * par.token_multiple), r))
+            exact, padded = min(cands, key=lambda x: x[0].ttft_ms)
+            par = ParallelConfig(pipeline=exact.pipeline, ring=exact.ring, ulysses=exact.ulysses, expert=exact.expert)
+            t = exact.time_breakdown_ms
+            a2a_ms = _ep_all_to_all_ms(cfg, par, exact.bucket, hw)
+            w(f"- **Expert parallelism, exact bucket, all-to-all dispatch together**: {exact.layout} holds one stage "
+              f"in {exact.memory_bytes_per_device / 2**30:.1f} GiB per GCD. Compiled at the exact length its compute "
+              f"is {t['matmul'] + t['attention']:.0f} ms (matmul {t['matmul']:.0f}, attention {t['attention']:.0f}), "
+              f"but the all-gather dispatch moves {exact.link_bytes_per_device['ep_dispatch'] / 1e9:.1f} GB per GCD "
+              f"({t['ep_dispatch']:.0f} ms over the inter-host links). Sending each token only to its k experts' "
+              f"owners (all-to-all, ≈ 2·k·T_local·D bytes per layer) would take ~{a2a_ms:.0f} ms: "
+              f"~{exact.ttft_ms - t['ep_dispatch'] + a2a_ms:.0f} ms in all. (In the padded bucket, "
+              f"{padded['ttft_ms']:.0f} ms: the engine routes every pad token to expert 0, so the EP rank holding it "
+              "runs far more MoE rows than the others — mask pads out of routing under EP.)")
     w("")
     w("## Assumptions behind every figure")
     w("")
@@ -173,10 +180,10 @@ def write(path: str) -> None:
     atomic_write(path, lambda tmp: open(tmp, "w").write(text))
 
 
-def _ep_all_to_all_ms(cfg: ModelConfig, par: ParallelConfig, n: int, hw) -> float:
-    """Time of a k-owner all-to-all EP dispatch + combine (≈ 2·k·T_local·D·b per MoE layer) over the inter-host link."""
-    p = predict(cfg, dataclasses.replace(par, expert=1), n, hw)
-    t_local = p.bucket // (par.ring * par.ulysses)
+def _ep_all_to_all_ms(cfg: ModelConfig, par: ParallelConfig, bucket: int, hw) -> float:
+    """Time of a k-owner all-to-all EP dispatch + combine over the inter-host link for one request: per MoE layer
+    slot `2·k·T_local·D·b·(EP−1)/EP` bytes (tokens out to their experts' owners and back), bf16."""
+    t_local = bucket // (par.ring * par.ulysses)
     per_layer = 2 * cfg.experts_per_token * t_local * cfg.hidden_size * 2 * (par.expert - 1) / par.expert
     slots, _ = flops.stage_slots(cfg, par.pipeline)
-    return per_layer * slots * (par.pipeline) / hw.inter_host_bytes_per_s * 1e3
+    return per_layer * slots * par.pipeline / hw.inter_host_bytes_per_s * 1e3
