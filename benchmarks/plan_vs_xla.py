@@ -22,10 +22,12 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 from absl import app, flags  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("configs", ["tiny", "mid"], "tiny = configs/tiny.json; mid = benchmarks/prefill_cpu.py's MID.")
+MID = dict(num_hidden_layers=4, num_experts=16, experts_per_token=4, vocab_size=32768, hidden_size=1024,
+           intermediate_size=1024, num_attention_heads=16, num_key_value_heads=4, head_dim=64, sliding_window=128)
+flags.DEFINE_list("configs", ["tiny", "mid"], "tiny = configs/tiny.json; mid = the mid-size gpt-oss of "
+                  "benchmarks/prefill_cpu.py (real head_dim/window, 1/3 of the width, 16 experts).")
 flags.DEFINE_list("layouts", ["1x1x1", "1x8x1", "1x2x4", "1x4x2", "2x2x2", "2x4x1", "4x1x2"],
                   "Layouts pipeline x ring x ulysses (1x1x1 = one device).")
 flags.DEFINE_list("lengths", ["1", "300", "2048", "8192"], "Prompt lengths (padded to the engine's buckets).")
@@ -37,15 +39,15 @@ def main(argv):
     del argv
     import jax
 
-    from prefill_cpu import mid_config
     from slope_jax.atomic import atomic_json
     from slope_jax.checkpoints import writer
-    from slope_jax.model.config import ModelConfig
+    from slope_jax.model.config import FULL, SLIDING, ModelConfig
     from slope_jax.parallel.config import ParallelConfig
     from slope_jax.plan import verify
     from slope_jax.serve.engine import PrefillEngine
 
-    cfgs = {"tiny": lambda: ModelConfig.from_json("configs/tiny.json"), "mid": mid_config}
+    cfgs = {"tiny": lambda: ModelConfig.from_json("configs/tiny.json"),
+            "mid": lambda: ModelConfig(**MID, layer_types=(SLIDING, FULL) * 2)}
     rows = []
     print(f"{'config':<6} {'layout':<7} {'tokens':>6} {'bucket':>6} {'FLOPs model/XLA':>16} {'bytes model/XLA':>16} "
           f"{'mem model/XLA':>14} {'model GFLOP':>12} {'XLA MiB arg+temp':>17}")

@@ -24,12 +24,13 @@ flags.DEFINE_string("model", "gpt-oss-120b", "Model: a config.json path, a check
                     "or a name under configs/ (gpt-oss-120b, gpt-oss-20b, tiny).")
 flags.DEFINE_string("hardware", "mi250", "Hardware profile: a name under configs/hardware/ (mi250, mi250x, mi300x, "
                     "a100, h100, h200, cpu) or a profile JSON path.")
-flags.DEFINE_integer("hosts", 4, "Hosts in the cluster.")
-flags.DEFINE_integer("devices_per_host", 8, "Devices per host (Ulysses groups stay inside a host).")
-flags.DEFINE_float("ttft_slo_ms", 1000.0, "TTFT SLO in milliseconds.")
+flags.DEFINE_integer("hosts", 4, "Hosts in the cluster.", lower_bound=1)
+flags.DEFINE_integer("devices_per_host", 8, "Devices per host (Ulysses groups stay inside a host).", lower_bound=1)
+flags.DEFINE_float("ttft_slo_ms", 1000.0, "TTFT SLO in milliseconds.", lower_bound=1e-3)
 flags.DEFINE_float("percentile", 90.0, "Percentile of requests that must meet the SLO (e.g. 90 for p90).")
 flags.DEFINE_list("lengths", ["32768", "65536", "102400"], "Context lengths (tokens) to plan for.")
-flags.DEFINE_string("dtype", None, "Activation dtype (default: bfloat16, float32 on the cpu profile).")
+flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "Activation dtype (default: bfloat16; float32 on the cpu "
+                  "profile).")
 flags.DEFINE_bool("expert_parallel", True, "Also consider expert-parallel layouts (EP = ring·ulysses).")
 flags.DEFINE_string("json", None, "Write the plan as JSON here (per length: every layout, feasible ones, chosen).")
 flags.DEFINE_string("png", None, "Write a plot here: predicted TTFT vs length per layout with the SLO line; goodput.")
@@ -48,7 +49,7 @@ def load_model(spec: str):
                  os.path.join(REPO, "configs", spec)):
         if os.path.isfile(path):
             return ModelConfig.from_json(path)
-    raise ValueError(f"--model={spec!r}: not a config.json, a checkpoint directory with config.json, or a name in "
+    raise FileNotFoundError(f"--model={spec!r}: not a config.json, a checkpoint directory with config.json, or a name in "
                      f"{os.path.join(REPO, 'configs')}")
 
 
@@ -148,7 +149,14 @@ def main(argv):
         raise app.UsageError(f"unknown command {' '.join(argv[1:])!r}: use one of {', '.join(commands)} (default "
                              "plan)")
     logging.set_verbosity(logging.WARNING)
-    commands[argv[1] if len(argv) == 2 else "plan"]()
+    from slope_jax.model.config import ConfigError
+    from slope_jax.parallel.config import LayoutError
+    from slope_jax.plan.hardware import HardwareError
+
+    try:
+        commands[argv[1] if len(argv) == 2 else "plan"]()
+    except (ConfigError, HardwareError, LayoutError, OSError) as e:
+        raise app.UsageError(str(e)) from None
 
 
 def run():
