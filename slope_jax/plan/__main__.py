@@ -49,8 +49,8 @@ def load_model(spec: str):
                  os.path.join(REPO, "configs", spec)):
         if os.path.isfile(path):
             return ModelConfig.from_json(path)
-    raise FileNotFoundError(f"--model={spec!r}: not a config.json, a checkpoint directory with config.json, or a name in "
-                     f"{os.path.join(REPO, 'configs')}")
+    raise FileNotFoundError(f"--model={spec!r}: not a config.json, a checkpoint directory with config.json, or a "
+                            f"name in {os.path.join(REPO, 'configs')}")
 
 
 def _percentile() -> float:

@@ -38,7 +38,7 @@ def write_json(path: str, result: dict) -> None:
 
 
 def write_png(path: str, entries: list[dict], slo_ms: float, title: str, tp: list[dict] | None = None) -> None:
-    """Predicted TTFT vs context length per layout (with the SLO line) and goodput per layout at the longest length.
+    """Predicted TTFT vs context length per layout (with the SLO line) and goodput per layout and length.
     Only layouts that fit memory at every length are drawn (up to the 10 fastest)."""
     import matplotlib
 
@@ -65,12 +65,16 @@ def write_png(path: str, entries: list[dict], slo_ms: float, title: str, tp: lis
     ax1.grid(True, which="both", alpha=0.3)
     ax1.legend(fontsize=7)
     ax1.set_title("predicted TTFT per layout")
-    last = entries[-1]
-    rows = sorted((r for r in last["layouts"] if r["layout"] in keep), key=lambda r: -r["goodput_requests_per_s"])
-    ax2.barh([r["layout"] for r in rows], [r["goodput_requests_per_s"] for r in rows])
+    height = 0.8 / len(entries)
+    for j, e in enumerate(entries):
+        rate = {r["layout"]: r["goodput_requests_per_s"] for r in e["layouts"]}
+        ax2.barh([i + j * height for i in range(len(keep))], [rate[k] for k in keep], height=height,
+                 label=f"{e['length']} tokens")
+    ax2.set_yticks([i + 0.4 - height / 2 for i in range(len(keep))], keep)
     ax2.invert_yaxis()
-    ax2.set_xlabel(f"goodput (requests/s meeting {slo_ms:g} ms at p{last['percentile'] * 100:g})")
-    ax2.set_title(f"goodput at {last['length']} tokens")
+    ax2.set_xlabel(f"goodput (requests/s meeting {slo_ms:g} ms at p{entries[-1]['percentile'] * 100:g}; 0 = misses)")
+    ax2.set_title("goodput per layout")
+    ax2.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
