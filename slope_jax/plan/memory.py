@@ -54,7 +54,9 @@ def temp_bytes(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int,
     _, n = stage_slots(cfg, pipeline)
     kv = 0 if single else 2 * m * n * tl * K * H * b  # one device: the layer scan writes K/V into its output
     per_layer = param_bytes(cfg, b, 1, expert)
-    slices = (1 if single else 2) * (per_layer["total"] - per_layer["embeddings"]) / cfg.num_hidden_layers
+    # the scan body's dynamic slices of the stack (none when a stage holds a single layer: nothing to select)
+    copies = 1 if single else 0 if n == 1 else 2
+    slices = copies * (per_layer["total"] - per_layer["embeddings"]) / cfg.num_hidden_layers
     layer = tl * N * H * (b + 4) + tl * D * b
     if single:
         bq, bk = min(tiles.q_tile, t), min(tiles.kv_tile, t)
