@@ -125,7 +125,9 @@ def cmd_calibrate():
                                    inter_host_bytes_per_s=measured["memcpy_bytes_per_s"])
     eff, rows = calibrate.fit(cfg, base, measured["rows"], source=f"fitted by `python -m slope_jax.plan calibrate` "
                               f"to {os.path.relpath(FLAGS.measured, REPO)}")
-    out = dataclasses.replace(base, efficiency=eff).to_dict()
+    fitted = calibrate.normalised(base, eff)
+    eff = fitted.efficiency
+    out = fitted.to_dict()
     atomic_json(path, out, indent=2)
     print(f"{'layout':<14} {'tokens':>7} {'measured ms':>12} {'predicted ms':>13} {'error':>7}")
     for r in rows:

@@ -76,5 +76,14 @@ def _fit_once(cfg, hw, rows, devices_per_host, source) -> Efficiency:
                 best, best_err = x, err
     if best is None:
         raise ValueError("no non-negative fit: the measured times do not grow with the predicted work")
-    return Efficiency(matmul=min(1.0, 1 / best[0]), attention=min(1.0, 1 / best[1]), overhead_s=float(best[2]),
+    # may exceed 1 when the profile's peak was measured low (a loaded machine); `normalised` rescales the peak
+    return Efficiency(matmul=1 / best[0], attention=1 / best[1], overhead_s=float(best[2]),
                       layer_overhead_s=float(best[3]), source=source)
+
+
+def normalised(hw: Hardware, eff: Efficiency) -> Hardware:
+    """`hw` with `eff`, the peak raised so that both efficiencies are <= 1 (same predictions)."""
+    scale = max(1.0, eff.matmul, eff.attention)
+    return dataclasses.replace(hw, peak_flops={k: v * scale for k, v in hw.peak_flops.items()},
+                               efficiency=dataclasses.replace(eff, matmul=eff.matmul / scale,
+                                                              attention=eff.attention / scale))
