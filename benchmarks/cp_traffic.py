@@ -5,8 +5,8 @@
 
 For each layout (pipeline, ring, ulysses) of 8 devices:
   * collective operand bytes per device, read from the compiled HLO (all-to-all, collective-permute, all-gather,
-    all-reduce; ops in loops × their known trip counts) vs. the analytic formula of `slope_jax.traffic`, in total and
-    for sliding-window layers alone (which must move only their halo: no all-to-all, no ring);
+    all-reduce; ops in loops × their known trip counts) vs. the analytic formula of `slope_jax.plan.traffic`, in
+    total and for sliding-window layers alone (which must move only their halo: no all-to-all, no ring);
   * attention work per device — score entries actually computed (visited tiles × tile area), reported by the
     compiled program itself through `attention.count_work` callbacks — as max/mean over devices.
 Prints a table and writes JSON (default benchmarks/results/cp_traffic.json).

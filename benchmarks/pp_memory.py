@@ -76,6 +76,7 @@ def declared(name: str, pipelines) -> list[dict]:
     from slope_jax.model import gpt_oss as model
     from slope_jax.model.config import ModelConfig
     from slope_jax.parallel import pipeline as pipe_lib
+    from slope_jax.plan import memory
 
     cfg = ModelConfig.from_json(os.path.join(os.path.dirname(__file__), "..", "configs", f"{name}.json"))
     out = []
@@ -91,8 +92,10 @@ def declared(name: str, pipelines) -> list[dict]:
             per_dev += nbytes // p if sharded else nbytes
         for spec in _leaves(model.param_specs(cfg, "bfloat16")):
             total += int(np.prod(spec.shape)) * spec.dtype.itemsize
+        model_bytes = memory.param_bytes(cfg, 2, p)["total"]  # the planner's count (slope_jax.plan.memory)
         out.append({"model": name, "pipeline": p, "per_device_bytes": per_dev, "total_bytes": total,
-                    "ratio_to_ideal": per_dev / (total / p), "empty_slots": plan.empty_slots})
+                    "ratio_to_ideal": per_dev / (total / p), "empty_slots": plan.empty_slots,
+                    "cost_model_bytes": model_bytes, "cost_model_ratio": model_bytes / per_dev})
     return out
 
 
@@ -133,10 +136,12 @@ def main(argv):
             print(f"{r['pipeline']:>3} {s['requests']:>3} {s['ticks']:>6} {s['expected_ticks']:>6} {s['bubble']:>7.1%}")
     decl = declared("gpt-oss-20b", [1, 2, 4, 8]) + declared("gpt-oss-120b", [1, 2, 4, 8])
     print("\ndeclared parameter bytes per device (bf16 + MXFP4 experts), no activations or KV")
-    print(f"{'model':>14} {'P':>3} {'GiB/device':>11} {'total/P GiB':>12} {'ratio':>7} {'empty slots':>12}")
+    print(f"{'model':>14} {'P':>3} {'GiB/device':>11} {'total/P GiB':>12} {'ratio':>7} {'empty slots':>12} "
+          f"{'cost model/declared':>20}")
     for d in decl:
         print(f"{d['model']:>14} {d['pipeline']:>3} {d['per_device_bytes'] / 2**30:>11.2f} "
-              f"{d['total_bytes'] / d['pipeline'] / 2**30:>12.2f} {d['ratio_to_ideal']:>7.3f} {d['empty_slots']:>12}")
+              f"{d['total_bytes'] / d['pipeline'] / 2**30:>12.2f} {d['ratio_to_ideal']:>7.3f} {d['empty_slots']:>12} "
+              f"{d['cost_model_ratio']:>20.4f}")
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
     with open(FLAGS.out, "w") as fh:
         json.dump({"config": SMALL, "measured": rows, "declared": decl}, fh, indent=2, default=float)

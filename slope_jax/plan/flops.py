@@ -1,22 +1,52 @@
-"""Analytic FLOP counts of one gpt-oss prefill (multiply-add = 2 FLOPs), for MFU and for checking XLA's counts.
+"""FLOP counts of one gpt-oss prefill (multiply-add = 2 FLOPs): the model's useful work, and the work each device of
+the engine actually executes (tile padding, masked tiles, empty pipeline slots, bubble ticks, MoE tile padding).
 
-Per token and layer: q/k/v `2·D·(N+2K)·H`, o `2·N·H·D`, router `2·D·E`, k experts `k·(2·D·2I + 2·I·D)`.
-Attention per layer: `4·N·H` per visible (query, key) pair (QKᵀ and PV): `T(T+1)/2` pairs on full layers,
-`Σ_i min(i+1, W)` on sliding layers. Head: final norm + unembedding of the last token only, `2·D·V`.
+Model FLOPs (for MFU): per token and layer q/k/v `2·D·(N+2K)·H`, o `2·N·H·D`, router `2·D·E`, k experts
+`k·(2·D·2I + 2·I·D)`; attention `4·N·H` per visible (query, key) pair (QKᵀ and PV): `T(T+1)/2` pairs on full layers,
+`Σ_i min(i+1, W)` on sliding layers; head: final norm + unembedding of the last token only, `2·D·V`.
 gpt-oss-120b: 9.1 GFLOP/token of matmuls (design §8).
+
+Executed FLOPs per device (`per_device`) follow the engine's structure (design §2, `model/attention.py`,
+`model/moe.py`, `parallel/pipeline.py`):
+  * attention is blockwise: a (query tile × key tile) block costs `4·bq·bk·heads·H` whether or not every entry is
+    visible; the key-tile range per query tile comes from the tokens' global positions exactly as `attention.attend`
+    computes it (`visited_tiles`);
+  * full layers on `R·U` devices: heads `N/U` after the Ulysses all-to-all, the zigzag ring's step 0 (causal diagonal
+    + one full block) and `R−1` steps of two full blocks; sliding layers keep all `N` heads on the local pieces plus a
+    halo of `W−1` keys;
+  * MoE: tokens grouped by expert and run in tiles of `min(moe_tile, T_local·k)` rows; routing is assumed balanced
+    (`assignments / E` per expert; pad tokens all go to expert 0, as the engine routes them);
+  * pipeline: every stage runs all `S` slots (empty ones too) on each of the `M + P − 1` ticks.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+
+import numpy as np
+
 from slope_jax.model.config import ModelConfig
+
+INVALID_POS = -(2**30)  # attention.INVALID_POS (kept here so that this module needs no JAX)
+NO_WINDOW = 2**30
 
 
 def per_token_matmul(cfg: ModelConfig) -> float:
-    """Matmul FLOPs per token over all layers (projections, router, the k selected experts)."""
-    D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    E, I, k = cfg.num_experts, cfg.intermediate_size, cfg.experts_per_token
-    per_layer = 2 * D * (N + 2 * K) * H + 2 * N * H * D + 2 * D * E + k * (2 * D * 2 * I + 2 * I * D)
-    return float(per_layer * cfg.num_hidden_layers)
+    """Model matmul FLOPs per token over all layers (projections, router, the k selected experts)."""
+    return float(_proj_per_token(cfg) + _expert_per_row(cfg) * cfg.experts_per_token) * cfg.num_hidden_layers
+
+
+def _proj_per_token(cfg: ModelConfig) -> int:
+    D, N, K, H, E = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                     cfg.num_experts)
+    return 2 * D * (N + 2 * K) * H + 2 * N * H * D + 2 * D * E
+
+
+def _expert_per_row(cfg: ModelConfig) -> int:
+    D, I = cfg.hidden_size, cfg.intermediate_size
+    return 2 * D * 2 * I + 2 * I * D
 
 
 def visible_pairs(t: int, window: int | None) -> int:
@@ -27,7 +57,7 @@ def visible_pairs(t: int, window: int | None) -> int:
 
 
 def attention(cfg: ModelConfig, t: int) -> float:
-    """Attention-score and value FLOPs (QKᵀ + PV) over all layers for a t-token prompt."""
+    """Model attention FLOPs (QKᵀ + PV over visible pairs) over all layers for a t-token prompt."""
     per_pair = 4 * cfg.num_attention_heads * cfg.head_dim
     total = 0
     for layer in range(cfg.num_hidden_layers):
@@ -36,8 +66,202 @@ def attention(cfg: ModelConfig, t: int) -> float:
 
 
 def prefill(cfg: ModelConfig, t: int) -> dict[str, float]:
-    """FLOPs of one t-token prefill: {"matmul", "attention", "head", "total"}."""
+    """Model FLOPs of one t-token prefill: {"matmul", "attention", "head", "total"}."""
     out = {"matmul": per_token_matmul(cfg) * t, "attention": attention(cfg, t),
            "head": 2.0 * cfg.hidden_size * cfg.vocab_size}
     out["total"] = sum(out.values())
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# executed FLOPs per device
+
+def visited_tiles(q_pos: np.ndarray, k_pos: np.ndarray, window: int, q_tile: int, kv_tile: int
+                  ) -> tuple[int, int, int]:
+    """(query tile × key tile) blocks `attention.attend` runs, and the tile shape `(bq, bk)`.
+
+    q_pos `[Tq]`, k_pos `[Tk]` int global positions (negative = no key); window: keys per query (NO_WINDOW for full
+    layers). Mirrors `attend`: tiles of `min(tile, length)`, padded with INVALID_POS; per query tile the contiguous
+    range of key tiles from the first to the last that may hold a visible key.
+    """
+    tq, tk = len(q_pos), len(k_pos)
+    bq, bk = min(q_tile, tq), min(kv_tile, tk)
+    nq, nk = -(-tq // bq), -(-tk // bk)
+    qp = np.full(nq * bq, INVALID_POS, np.int64)
+    qp[:tq] = q_pos
+    kp = np.full(nk * bk, INVALID_POS, np.int64)
+    kp[:tk] = k_pos
+    qp, kp = qp.reshape(nq, bq), kp.reshape(nk, bk)
+    exists = kp >= 0
+    big = 2**31
+    k_lo = np.where(exists, kp, big - 1).min(1)
+    k_hi = np.where(exists, kp, -big).max(1)
+    vq = qp >= 0
+    q_lo = np.where(vq, qp, big - 1).min(1)
+    q_hi = np.where(vq, qp, -big).max(1)
+    needed = exists.any(1)[None] & (k_lo[None] <= q_hi[:, None]) & (k_hi[None] > q_lo[:, None] - window)
+    any_needed = needed.any(1)
+    lo = np.where(any_needed, needed.argmax(1), 0)
+    hi = np.where(any_needed, nk - needed[:, ::-1].argmax(1), 0)
+    return int((hi - lo).sum()), bq, bk
+
+
+def _layout_positions(t: int, ring: int, ulysses: int) -> np.ndarray:
+    from slope_jax.parallel import layout  # numpy only
+
+    return layout.layout_positions(t, ring, ulysses)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Tile sizes of the compiled step (engine defaults)."""
+
+    q_tile: int = 256
+    kv_tile: int = 256
+    moe_tile: int = 128
+
+
+def stage_slots(cfg: ModelConfig, pipeline: int) -> tuple[int, int]:
+    """(slots per stage S, stack entries per stage n) of the engine's stage split (`pipeline.plan_stages`): stages
+    of ⌈L/P⌉ or ⌊L/P⌋ consecutive layers in alternating sliding/full slots (a gap where kinds do not alternate)."""
+    L = cfg.num_hidden_layers
+    sizes = [L // pipeline + (1 if p < L % pipeline else 0) for p in range(pipeline)]
+    longest, start = 0, 0
+    for size in sizes:
+        slots = 0
+        for layer in range(start, start + size):
+            parity = 0 if cfg.is_sliding(layer) else 1
+            if slots % 2 != parity:
+                slots += 1
+            slots += 1
+        longest = max(longest, slots)
+        start += size
+    return longest + longest % 2, max(sizes)
+
+
+def _attention_calls(cfg: ModelConfig, t: int, ring: int, ulysses: int, tiles: Tiles) -> dict[str, np.ndarray]:
+    """Attention FLOPs of one sliding and one full layer on each device `[R, U]` of the CP path, by call class
+    (`sliding`, `step0`: the ring's causal step, `ring`: steps 1..R−1), each also as `<class>_pass`: the FLOPs of one
+    key tile per query tile (what one pass of the dynamic key-tile loop costs; for checking compiled programs)."""
+    return _attention_calls_cached(cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window, t, ring, ulysses,
+                                   tiles.q_tile, tiles.kv_tile)
+
+
+@functools.lru_cache(maxsize=256)
+def _attention_calls_cached(N: int, H: int, W: int, t: int, R: int, U: int, q_tile: int, kv_tile: int):
+    tiles = Tiles(q_tile, kv_tile)
+    pz = t // (2 * R * U)
+    c = U * pz
+    pos = _layout_positions(t, R, U).reshape(R, U, 2, pz)
+    halo = max(W - 1, 0)
+    out = {k: np.zeros((R, U)) for k in ("sliding", "step0", "ring", "sliding_pass", "step0_pass", "ring_pass")}
+
+    def add(cls, r, u, q, k, window, heads):
+        n, bq, bk = visited_tiles(q, k, window, tiles.q_tile, tiles.kv_tile)
+        out[cls][r, u] += n * 4 * bq * bk * heads * H
+        out[cls + "_pass"][r, u] += -(-len(q) // bq) * 4 * bq * bk * heads * H
+
+    for r in range(R):
+        for u in range(U):
+            for slot in range(2):
+                q = pos[r, u, slot]
+                keys = q
+                if halo:
+                    h = np.arange(int(q[0]) - halo, int(q[0]))
+                    keys = np.concatenate([np.where(h >= 0, h, INVALID_POS), q])
+                add("sliding", r, u, q, keys, W, N)
+    chunk = [np.arange(i * c, (i + 1) * c) for i in range(2 * R)]
+    for r in range(R):
+        p0, p1 = chunk[r], chunk[2 * R - 1 - r]
+        add("step0", r, 0, p0, p0, NO_WINDOW, N // U)
+        add("step0", r, 0, p1, np.concatenate([p0, p1]), NO_WINDOW, N // U)
+        for step in range(1, R):
+            s = (r - step) % R
+            before = s < r
+            add("ring", r, 0, p0 if before else p1, chunk[s], NO_WINDOW, N // U)
+            add("ring", r, 0, p1, chunk[s] if before else chunk[2 * R - 1 - s], NO_WINDOW, N // U)
+        for cls in ("step0", "ring", "step0_pass", "ring_pass"):
+            out[cls][r, :] = out[cls][r, 0]  # every Ulysses rank of a ring rank does the same work
+    return out
+
+
+def moe_rows(cfg: ModelConfig, tokens: int, real: int, tile: int, expert: int = 1) -> int:
+    """Expert-matmul rows one device runs: `Σ_e ⌈c_e/tile⌉·tile` over its experts with any assignment.
+
+    tokens: tokens the device's MoE sees (its local tokens, × `expert` when EP all-gathers them over the EP group);
+    real: how many of them are real; tile: `moe_tile`, clipped to `tokens·k` as the engine does. Balanced routing:
+    `real·k` assignments split evenly over the E experts; pads' k assignments go to expert 0.
+    """
+    k, E = cfg.experts_per_token, cfg.num_experts
+    tile = max(1, min(tile, tokens * k))
+    q, rem = divmod(real * k, E)
+    counts = np.array([q + (e < rem) for e in range(E)], np.int64)
+    counts[0] += (tokens - real) * k
+    local = counts[: E // expert] if expert > 1 else counts  # expert 0 (the pads') sits on EP rank 0
+    return int(sum(-(-int(c) // tile) * tile for c in local if c > 0))
+
+
+def per_device(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int, n: int | None = None, m: int = 1,
+               tiles: Tiles = Tiles(), expert: int = 1) -> dict[str, float]:
+    """Executed FLOPs on the busiest device for one compiled step of `m` requests of bucket length `t` (`n` real
+    tokens each, default t) on layout (P, R, U), by part: projections, attention, moe, head, and total.
+
+    One device (P = R = U = 1) runs the single-device path (all L layers in order, window per layer); otherwise the
+    pipelined shard_map step: `m + P − 1` ticks × S slots per tick.
+    """
+    n = t if n is None else n
+    P, R, U = pipeline, ring, ulysses
+    D, V = cfg.hidden_size, cfg.vocab_size
+    if P * R * U == 1:
+        pos = np.arange(t)
+        cls = {"sliding": [0.0, 0.0], "step0": [0.0, 0.0]}
+        seen: dict[int, tuple[int, int, int]] = {}
+        for layer in range(cfg.num_hidden_layers):
+            w = cfg.sliding_window if cfg.is_sliding(layer) else NO_WINDOW
+            if w not in seen:
+                seen[w] = visited_tiles(pos, pos, w, tiles.q_tile, tiles.kv_tile)
+            nt, bq, bk = seen[w]
+            per_tile = 4 * bq * bk * cfg.num_attention_heads * cfg.head_dim
+            c = cls["sliding" if cfg.is_sliding(layer) else "step0"]
+            c[0] += m * nt * per_tile
+            c[1] += m * -(-t // bq) * per_tile
+        rows = moe_rows(cfg, t, n, tiles.moe_tile)
+        tile = max(1, min(tiles.moe_tile, t * cfg.experts_per_token))
+        L = cfg.num_hidden_layers
+        out = {"projections": float(m * L * t * _proj_per_token(cfg)), "attention": cls["sliding"][0] + cls["step0"][0],
+               "moe": float(m * L * rows * _expert_per_row(cfg)), "head": 2.0 * m * D * V}
+        out["total"] = sum(out.values())
+        both = (cls["sliding"][0] + cls["step0"][0], cls["sliding"][1] + cls["step0"][1])
+        out["classes"] = {"sliding": tuple(cls["sliding"]), "step0": tuple(cls["step0"]), "attention": both,
+                          "moe": (out["moe"], float(m * L * cfg.num_experts * tile * _expert_per_row(cfg)))}
+        return out
+    S, _ = stage_slots(cfg, P)
+    ticks = m + P - 1
+    tl = t // (R * U)
+    calls = _attention_calls(cfg, t, R, U, tiles)
+    busiest = np.unravel_index(np.argmax(calls["sliding"] + calls["step0"] + calls["ring"]), (R, U))
+    per = {k: float(v[busiest]) * ticks * S / 2 for k, v in calls.items()}
+    pos = _layout_positions(t, R, U).reshape(R * U, tl)
+    real = int((pos < n).sum(1).max()) if expert == 1 else int((pos < n).sum())  # EP: the whole EP group's tokens
+    rows = moe_rows(cfg, tl * expert, min(real, tl * expert), tiles.moe_tile, expert)
+    tile = max(1, min(tiles.moe_tile, tl * expert * cfg.experts_per_token))
+    vrows = -(-V // P)
+    out = {"projections": float(ticks * S * tl * _proj_per_token(cfg)),
+           "attention": per["sliding"] + per["step0"] + per["ring"],
+           "moe": float(ticks * S * rows * _expert_per_row(cfg)), "head": 2.0 * m * D * vrows}
+    out["total"] = sum(out.values())
+    out["classes"] = {"sliding": (per["sliding"], per["sliding_pass"]), "step0": (per["step0"], per["step0_pass"]),
+                      "ring": (per["ring"], per["ring_pass"]),
+                      "moe": (out["moe"], float(ticks * S * (cfg.num_experts // expert) * tile
+                                                * _expert_per_row(cfg)))}
+    return out
+
+
+def model_flops(cfg: ModelConfig, n: int) -> float:
+    """Useful FLOPs of one n-token prefill (the MFU numerator)."""
+    return prefill(cfg, n)["total"]
+
+
+def floor_seconds(cfg: ModelConfig, n: int, devices: int, peak_flops: float) -> float:
+    """Lower bound on TTFT: model FLOPs / (devices × peak)."""
+    return model_flops(cfg, n) / (devices * peak_flops) if devices and peak_flops else math.inf

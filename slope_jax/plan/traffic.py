@@ -20,26 +20,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import re
 
 from slope_jax.model.config import ModelConfig
 from slope_jax.parallel.config import ParallelConfig
+from slope_jax.plan import hlo
 
 COLLECTIVES = ("all-to-all", "collective-permute", "all-gather", "all-reduce", "reduce-scatter")
-_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "u32": 4, "s64": 8, "u64": 8, "s8": 1, "u8": 1,
-                "pred": 1, "s16": 2, "u16": 2}
-_SHAPE = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
-_COMP_START = re.compile(r"^(ENTRY )?%(\S+) .*\{\s*$")
-_INSTR = re.compile(r"^\s*(ROOT )?%(\S+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
-
-
-def _shape_bytes(text: str) -> list[int]:
-    out = []
-    for dt, dims in _SHAPE.findall(text):
-        if dt in _DTYPE_BYTES:
-            out.append(_DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d))
-    return out
+_shape_bytes = hlo.shape_bytes
 
 
 @dataclasses.dataclass
@@ -59,64 +47,20 @@ def hlo_collectives(hlo_text: str) -> list[HloCollective]:
 
     Raises ValueError if a collective sits in a loop whose trip count XLA does not know.
     """
-    comps: dict[str, list[str]] = {}
-    entry, current = None, None
-    for line in hlo_text.splitlines():
-        m = _COMP_START.match(line)
-        if m:
-            current = m.group(2)
-            comps[current] = []
-            if m.group(1):
-                entry = current
-            continue
-        if line.strip() == "}":
-            current = None
-            continue
-        if current is not None:
-            comps[current].append(line)
-    if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text")
-
-    # edges: computation -> [(callee, factor or None for unknown)]
-    edges: dict[str, list[tuple[str, int | None]]] = collections.defaultdict(list)
-    for name, lines in comps.items():
-        for line in lines:
-            if " while(" in line:
-                body = re.search(r"body=%([^,\s]+)", line).group(1)
-                trip = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
-                edges[name].append((body, int(trip.group(1)) if trip else None))
-            for key in ("calls", "to_apply", "true_computation", "false_computation"):
-                for callee in re.findall(key + r"=%([^,\s}]+)", line):
-                    edges[name].append((callee, 1))
-            for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
-                for callee in re.findall(r"%([^,\s]+)", group):
-                    edges[name].append((callee, 1))
-
-    mult: dict[str, float] = collections.defaultdict(float)
-    unknown: set[str] = set()
-
-    def visit(name: str, factor: float, dynamic: bool):
-        mult[name] += factor
-        if dynamic:
-            unknown.add(name)
-        for callee, f in edges.get(name, ()):
-            visit(callee, factor * (1 if f is None else f), dynamic or f is None)
-
-    visit(entry, 1, False)
-
+    mod = hlo.parse(hlo_text)
     out = []
-    for name, lines in comps.items():
-        if mult.get(name, 0) == 0 and name not in unknown:
+    for name, lines in mod.comps.items():
+        if mod.mult.get(name, 0) == 0:
             continue
         for line in lines:
-            m = _INSTR.match(line)
+            m = hlo._INSTR.match(line)
             if not m:
                 continue
             op = m.group(4)
             base = op[:-6] if op.endswith("-start") else op
             if base not in COLLECTIVES:
                 continue
-            if name in unknown:
+            if name in mod.dynamic:
                 raise ValueError(f"{base} in computation {name} runs an unknown number of times")
             sizes = _shape_bytes(m.group(3))
             if op.endswith("-start"):
@@ -133,7 +77,7 @@ def hlo_collectives(hlo_text: str) -> list[HloCollective]:
                           if f"/{s}/" in op_name), None)
             if scope is None:
                 scope = "pipeline" if base == "collective-permute" else "other"
-            out.append(HloCollective(base, nbytes, int(mult[name]), scope))
+            out.append(HloCollective(base, nbytes, int(mod.mult[name]), scope))
     return out
 
 
@@ -215,4 +159,43 @@ def analytic_bytes(cfg: ModelConfig, parallel: ParallelConfig, t: int, m: int, s
     wire_reduce = 2 * (P - 1) / P if P > 1 else 0  # ring all-reduce
     out["wire"] = (ticks * (pairs * (sliding * max(gather, 1) + wire_full) + head + pipe) + wire_pos
                    + wire_reduce * (embed + 4 * m * D) + (P - 1) * 4 * m * vrows // P)
+    return out
+
+
+LINK_KINDS = ("ulysses_all_to_all", "ring_ppermute", "halo_ppermute", "pipeline_handoff", "ep_dispatch", "other")
+
+
+def ep_dispatch_bytes(cfg: ModelConfig, tokens_local: int, expert: int, dtype_bytes: int, factor: float = 2.0) -> float:
+    """Wire bytes per device of one MoE layer's expert-parallel dispatch + combine.
+
+    Stated formula (h10b's EP: all-gather the tokens of the EP group, local experts, reduce-scatter the outputs):
+    `factor·(EP−1)/EP · T_local·EP · D · b` — the all-gather and the reduce-scatter each move `(EP−1)/EP` of the
+    gathered `[T_local·EP, D]` array. `factor` (2: one gather + one scatter) is a parameter so that it can be matched
+    to the implementation's compiled HLO.
+    """
+    if expert <= 1:
+        return 0.0
+    return factor * (expert - 1) / expert * tokens_local * expert * cfg.hidden_size * dtype_bytes
+
+
+def link_bytes(cfg: ModelConfig, parallel: ParallelConfig, t: int, m: int, slots_per_stage: int, dtype_bytes: int,
+               expert: int = 1) -> dict[str, float]:
+    """Wire bytes per device for one step, by link kind (LINK_KINDS), from `analytic_bytes`: an all-to-all sends
+    (U−1)/U of its operand, a ppermute all of it; `ep_dispatch` from `ep_dispatch_bytes` per MoE layer slot.
+    Also `ring_step`: the K/V block one ring step passes (bytes), and `total`."""
+    P, R, U = parallel.pipeline, parallel.ring, parallel.ulysses
+    a = analytic_bytes(cfg, parallel, t, m, slots_per_stage, dtype_bytes)
+    ticks, pairs = m + P - 1, slots_per_stage // 2
+    pz = t // (2 * R * U)
+    kr = max(cfg.num_key_value_heads, U)
+    a2a = ticks * pairs * (2 * 2 * pz * cfg.num_attention_heads * cfg.head_dim * dtype_bytes
+                           + 2 * 2 * pz * kr * cfg.head_dim * dtype_bytes) * (U - 1) / U if U > 1 else 0.0
+    ring_step = 2 * 2 * U * pz * (kr // U) * cfg.head_dim * dtype_bytes if R > 1 else 0.0
+    ring = ticks * pairs * (R - 1) * ring_step
+    out = {"ulysses_all_to_all": a2a, "ring_ppermute": ring, "halo_ppermute": a["sliding_layer"],
+           "pipeline_handoff": a["pipeline"],
+           "ep_dispatch": ticks * slots_per_stage * ep_dispatch_bytes(cfg, 2 * pz, expert, dtype_bytes),
+           "other": a["head"] + a["positions"] + a["embed"] + a["logits"]}
+    out["total"] = sum(out.values())
+    out["ring_step"] = ring_step
     return out

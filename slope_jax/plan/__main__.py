@@ -1,0 +1,170 @@
+"""SLO planner: which layout meets a TTFT SLO on a cluster, at what goodput (design §7).
+
+    python -m slope_jax.plan --model=gpt-oss-120b --hardware=mi250 --hosts=4 --devices_per_host=8 \\
+        --ttft_slo_ms=1000 --percentile=90 --lengths=32768,65536,102400 --json=plan.json --png=plan.png
+    python -m slope_jax.plan calibrate --measured=configs/hardware/calibration/cpu_tiny.json --hardware=cpu
+    python -m slope_jax.plan scenario --out=docs/scenario-gpt-oss-120b-mi250.md
+
+Plan: for every layout (pipeline × ring × ulysses, with and without expert parallelism) of hosts × devices_per_host
+devices, predicts TTFT, memory per device, bytes per link kind and goodput at each length; prints a table per length
+(layouts that fit memory), the chosen layout and why — or, when nothing meets the SLO, the best there is.
+Calibrate: fits a profile's efficiency factors to measured step times and writes the profile.
+Scenario: writes the gpt-oss-120b on 4 × 8 MI250 GCDs document (tables, plot, choice, TP8 cross-check).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from absl import app, flags, logging
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "gpt-oss-120b", "Model: a config.json path, a checkpoint directory holding config.json, "
+                    "or a name under configs/ (gpt-oss-120b, gpt-oss-20b, tiny).")
+flags.DEFINE_string("hardware", "mi250", "Hardware profile: a name under configs/hardware/ (mi250, mi250x, mi300x, "
+                    "a100, h100, h200, cpu) or a profile JSON path.")
+flags.DEFINE_integer("hosts", 4, "Hosts in the cluster.", lower_bound=1)
+flags.DEFINE_integer("devices_per_host", 8, "Devices per host (Ulysses groups stay inside a host).", lower_bound=1)
+flags.DEFINE_float("ttft_slo_ms", 1000.0, "TTFT SLO in milliseconds.", lower_bound=1e-3)
+flags.DEFINE_float("percentile", 90.0, "Percentile of requests that must meet the SLO (e.g. 90 for p90).")
+flags.DEFINE_list("lengths", ["32768", "65536", "102400"], "Context lengths (tokens) to plan for.")
+flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "Activation dtype (default: bfloat16; float32 on the cpu "
+                  "profile).")
+flags.DEFINE_bool("expert_parallel", True, "Also consider expert-parallel layouts (EP = ring·ulysses).")
+flags.DEFINE_string("json", None, "Write the plan as JSON here (per length: every layout, feasible ones, chosen).")
+flags.DEFINE_string("png", None, "Write a plot here: predicted TTFT vs length per layout with the SLO line; goodput.")
+flags.DEFINE_string("measured", None, "calibrate: JSON of measured rows (benchmarks/plan_measure_cpu.py).")
+flags.DEFINE_string("out", None, "calibrate: profile JSON to write (default configs/hardware/<hardware>.json); "
+                    "scenario: markdown path (default docs/scenario-gpt-oss-120b-mi250.md).")
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def load_model(spec: str):
+    """ModelConfig from a config.json path, a checkpoint directory, or a configs/ name. Raises ValueError."""
+    from slope_jax.model.config import ModelConfig
+
+    for path in (spec, os.path.join(spec, "config.json"), os.path.join(REPO, "configs", spec + ".json"),
+                 os.path.join(REPO, "configs", spec)):
+        if os.path.isfile(path):
+            return ModelConfig.from_json(path)
+    raise FileNotFoundError(f"--model={spec!r}: not a config.json, a checkpoint directory with config.json, or a "
+                            f"name in {os.path.join(REPO, 'configs')}")
+
+
+def _percentile() -> float:
+    p = FLAGS.percentile
+    if not 0 < p <= 100:
+        raise app.UsageError(f"--percentile={p}: must be in (0, 100]")
+    return p / 100
+
+
+def _lengths() -> list[int]:
+    try:
+        out = [int(x) for x in FLAGS.lengths]
+    except ValueError:
+        raise app.UsageError(f"--lengths={','.join(FLAGS.lengths)}: must be integers") from None
+    if not out or min(out) < 1:
+        raise app.UsageError("--lengths: need at least one positive length")
+    return out
+
+
+def run_plan(cfg, hw, hosts, dph, lengths, slo_ms, pct, dtype=None, expert_parallel=True):
+    from slope_jax.plan import search
+
+    layouts = search.enumerate_layouts(cfg, hosts * dph, dph, with_expert=expert_parallel)
+    if not layouts:
+        raise app.UsageError(f"no valid layout of {hosts * dph} devices for this model")
+    kw = {"dtype": dtype} if dtype else {}
+    return search.plan(cfg, hw, hosts * dph, dph, lengths, slo_ms=slo_ms, percentile=pct, layouts=layouts, **kw)
+
+
+def cmd_plan():
+    from slope_jax.plan import hardware, report
+
+    cfg = load_model(FLAGS.model)
+    hw = hardware.load(FLAGS.hardware)
+    entries = run_plan(cfg, hw, FLAGS.hosts, FLAGS.devices_per_host, _lengths(), FLAGS.ttft_slo_ms, _percentile(),
+                       FLAGS.dtype, FLAGS.expert_parallel)
+    print(f"{FLAGS.model} on {FLAGS.hosts} host(s) x {FLAGS.devices_per_host} {hw.name} ({hw.description})")
+    print(f"efficiency: matmul {hw.efficiency.matmul:.3g}, attention {hw.efficiency.attention:.3g} — "
+          f"{hw.efficiency.source or 'no source given'}\n")
+    for e in entries:
+        print(report.table(e, hw.hbm_bytes) + "\n")
+    result = {"model": FLAGS.model, "hardware": hw.to_dict(), "hosts": FLAGS.hosts,
+              "devices_per_host": FLAGS.devices_per_host, "ttft_slo_ms": FLAGS.ttft_slo_ms,
+              "percentile": _percentile(), "lengths": entries}
+    if FLAGS.json:
+        report.write_json(FLAGS.json, result)
+        print(f"wrote {FLAGS.json}")
+    if FLAGS.png:
+        report.write_png(FLAGS.png, entries, FLAGS.ttft_slo_ms, f"{FLAGS.model} on {FLAGS.hosts}x"
+                         f"{FLAGS.devices_per_host} {hw.name}")
+        print(f"wrote {FLAGS.png}")
+
+
+def cmd_calibrate():
+    import dataclasses
+
+    from slope_jax.atomic import atomic_json
+    from slope_jax.plan import calibrate, hardware
+
+    if not FLAGS.measured:
+        raise app.UsageError("calibrate needs --measured=PATH (rows from benchmarks/plan_measure_cpu.py)")
+    with open(FLAGS.measured) as fh:
+        measured = json.load(fh)
+    cfg = load_model(measured.get("config", FLAGS.model))
+    name = FLAGS.hardware
+    path = FLAGS.out or os.path.join(hardware.HARDWARE_DIR, f"{name}.json")
+    base = hardware.load(path if os.path.isfile(path) else name)
+    if "peak_flops_float32" in measured:  # measured in the same run: the CPU's own peak and copy bandwidth
+        base = dataclasses.replace(base, peak_flops={"float32": measured["peak_flops_float32"],
+                                                     "bfloat16": measured["peak_flops_float32"]},
+                                   intra_host_bytes_per_s=measured["memcpy_bytes_per_s"],
+                                   inter_host_bytes_per_s=measured["memcpy_bytes_per_s"])
+    eff, rows = calibrate.fit(cfg, base, measured["rows"], source=f"fitted by `python -m slope_jax.plan calibrate` "
+                              f"to {os.path.relpath(FLAGS.measured, REPO)}")
+    fitted = calibrate.normalised(base, eff)
+    eff = fitted.efficiency
+    out = fitted.to_dict()
+    atomic_json(path, out, indent=2)
+    print(f"{'layout':<14} {'tokens':>7} {'measured ms':>12} {'predicted ms':>13} {'error':>7}")
+    for r in rows:
+        print(f"{r['layout']:<14} {r['length']:>7} {r['measured_ms']:>12.1f} {r['predicted_ms']:>13.1f} "
+              f"{r['error']:>+7.1%}")
+    print(f"efficiency matmul {eff.matmul:.3g}, attention {eff.attention:.3g}, overhead {eff.overhead_s * 1e3:.2f} ms"
+          f" per step + {eff.layer_overhead_s * 1e3:.3f} ms per layer slot; wrote {path}")
+
+
+def cmd_scenario():
+    from slope_jax.plan import scenario
+
+    out = FLAGS.out or os.path.join(REPO, "docs", "scenario-gpt-oss-120b-mi250.md")
+    scenario.write(out)
+    print(f"wrote {out}")
+
+
+def main(argv):
+    commands = {"calibrate": cmd_calibrate, "scenario": cmd_scenario, "plan": cmd_plan}
+    if len(argv) > 2 or (len(argv) == 2 and argv[1] not in commands):
+        raise app.UsageError(f"unknown command {' '.join(argv[1:])!r}: use one of {', '.join(commands)} (default "
+                             "plan)")
+    logging.set_verbosity(logging.WARNING)
+    from slope_jax.model.config import ConfigError
+    from slope_jax.parallel.config import LayoutError
+    from slope_jax.plan.hardware import HardwareError
+
+    try:
+        commands[argv[1] if len(argv) == 2 else "plan"]()
+    except (ConfigError, HardwareError, LayoutError, OSError) as e:
+        raise app.UsageError(str(e)) from None
+
+
+def run():
+    """Console-script entry (`slope-plan`)."""
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,113 @@
+"""Hardware profiles: the figures the cost model needs about one device and its links, as data
+(`configs/hardware/<name>.json`), each with the public source it comes from.
+
+Profile fields (SI units):
+  peak_flops {dtype: FLOP/s of one device, dense}, hbm_bytes, hbm_bytes_per_s,
+  intra_host_bytes_per_s (one device's link to a peer in its host, per direction),
+  inter_host_bytes_per_s (one device's share of the host's network, per direction),
+  shared_compute (true when the "devices" are virtual and share one host's cores: the CPU profile),
+  efficiency {matmul, attention: fraction of peak reached; overhead_s per step; layer_overhead_s per executed layer
+  slot; source}, sources {field: citation}.
+`calibrate` fits `efficiency` from measured step times (`python -m slope_jax.plan calibrate`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+HARDWARE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                            "configs", "hardware")
+
+
+class HardwareError(ValueError):
+    """A hardware profile is missing, malformed or lacks a field; the message names it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+    """Fractions of peak reached by matmuls and by attention, fixed costs per step and per executed layer slot."""
+
+    matmul: float
+    attention: float
+    overhead_s: float = 0.0
+    layer_overhead_s: float = 0.0
+    source: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One device kind and its links (module docstring)."""
+
+    name: str
+    description: str
+    peak_flops: dict[str, float]
+    hbm_bytes: float
+    hbm_bytes_per_s: float
+    intra_host_bytes_per_s: float
+    inter_host_bytes_per_s: float
+    efficiency: Efficiency
+    shared_compute: bool = False
+    sources: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def peak(self, dtype: str) -> float:
+        """Peak FLOP/s of one device in `dtype` ("bfloat16" or "float32"). Raises HardwareError if unknown."""
+        if dtype not in self.peak_flops:
+            raise HardwareError(f"hardware {self.name!r} has no peak_flops for dtype {dtype!r} "
+                                f"(has {sorted(self.peak_flops)})")
+        return float(self.peak_flops[dtype])
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "<dict>") -> Hardware:
+        required = ("name", "peak_flops", "hbm_bytes", "hbm_bytes_per_s", "intra_host_bytes_per_s",
+                    "inter_host_bytes_per_s", "efficiency")
+        for key in required:
+            if key not in d:
+                raise HardwareError(f"{source}: missing field {key!r} (required: {', '.join(required)})")
+        eff = d["efficiency"]
+        for key in ("matmul", "attention"):
+            v = eff.get(key)
+            if not isinstance(v, (int, float)) or not 0 < v <= 1:
+                raise HardwareError(f"{source}: efficiency.{key}={v!r} must be a number in (0, 1]")
+        for key in ("hbm_bytes", "hbm_bytes_per_s", "intra_host_bytes_per_s", "inter_host_bytes_per_s"):
+            if not isinstance(d[key], (int, float)) or d[key] <= 0:
+                raise HardwareError(f"{source}: {key}={d[key]!r} must be a positive number")
+        return cls(name=d["name"], description=d.get("description", ""),
+                   peak_flops={k: float(v) for k, v in d["peak_flops"].items()}, hbm_bytes=float(d["hbm_bytes"]),
+                   hbm_bytes_per_s=float(d["hbm_bytes_per_s"]),
+                   intra_host_bytes_per_s=float(d["intra_host_bytes_per_s"]),
+                   inter_host_bytes_per_s=float(d["inter_host_bytes_per_s"]),
+                   efficiency=Efficiency(float(eff["matmul"]), float(eff["attention"]),
+                                         float(eff.get("overhead_s", 0.0)), float(eff.get("layer_overhead_s", 0.0)),
+                                         str(eff.get("source", ""))),
+                   shared_compute=bool(d.get("shared_compute", False)), sources=dict(d.get("sources", {})))
+
+
+def available() -> list[str]:
+    """Names of the profiles in configs/hardware/."""
+    if not os.path.isdir(HARDWARE_DIR):
+        return []
+    return sorted(f[:-5] for f in os.listdir(HARDWARE_DIR) if f.endswith(".json"))
+
+
+def load(hardware: str | Hardware) -> Hardware:
+    """A profile by name (configs/hardware/<name>.json), by JSON path, or passed through.
+
+    Raises HardwareError naming the available profiles when the name is unknown.
+    """
+    if isinstance(hardware, Hardware):
+        return hardware
+    path = hardware if hardware.endswith(".json") else os.path.join(HARDWARE_DIR, f"{hardware}.json")
+    if not os.path.isfile(path):
+        raise HardwareError(f"unknown hardware {hardware!r}: no file {path} (available: {', '.join(available())})")
+    with open(path) as fh:
+        try:
+            d = json.load(fh)
+        except json.JSONDecodeError as e:
+            raise HardwareError(f"{path}: not valid JSON ({e})") from None
+    return Hardware.from_dict(d, source=path)

@@ -1,0 +1,88 @@
+"""Memory per device of one compiled prefill step: parameters (exact, from the declared shapes), inputs, and an
+estimate of XLA's temporaries, by part.
+
+Parameters (`gpt_oss.Layers` declarations): per layer q/k/v/o weights and biases, router, expert biases in the
+activation dtype; norms and sinks float32; experts MXFP4-packed — 16 bytes of 4-bit values per 32 weights plus one
+scale byte, 4.25 bits per weight (OCP MX spec v1.0 §5; spec/gpt-oss.md) — or dense; experts divided by the EP degree.
+A stage stores ⌈L/P⌉ layers; embedding and unembedding rows are split over the P stages.
+
+Temporaries (the live set at the attention of a layer): the K/V of the stage's layers for the
+`M` requests in flight (`[M, n, T_local, K, H]` × 2; on one device the layer scan writes them into the output), the
+embedded inputs `[M, T_local, D]`, the residual stream, the layer's q and its float32 online-softmax state
+(`[T_local, N, H]` each), the ring's two K/V blocks in flight, and three float32 score tiles `[bq, heads, bk]`
+(scores, probabilities, mask) of the widest attention call; for MoE layers the dequantized weights of one expert,
+`[2I·D + D·I]`.
+"""
+
+from __future__ import annotations
+
+from slope_jax.model.config import ModelConfig
+from slope_jax.plan.flops import Tiles, stage_slots
+
+MXFP4_BITS = 4.25
+
+
+def param_bytes(cfg: ModelConfig, dtype_bytes: int, pipeline: int = 1, expert: int = 1) -> dict[str, float]:
+    """Parameter bytes per device: {"attention", "router", "experts", "embeddings", "total"}."""
+    D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    E, I, V = cfg.num_experts, cfg.intermediate_size, cfg.vocab_size
+    b = dtype_bytes
+    _, n = stage_slots(cfg, pipeline)
+    attn = (N * H * D + N * H + 2 * (K * H * D + K * H) + D * N * H + D) * b + (2 * D + N) * 4
+    router = (E * D + E) * b
+    if cfg.expert_format == "mxfp4":
+        weights = E * (2 * I * D + D * I) * MXFP4_BITS / 8
+    else:
+        weights = E * (2 * I * D + D * I) * b
+    experts = (weights + E * (2 * I + D) * b) / expert
+    vrows = -(-V // pipeline)
+    out = {"attention": n * attn, "router": n * router, "experts": n * experts,
+           "embeddings": 2 * vrows * D * b + D * 4}
+    out["total"] = sum(out.values())
+    return out
+
+
+def temp_bytes(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int, m: int, dtype_bytes: int,
+               tiles: Tiles = Tiles(), expert: int = 1) -> dict[str, float]:
+    """Estimated temporaries per device (module docstring), by part, plus "total"."""
+    D, N, K, H, W = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                     cfg.sliding_window)
+    b = dtype_bytes
+    R, U = ring, ulysses
+    single = pipeline * R * U == 1
+    tl = t if single else t // (R * U)
+    _, n = stage_slots(cfg, pipeline)
+    kv = 0 if single else 2 * m * n * tl * K * H * b  # one device: the layer scan writes K/V into its output
+    per_layer = param_bytes(cfg, b, 1, expert)
+    # the scan body's dynamic slices of the stack (none when a stage holds a single layer: nothing to select)
+    copies = 1 if single else 0 if n == 1 else 2
+    slices = copies * (per_layer["total"] - per_layer["embeddings"]) / cfg.num_hidden_layers
+    layer = tl * N * H * (b + 4) + tl * D * b
+    if single:
+        bq, bk = min(tiles.q_tile, t), min(tiles.kv_tile, t)
+        score = bq * bk * N
+    else:
+        pz = t // (2 * R * U)
+        c = U * pz
+        score = max(min(tiles.q_tile, pz) * min(tiles.kv_tile, pz + max(W - 1, 0)) * N,
+                    min(tiles.q_tile, c) * min(tiles.kv_tile, c) * (N // U))
+        layer += (2 * 2 * 2 * c * (max(K, U) // U) * H * b) if R > 1 else 0
+    scores = 3 * score * 4
+    moe = (2 * cfg.intermediate_size * D + D * cfg.intermediate_size) * b
+    out = {"kv": float(kv), "layer_params": float(slices), "inputs": float(m * tl * D * b), "layer": float(layer),
+           "scores": float(scores), "moe": float(moe)}
+    out["total"] = sum(out.values())
+    return out
+
+
+def input_bytes(t: int, m: int, devices_in_group: int) -> float:
+    """Token ids, positions and lengths per device (int32)."""
+    return float((m * t + t) * 4 // devices_in_group + m * 4)
+
+
+def kv_export_bytes(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int, m: int, dtype_bytes: int
+                    ) -> float:
+    """The step's K/V output per device (kept for export): `2 · M · n · T_local · K · H · b`."""
+    _, n = stage_slots(cfg, pipeline)
+    tl = t // (ring * ulysses)
+    return float(2 * m * n * tl * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes)

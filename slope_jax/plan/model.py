@@ -1,0 +1,206 @@
+"""The cost model: FLOPs, bytes per link, memory and predicted TTFT of one prefill step (design §7).
+
+TTFT model (per compiled step of `M` requests, `P` stages of `S` slots, `M + P − 1` ticks):
+  compute time of a part = its FLOPs / (peak × efficiency of its kind) — matmuls (projections, MoE, head) and
+  attention have separate efficiencies (from the hardware profile: cited measurements, or `calibrate` on the CPU);
+  full layer   = projections + MoE + Ulysses all-to-alls (not overlapped) + ring step 0 +
+                 (R − 1) × max(ring step compute, K/V block transfer) (the next block's ppermute overlaps the current
+                 block's attention) + EP dispatch (not overlapped);
+  sliding layer = projections + MoE + attention + halo hops (not overlapped) + EP dispatch;
+  tick = S/2 × (sliding + full) + hand-off to the next stage + per-slot overhead; step = ticks × tick + overhead.
+  A request's TTFT (idle server) is the step time with M = 1; the pipeline fill is the (P − 1) extra ticks.
+Links: Ulysses groups sit inside a host (mesh order pipeline, ring, ulysses; ulysses innermost), ring and pipeline
+neighbours are on another host once a group spans hosts; a transfer's time is bytes / that link's bandwidth.
+Every figure is returned with the assumptions it rests on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from slope_jax.model.config import ModelConfig
+from slope_jax.parallel.config import ParallelConfig
+from slope_jax.plan import flops, memory, traffic
+from slope_jax.plan.hardware import Hardware, load
+
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4, "float16": 2}
+
+
+@dataclasses.dataclass
+class Prediction:
+    """Predicted cost of one prefill step on one layout (units in the field names; bytes and FLOPs per device)."""
+
+    pipeline: int
+    ring: int
+    ulysses: int
+    expert: int
+    length: int
+    bucket: int
+    batch: int
+    ttft_ms: float
+    step_ms: float
+    compute_ms: float
+    communication_ms: float
+    fill_ms: float
+    time_breakdown_ms: dict[str, float]
+    layer_slots: int
+    flops_per_device: float
+    model_flops: float
+    mfu: float
+    memory_bytes_per_device: float
+    memory_breakdown: dict[str, float]
+    fits_memory: bool
+    collective_bytes_per_device: float
+    link_bytes_per_device: dict[str, float]
+    link_kind: dict[str, str]
+    hardware: str
+    assumptions: list[str]
+
+    @property
+    def layout(self) -> str:
+        return f"P{self.pipeline}xR{self.ring}xU{self.ulysses}" + (f"+EP{self.expert}" if self.expert > 1 else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["layout"] = self.layout
+        return d
+
+
+def bucket_length(n: int, parallel: ParallelConfig) -> int:
+    """The engine's padded length for an n-token prompt (`parallel.layout.bucket_length`, numpy only)."""
+    from slope_jax.parallel import layout
+
+    return layout.bucket_length(n, multiple=parallel.token_multiple)
+
+
+def _links(parallel: ParallelConfig, devices_per_host: int) -> dict[str, str]:
+    """Which link each collective uses ("intra" or "inter" host), from the mesh order (ulysses innermost)."""
+    R, U = parallel.ring, parallel.ulysses
+    dph = max(1, devices_per_host)
+    return {"ulysses_all_to_all": "intra" if U <= dph else "inter",
+            "ring_ppermute": "intra" if R * U <= dph else "inter",
+            "halo_ppermute": "intra" if R * U <= dph else "inter",
+            "pipeline_handoff": "intra" if parallel.num_devices <= dph else "inter",
+            "ep_dispatch": "intra" if R * U <= dph else "inter",
+            "other": "intra" if parallel.num_devices <= dph else "inter"}
+
+
+def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: str | Hardware = "cpu", *,
+            batch: int | None = None, dtype: str | None = None, devices_per_host: int = 8,
+            tiles: flops.Tiles = flops.Tiles(), memory_limit_bytes: float | None = None,
+            bucket: int | None = None) -> Prediction:
+    """Predict one prefill step of `batch` requests of `length` tokens on `parallel` (design §7; module docstring).
+
+    Args:
+      cfg: the model. parallel: layout (its `expert` degree is used as given; None = 1).
+      length: prompt tokens (padded to the engine's bucket). hardware: profile name, JSON path or Hardware.
+      batch: requests per step (default 1: the TTFT of a request on an idle server).
+      dtype: activation dtype (default float32 on shared-compute CPU profiles, else bfloat16).
+      devices_per_host: for the link kind of each collective. tiles: the engine's tile sizes.
+      memory_limit_bytes: capacity to check against (default the profile's HBM).
+      bucket: padded length (default the engine's bucket policy); must be >= length and a multiple of 2·R·U.
+    Returns: a Prediction. Raises LayoutError (the layout breaks a rule) or HardwareError (bad profile).
+    """
+    hw = load(hardware)
+    parallel.validate(cfg)
+    dtype = dtype or ("float32" if hw.shared_compute else "bfloat16")
+    b = DTYPE_BYTES[dtype]
+    P, R, U = parallel.pipeline, parallel.ring, parallel.ulysses
+    ep = parallel.expert or 1
+    if ep > 1 and (cfg.num_experts % ep or (R * U) % ep):
+        raise ValueError(f"expert={ep} must divide num_experts={cfg.num_experts} and ring*ulysses={R * U}")
+    m = batch or 1
+    t = bucket_length(length, parallel) if bucket is None else bucket
+    if t < length or t % parallel.token_multiple:
+        raise ValueError(f"bucket={t}: must be >= length={length} and a multiple of 2*ring*ulysses="
+                         f"{parallel.token_multiple}")
+    n = min(length, t)
+    devices = parallel.num_devices
+    peak = hw.peak(dtype)
+    if hw.shared_compute:
+        peak /= devices  # virtual devices share the host's cores
+    eff = hw.efficiency
+    f = flops.per_device(cfg, P, R, U, t, n, m, tiles, ep)
+    S, _ = flops.stage_slots(cfg, P) if devices > 1 else (cfg.num_hidden_layers, cfg.num_hidden_layers)
+    ticks = m + P - 1 if devices > 1 else m
+    mm_s = (f["projections"] + f["moe"]) / (peak * eff.matmul)
+    head_s = f["head"] / (peak * eff.matmul)
+    att_s = f["attention"] / (peak * eff.attention)
+
+    links = _links(parallel, devices_per_host)
+    bw = {"intra": hw.intra_host_bytes_per_s, "inter": hw.inter_host_bytes_per_s}
+    if hw.shared_compute:  # virtual devices' collectives are copies through the one host's memory
+        bw = {k: v / devices for k, v in bw.items()}
+    if devices > 1:
+        lb = traffic.link_bytes(cfg, parallel, t, m, S, b, ep)
+    else:
+        lb = {k: 0.0 for k in traffic.LINK_KINDS} | {"total": 0.0, "ring_step": 0.0}
+    # ring: per step max(compute of the step's two blocks, transfer of the next K/V block)
+    ring_compute_s = f["classes"]["ring"][0] / (peak * eff.attention) if R > 1 else 0.0
+    ring_transfer_s = lb["ring_ppermute"] / bw[links["ring_ppermute"]]
+    ring_exposed_s = max(ring_compute_s, ring_transfer_s) - ring_compute_s
+    comm = {k: lb[k] / bw[links[k]] for k in traffic.LINK_KINDS if k != "ring_ppermute"}
+    comm["ring_ppermute_exposed"] = ring_exposed_s
+    comm_s = sum(comm.values())
+    compute_s = mm_s + att_s + head_s
+    overhead_s = eff.overhead_s + eff.layer_overhead_s * ticks * S
+    step_s = compute_s + comm_s + overhead_s
+    fill_s = step_s * (P - 1) / ticks if devices > 1 else 0.0
+
+    params = memory.param_bytes(cfg, b, P, ep)
+    temps = memory.temp_bytes(cfg, P, R, U, t, m, b, tiles, ep)
+    mem = {"parameters": params["total"], "inputs": memory.input_bytes(t, m, R * U),
+           "temporaries": temps["total"], "kv_export": memory.kv_export_bytes(cfg, P, R, U, t, m, b)}
+    mem_total = sum(mem.values())
+    limit = hw.hbm_bytes if memory_limit_bytes is None else memory_limit_bytes
+    model_f = flops.model_flops(cfg, n) * m
+    assumptions = [
+        f"{hw.name}: peak {peak / 1e12:.4g} TFLOP/s per device ({dtype}"
+        + (f", host peak shared by {devices} virtual devices" if hw.shared_compute else "") + ")",
+        f"efficiency matmul {eff.matmul:.3g}, attention {eff.attention:.3g}"
+        + (f" ({eff.source})" if eff.source else ""),
+        f"links: intra-host {hw.intra_host_bytes_per_s / 1e9:.4g} GB/s, inter-host "
+        f"{hw.inter_host_bytes_per_s / 1e9:.4g} GB/s per device; Ulysses inside a host",
+        f"bucket {t} tokens (prompt {length}); {m} request(s) per step over {ticks} tick(s) of {S} layer slot(s)",
+        "MoE routing balanced over experts (tile padding per expert); ring transfer overlapped with ring compute",
+    ]
+    if ep > 1:
+        assumptions.append(f"EP{ep}: all-gather tokens + reduce-scatter outputs, 2(EP-1)/EP x T_local x EP x D bytes")
+    return Prediction(
+        pipeline=P, ring=R, ulysses=U, expert=ep, length=length, bucket=t, batch=m, ttft_ms=step_s * 1e3,
+        step_ms=step_s * 1e3, compute_ms=compute_s * 1e3, communication_ms=comm_s * 1e3, fill_ms=fill_s * 1e3,
+        time_breakdown_ms={"matmul": (mm_s + head_s) * 1e3, "attention": att_s * 1e3, "overhead": overhead_s * 1e3}
+        | {k: v * 1e3 for k, v in comm.items()}, layer_slots=ticks * S,
+        flops_per_device=f["total"], model_flops=model_f,
+        mfu=model_f / (devices * hw.peak(dtype) / (devices if hw.shared_compute else 1) * step_s),
+        memory_bytes_per_device=mem_total, memory_breakdown=mem, fits_memory=mem_total <= limit,
+        collective_bytes_per_device=lb["total"],
+        link_bytes_per_device={k: lb[k] for k in traffic.LINK_KINDS}, link_kind=links, hardware=hw.name,
+        assumptions=assumptions)
+
+
+def predict_tensor_parallel(cfg: ModelConfig, tp: int, length: int, hardware: str | Hardware, *,
+                            dtype: str = "bfloat16") -> dict[str, Any]:
+    """A one-host tensor-parallel engine (Megatron-style, e.g. TP8), for comparison: not a layout of this engine.
+
+    FLOPs per device = model FLOPs / tp (a fused causal attention kernel: only visible pairs; heads split over tp);
+    communication = 2 all-reduces of `[T, D]` per layer (after attention and after the MLP), ring all-reduce wire
+    bytes `2·(tp−1)/tp·T·D·b` each, over the intra-host link, not overlapped; same efficiencies as `predict`.
+    """
+    hw = load(hardware)
+    b = DTYPE_BYTES[dtype]
+    peak = hw.peak(dtype)
+    f = flops.prefill(cfg, length)
+    compute_s = ((f["matmul"] + f["head"]) / hw.efficiency.matmul + f["attention"] / hw.efficiency.attention) / (
+        tp * peak)
+    wire = 2 * cfg.num_hidden_layers * 2 * (tp - 1) / tp * length * cfg.hidden_size * b
+    comm_s = wire / hw.intra_host_bytes_per_s
+    weights = memory.param_bytes(cfg, b, 1)["total"] / tp
+    return {"layout": f"TP{tp}", "tp": tp, "length": length, "ttft_ms": (compute_s + comm_s) * 1e3,
+            "compute_ms": compute_s * 1e3, "communication_ms": comm_s * 1e3, "flops_per_device": f["total"] / tp,
+            "model_flops": f["total"], "all_reduce_bytes_per_device": wire, "weight_bytes_per_device": weights,
+            "floor_ms": f["total"] / (tp * peak) * 1e3,
+            "assumptions": [f"{hw.name} peak {peak / 1e12:.4g} TFLOP/s, efficiency matmul {hw.efficiency.matmul:.3g}"
+                            f" attention {hw.efficiency.attention:.3g}", "2 ring all-reduces of [T, D] per layer "
+                            f"over {hw.intra_host_bytes_per_s / 1e9:.4g} GB/s, not overlapped"]}

@@ -1,0 +1,140 @@
+"""Cost model and planner: agreement with the compiled program (small cases of benchmarks/plan_vs_xla.py), the
+planner's answers, calibration, and that `slope_jax.plan` imports without JAX."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from conftest import CONFIG_A, CONFIG_B, REPO
+
+from slope_jax.model import gpt_oss as model
+from slope_jax.parallel.config import LayoutError, ParallelConfig
+from slope_jax.plan import calibrate, flops, hardware, search, verify
+from slope_jax.plan.model import predict
+from slope_jax.serve.engine import PrefillEngine
+
+TILES = dict(q_tile=16, kv_tile=16, moe_tile=16)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return jax.tree.map(np.asarray, model.init_params(CONFIG_A, jax.random.key(0), "float32"))
+
+
+@pytest.mark.parametrize("layout,n,check_memory", [((1, 1, 1), 37, True), ((1, 2, 4), 100, True),
+                                                    ((2, 2, 2), 70, False)])
+def test_model_agrees_with_compiled_program(layout, n, check_memory, params):
+    """FLOPs and collective bytes within 5 % (measured: exact to 4 digits), argument + temp memory within 15 %
+    (measured: within 7 % on the unpipelined cases). Memory is not asserted for the pipelined CONFIG_A case: with
+    16-token tiles XLA's temporaries there are dominated by small fixed buffers the estimate misses by ~16 %
+    (the mid config's pipelined layouts are within 9 %: benchmarks/plan_vs_xla.py)."""
+    par = ParallelConfig(*layout)
+    eng = PrefillEngine(CONFIG_A, params, par, "float32", devices=jax.devices()[:par.num_devices], **TILES)
+    row = verify.compare(eng, n)
+    assert row["flops_ratio"] == pytest.approx(1.0, abs=0.05), row
+    assert row["bytes_ratio"] == pytest.approx(1.0, abs=0.05), row
+    if check_memory:
+        assert row["memory_ratio"] == pytest.approx(1.0, abs=0.15), row
+
+
+def test_attention_tile_ranges_match_the_programs_own_count(params):
+    """The model's key-tile ranges (the trip counts of the dynamic attention loops) vs `attention.count_work`."""
+    eng = PrefillEngine(CONFIG_A, params, ParallelConfig(ring=4, ulysses=2), "float32", **TILES)
+    measured, modelled = verify.attention_work(eng, 100)
+    assert modelled == pytest.approx(measured, rel=1e-6)  # measured: identical
+
+
+def test_plan_imports_without_jax():
+    code = ("import sys; import slope_jax.plan as p; from slope_jax.plan import __main__; "
+            "from slope_jax.model.config import ModelConfig; from slope_jax.parallel.config import ParallelConfig; "
+            "cfg = ModelConfig.from_json('configs/gpt-oss-120b.json'); "
+            "r = p.predict(cfg, ParallelConfig(2, 16, 1), 32768, 'mi250').to_dict(); "
+            "assert 'jax' not in sys.modules, 'jax imported'; print(r['ttft_ms'])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.strip()) > 0
+
+
+def test_predict_fields_and_structure():
+    cfg = CONFIG_B
+    p = predict(cfg, ParallelConfig(pipeline=3, ring=1, ulysses=2), 50, "mi250").to_dict()
+    for key in ("pipeline", "ring", "ulysses", "ttft_ms", "memory_bytes_per_device", "flops_per_device",
+                "collective_bytes_per_device", "link_bytes_per_device", "assumptions"):
+        assert key in p
+    # more work, more time; a pipeline's M in flight cost (M + P - 1) ticks
+    one = predict(cfg, ParallelConfig(pipeline=3, ring=1, ulysses=2), 50, "mi250", batch=1)
+    three = predict(cfg, ParallelConfig(pipeline=3, ring=1, ulysses=2), 50, "mi250", batch=3)
+    assert three.layer_slots == one.layer_slots * 5 // 3
+    assert predict(cfg, ParallelConfig(ring=2), 400, "mi250").ttft_ms > predict(cfg, ParallelConfig(ring=2), 100,
+                                                                                 "mi250").ttft_ms
+    # executed FLOPs >= useful FLOPs (padding, masked tile entries, bubbles), for every layout
+    for par in search.enumerate_layouts(cfg, 6, 6, with_expert=False):
+        f = flops.per_device(cfg, par.pipeline, par.ring, par.ulysses, 96, 90, 1)
+        assert f["total"] * par.num_devices >= flops.model_flops(cfg, 90) - 2 * cfg.hidden_size * cfg.vocab_size
+
+
+def test_layout_enumeration_rules():
+    cfg = CONFIG_A  # 16 heads, 4 KV heads, 6 experts
+    layouts = search.enumerate_layouts(cfg, 8, 4)
+    assert all(p.num_devices == 8 and p.ulysses <= 4 for p in layouts)
+    assert all(cfg.num_experts % p.expert == 0 for p in layouts)
+    assert {(p.pipeline, p.ring, p.ulysses) for p in layouts} >= {(1, 2, 4), (2, 4, 1), (4, 1, 2)}
+    assert not any(p.ulysses == 8 for p in layouts)  # Ulysses stays inside a 4-device host
+
+
+def test_infeasible_ask_gets_a_clear_answer():
+    from slope_jax.plan.__main__ import load_model
+
+    big = load_model("gpt-oss-120b")
+    out = search.plan(big, "mi250", 32, 8, [102400], slo_ms=500, percentile=0.9)[0]
+    assert out["chosen"] is None
+    assert out["reason"].startswith("no layout meets 500 ms at 102400 tokens on this cluster; best is ")
+    one = search.plan(big, "mi250", 1, 1, [102400], slo_ms=1000)[0]
+    assert one["reason"].startswith("no layout fits in memory at 102400 tokens on this cluster; the smallest needs ")
+    with pytest.raises(LayoutError, match="fits in memory"):
+        search.choose_layout(big, "mi250", 1, 1, [102400], 1000)
+
+
+def test_cli_writes_json_and_png(tmp_path):
+    js, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    out = subprocess.run([sys.executable, "-m", "slope_jax.plan", "--model=gpt-oss-20b", "--hardware=h100",
+                          "--hosts=1", "--devices_per_host=8", "--lengths=8192,32768", "--ttft_slo_ms=400",
+                          f"--json={js}", f"--png={png}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "chosen" in out.stdout or "no layout" in out.stdout
+    d = json.loads(js.read_text())
+    for entry in d["lengths"]:
+        for row in entry["layouts"]:
+            assert {"pipeline", "ring", "ulysses", "ttft_ms", "memory_bytes_per_device"} <= set(row)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    bad = subprocess.run([sys.executable, "-m", "slope_jax.plan", "--hardware=nope"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "unknown hardware 'nope'" in bad.stderr
+
+
+def test_calibration_recovers_known_efficiencies():
+    hw = hardware.load("mi250")
+    truth = dataclasses.replace(hw, efficiency=hardware.Efficiency(0.3, 0.2, 0.004, 0.0005))
+    rows = []
+    for layout in ((1, 1, 1), (1, 2, 2), (2, 1, 2)):
+        for n in (256, 1024, 4096):
+            par = ParallelConfig(*layout)
+            rows.append({"pipeline": layout[0], "ring": layout[1], "ulysses": layout[2], "length": n,
+                         "ms": predict(CONFIG_B, par, n, truth).ttft_ms})
+    eff, table = calibrate.fit(CONFIG_B, hw, rows)
+    assert eff.matmul == pytest.approx(0.3, rel=1e-3) and eff.attention == pytest.approx(0.2, rel=1e-3)
+    assert max(abs(r["error"]) for r in table) < 1e-3
+    with pytest.raises(ValueError, match=">= 4 measured rows"):
+        calibrate.fit(CONFIG_B, hw, rows[:2])
+
+
+def test_goodput_model():
+    assert search.max_rate(1.2, 1, 1.0, 0.9) == 0.0  # a step longer than the SLO meets nothing
+    r = search.max_rate(0.5, 1, 1.0, 0.9)
+    assert 0 < r < 2.0  # below the service rate
+    assert search.max_rate(0.5, 1, 2.0, 0.9) > r  # a looser SLO admits more load
+    assert search.max_rate(0.5, 1, 1.0, 0.99) < r  # a higher percentile admits less
