@@ -27,6 +27,9 @@ class ParallelConfig:
     microbatches: requests in flight through the pipeline per compiled step (default: `pipeline`).
     expert: expert-parallel degree (EP): each stage's experts are split over this many of its ring × Ulysses devices
       (default None = R·U when it divides num_experts, else 1; see `expert_degree`).
+    seq_chunks: sequence chunks per request (C, default 1): each request is cut into C equal chunks that stream
+      through the pipeline stages (sequence-pipelined prefill, `parallel.seq_pipeline`), so stages cut one request's
+      TTFT; the zigzag layout applies inside each chunk. Padded lengths become multiples of 2·R·U·C.
     The mesh needs exactly P·R·U devices.
     """
 
@@ -35,6 +38,7 @@ class ParallelConfig:
     ulysses: int = 1
     microbatches: int | None = None
     expert: int | None = None
+    seq_chunks: int = 1
 
     def __post_init__(self):
         for name in ("pipeline", "ring", "ulysses"):
@@ -46,6 +50,11 @@ class ParallelConfig:
         if self.expert is not None and (not isinstance(self.expert, int) or isinstance(self.expert, bool)
                                         or self.expert < 1):
             raise LayoutError(f"expert={self.expert!r}: must be a positive integer or None")
+        if not isinstance(self.seq_chunks, int) or isinstance(self.seq_chunks, bool) or self.seq_chunks < 1:
+            raise LayoutError(f"seq_chunks={self.seq_chunks!r}: must be a positive integer (1 = no sequence chunking)")
+        if self.seq_chunks > 1 and self.num_devices == 1:
+            raise LayoutError(f"seq_chunks={self.seq_chunks} needs a multi-device layout: chunks stream through "
+                              "pipeline stages of a shard_map step (one device runs the unchunked reference path)")
 
     def expert_degree(self, cfg: ModelConfig) -> int:
         """The EP degree for this model: `expert` if set, else R·U when it divides num_experts, else 1."""
@@ -64,8 +73,9 @@ class ParallelConfig:
 
     @property
     def token_multiple(self) -> int:
-        """Padded lengths are multiples of 2·R·U: 2R zigzag chunks, each split over U Ulysses ranks."""
-        return 2 * self.ring * self.ulysses
+        """Padded lengths are multiples of 2·R·U·C: C sequence chunks, each cut into 2R zigzag chunks split over U
+        Ulysses ranks."""
+        return 2 * self.ring * self.ulysses * self.seq_chunks
 
     def validate(self, cfg: ModelConfig, num_devices: int | None = None) -> ParallelConfig:
         """Check the layout against the model and the device count. Returns self; raises LayoutError naming the rule."""

@@ -34,6 +34,9 @@ flags.DEFINE_integer("pipeline", 1, "Pipeline stages (layers are split over them
 flags.DEFINE_integer("ring", 1, "Ring-attention degree (zigzag sequence chunks).")
 flags.DEFINE_integer("ulysses", 1, "Ulysses degree (all-to-all between sequence and head shards).")
 flags.DEFINE_integer("microbatches", None, "Requests in flight through the pipeline per step (default: --pipeline).")
+flags.DEFINE_integer("seq_chunks", 1, "Sequence chunks per request streamed through the pipeline stages "
+                     "(sequence-pipelined prefill: stages then cut one request's TTFT; 1 = off). Prompts pad to a "
+                     "multiple of 2*ring*ulysses*seq_chunks. Needs more than one device.", lower_bound=1)
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Weights and activations (norms, softmax, router "
                   "and accumulators are float32 either way).")
 flags.DEFINE_string("requests", "-", "JSONL file of requests, or '-' for stdin (read by process 0 only).")
@@ -196,7 +199,7 @@ def _serve():
     t_start = time.perf_counter()
     me = jax.process_index()
     parallel = ParallelConfig(pipeline=FLAGS.pipeline, ring=FLAGS.ring, ulysses=FLAGS.ulysses,
-                              microbatches=FLAGS.microbatches)
+                              microbatches=FLAGS.microbatches, seq_chunks=FLAGS.seq_chunks)
     engine = PrefillEngine.from_checkpoint(FLAGS.checkpoint, parallel, FLAGS.dtype, progress=me == 0,
                                            q_tile=FLAGS.q_tile, kv_tile=FLAGS.kv_tile, moe_tile=FLAGS.moe_tile)
     cfg = engine.cfg
