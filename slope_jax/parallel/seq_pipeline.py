@@ -83,8 +83,10 @@ def build_chunked_prefill_step(cfg: ModelConfig, parallel: ParallelConfig, mesh,
             m, i = jc // C, jc % C
             n_tok = num_tokens[m]
             pos_i = pos_c[i]
+            # a fill/drain tick's queries get no position: its attention visits no tile (its output is dropped)
+            pos_run = jnp.where(live, pos_i, attn_lib.INVALID_POS)
             with jax.named_scope("positions"):
-                cp_pos = context_parallel.exchange_positions(pos_i, ring=R, ulysses=U, window=cfg.sliding_window)
+                cp_pos = context_parallel.exchange_positions(pos_run, ring=R, ulysses=U, window=cfg.sliding_window)
             # stored K/V of this request's chunks < i (rows of chunks >= i hold no key yet: negative positions)
             prefix_pos = jnp.where(jnp.arange(C)[:, None] < i, pos_c, attn_lib.INVALID_POS).reshape(-1)
             prefix = (kb[m].reshape(n, C * two_pz, kh, hd), vb[m].reshape(n, C * two_pz, kh, hd), prefix_pos)
