@@ -10,6 +10,7 @@ its KV export, its compiled tick count, and a GPipe run of 2 requests × 3 chunk
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 from conftest import CONFIG_B, TILES, random_prompt
@@ -31,8 +32,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _engine(checkpoints, p, r, u, c, **kw):
     par = ParallelConfig(pipeline=p, ring=r, ulysses=u, seq_chunks=c, **kw)
-    import jax
-
     return PrefillEngine.from_checkpoint(checkpoints["B"]["mxfp4"], par, dtype="float32", progress=False,
                                          devices=jax.devices()[:p * r * u], **TILES)
 

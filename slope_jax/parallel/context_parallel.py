@@ -14,6 +14,9 @@ Full-attention layers — Ulysses × ring (design §2.4):
 Sliding-window layers — halo (design §2.5): each piece receives the K/V (and positions) of the W−1 tokens before it
 from the device holding them, in ⌈(W−1)/Pz⌉ hops of `collectives.piece_pass` when pieces are shorter than the halo,
 then attends locally. No all-to-all and no ring.
+Earlier sequence chunks (sequence-pipelined prefill) — `prefix_attention`: the local queries go once round the R·U
+devices and fold in the K/V each device stored for earlier chunks; the resulting state enters `full_attention` /
+`sliding_attention` as `prefix` and is merged before the sink.
 
 Shapes per device: `Pz` piece, `C = U·Pz` chunk, `N` query heads, `K` KV heads, `H` head_dim.
 """
