@@ -28,6 +28,9 @@ class ParallelConfig:
     expert: expert-parallel degree (EP): each stage's experts are split evenly over its R·U ring × Ulysses devices
       (EP = R·U), or replicated on every device (EP = 1). Default None = R·U when it divides num_experts, else 1
       (`expert_degree`). Sub-groups (1 < EP < R·U, experts replicated over R·U/EP groups) are not supported.
+    seq_chunks: sequence chunks per request (C, default 1): each request is cut into C equal chunks that stream
+      through the pipeline stages (sequence-pipelined prefill, `parallel.seq_pipeline`), so stages cut one request's
+      TTFT; the zigzag layout applies inside each chunk. Padded lengths become multiples of 2·R·U·C.
     The mesh needs exactly P·R·U devices.
     """
 
@@ -36,6 +39,7 @@ class ParallelConfig:
     ulysses: int = 1
     microbatches: int | None = None
     expert: int | None = None
+    seq_chunks: int = 1
 
     def __post_init__(self):
         for name in ("pipeline", "ring", "ulysses"):
@@ -47,6 +51,11 @@ class ParallelConfig:
         if self.expert is not None and (not isinstance(self.expert, int) or isinstance(self.expert, bool)
                                         or self.expert < 1):
             raise LayoutError(f"expert={self.expert!r}: must be a positive integer or None")
+        if not isinstance(self.seq_chunks, int) or isinstance(self.seq_chunks, bool) or self.seq_chunks < 1:
+            raise LayoutError(f"seq_chunks={self.seq_chunks!r}: must be a positive integer (1 = no sequence chunking)")
+        if self.seq_chunks > 1 and self.num_devices == 1:
+            raise LayoutError(f"seq_chunks={self.seq_chunks} needs a multi-device layout: chunks stream through "
+                              "pipeline stages of a shard_map step (one device runs the unchunked reference path)")
 
     def expert_degree(self, cfg: ModelConfig) -> int:
         """The EP degree for this model: `expert` if set, else R·U when it divides num_experts, else 1."""
@@ -65,8 +74,9 @@ class ParallelConfig:
 
     @property
     def token_multiple(self) -> int:
-        """Padded lengths are multiples of 2·R·U: 2R zigzag chunks, each split over U Ulysses ranks."""
-        return 2 * self.ring * self.ulysses
+        """Padded lengths are multiples of 2·R·U·C: C sequence chunks, each cut into 2R zigzag chunks split over U
+        Ulysses ranks."""
+        return 2 * self.ring * self.ulysses * self.seq_chunks
 
     def validate(self, cfg: ModelConfig, num_devices: int | None = None) -> ParallelConfig:
         """Check the layout against the model and the device count. Returns self; raises LayoutError naming the rule."""

@@ -21,6 +21,9 @@ then attends locally over exactly those W−1 + Pz keys. No all-to-all and no ri
     (T = 2RU·Pz < 2RU·(W−1) tokens, small by construction) and each piece slices its W−1 predecessors from it.
     1 collective per sliding layer; positions likewise come from one all-gather per step.
 Both give each piece the same keys in the same order, so the results are identical.
+Earlier sequence chunks (sequence-pipelined prefill) — `prefix_attention`: the local queries go once round the R·U
+devices and fold in the K/V each device stored for earlier chunks; the resulting state enters `full_attention` /
+`sliding_attention` as `prefix` and is merged before the sink.
 
 Shapes per device: `Pz` piece, `C = U·Pz` chunk, `N` query heads, `K` KV heads, `H` head_dim.
 """
@@ -108,12 +111,16 @@ def _select(pred, a, b):
 
 
 def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, sinks: jax.Array, *, ring: int,
-                   ulysses: int, q_tile: int = 256, kv_tile: int = 256) -> jax.Array:
+                   ulysses: int, q_tile: int = 256, kv_tile: int = 256,
+                   prefix: attn_lib.AttnState | None = None) -> jax.Array:
     """Causal sink attention over the whole (context-parallel) sequence.
 
     Args:
       q: `[2Pz, N, H]` local queries (post-RoPE) in layout order; k, v: `[2Pz, K, H]`; pos: from
         `exchange_positions`; sinks: `[N]` float32 (all heads).
+      prefix: optional partial state of the same local queries over keys outside this sequence (earlier sequence
+        chunks, `prefix_attention`; o `[2Pz, N, H]`, m, l `[2Pz, N]`): moved to head shards with the same Ulysses
+        all-to-all and merged before the sink enters.
     Returns:
       `[2Pz, N, H]` attention output in q's dtype, layout order.
     """
@@ -168,6 +175,8 @@ def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, s
         with jax.named_scope("ring_step_last"):
             st0, st1 = ring_step(R - 1, cur, st0, st1)
 
+    if prefix is not None:
+        st0, st1 = _merge_prefix((st0, st1), prefix, U)
     out = jnp.stack([attn_lib.finalize(st0, sinks), attn_lib.finalize(st1, sinks)]).astype(q.dtype)  # [2, C, N/U, H]
     if U > 1:
         out = collectives.ulysses_heads_to_seq(out)
@@ -175,10 +184,12 @@ def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, s
 
 
 def sliding_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, sinks: jax.Array, *, ring: int,
-                      ulysses: int, window: int, q_tile: int = 256, kv_tile: int = 256) -> jax.Array:
+                      ulysses: int, window: int, q_tile: int = 256, kv_tile: int = 256,
+                      prefix: attn_lib.AttnState | None = None) -> jax.Array:
     """Sliding-window sink attention with a halo exchange: each piece sees the W−1 tokens before it.
 
-    Args: as `full_attention`, plus `window` (keys per query, itself included).
+    Args: as `full_attention` (`prefix` merged per piece, no all-to-all), plus `window` (keys per query, itself
+    included).
     Returns: `[2Pz, N, H]` in q's dtype, layout order.
     """
     two_pz, n, h = q.shape
@@ -205,5 +216,77 @@ def sliding_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions
     for slot in range(2):
         st = attn_lib.attend(q[slot * pz:(slot + 1) * pz], keys[slot, :, 0], keys[slot, :, 1], pp[slot], kpos[slot],
                              window=window, q_tile=q_tile, kv_tile=kv_tile)
+        if prefix is not None:
+            pre = jax.tree.map(lambda a: a[slot * pz:(slot + 1) * pz], prefix)
+            st = attn_lib.merge(st, _grouped(pre, st.o.shape[1]))
         outs.append(attn_lib.finalize(st, sinks))
     return jnp.concatenate(outs).astype(q.dtype)
+
+
+def _grouped(flat: attn_lib.AttnState, kv_heads: int) -> attn_lib.AttnState:
+    """A head-flat state (o `[T, N, H]`, m, l `[T, N]`; head h = k·G + g) → `attend`'s grouping `[T, K, G, …]`."""
+    t, n = flat.m.shape
+    g = n // kv_heads
+    return attn_lib.AttnState(flat.o.reshape(t, kv_heads, g, -1), flat.m.reshape(t, kv_heads, g),
+                              flat.l.reshape(t, kv_heads, g))
+
+
+def _merge_prefix(states, prefix: attn_lib.AttnState, ulysses: int):
+    """Merge a head-flat prefix state of the local queries (`[2Pz, N, …]`) into the ring's two chunk states
+    (`[C, K', G', …]`, head shards): the same all-to-all `[2, Pz, N, …] → [2, C, N/U, …]` as the queries."""
+    def to_heads(a):
+        a = a.reshape(2, a.shape[0] // 2, *a.shape[1:])
+        if a.ndim == 3:  # m, l: give the all-to-all a trailing axis
+            a = a[..., None]
+            return (collectives.ulysses_seq_to_heads(a) if ulysses > 1 else a)[..., 0]
+        return collectives.ulysses_seq_to_heads(a) if ulysses > 1 else a
+
+    pre = attn_lib.AttnState(*(to_heads(a) for a in prefix))
+    kv_heads = states[0].o.shape[1]
+    return tuple(attn_lib.merge(st, _grouped(attn_lib.AttnState(pre.o[j], pre.m[j], pre.l[j]), kv_heads))
+                 for j, st in enumerate(states))
+
+
+def prefix_attention(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array, k_pos: jax.Array, *, ring: int,
+                     ulysses: int, window: int | jax.Array = attn_lib.NO_WINDOW, q_tile: int = 256,
+                     kv_tile: int = 256) -> attn_lib.AttnState:
+    """Partial attention (no sink) of the local queries over keys that stay where they are: the K/V of earlier
+    sequence chunks that this stage stored, spread over the R·U devices of its `(ring, ulysses)` group
+    (sequence-pipelined prefill, `parallel.seq_pipeline`).
+
+    The queries travel, not the keys: (q, positions, state) go once round the R·U devices (`ppermute` d → d+1 over
+    `(ring, ulysses)`); each device folds its own stored keys into the visiting state, and after R·U passes every
+    state is home. Masks come from positions, so stored rows that hold no key yet (`k_pos < 0`), causality and the
+    sliding window make it exact for every layer kind. Traffic per device and layer: (R·U−1)·|q| + R·U·|state|
+    (|state| = 2Pz·N·(H+2) float32), independent of the prefix length; work: the visible (query, key) pairs, equal on
+    every device when each holds the same number of earlier-chunk rows.
+
+    Args:
+      q: `[2Pz, N, H]` local queries (post-RoPE); q_pos: int32 `[2Pz]`; k, v: `[S, K, H]` this device's stored keys;
+      k_pos: int32 `[S]` their global positions (negative = no key); window: as `attention.attend`.
+    Returns:
+      Head-flat AttnState of the local queries: o `[2Pz, N, H]`, m, l `[2Pz, N]` float32 (merge it with
+      `full_attention(prefix=…)` / `sliding_attention(prefix=…)`; the sink enters there, once).
+    """
+    t, n, h = q.shape
+    group = ring * ulysses
+    attend = functools.partial(attn_lib.attend, window=window, q_tile=q_tile, kv_tile=kv_tile)
+
+    def flat(st):
+        return attn_lib.AttnState(st.o.reshape(t, n, h), st.m.reshape(t, n), st.l.reshape(t, n))
+
+    st = attend(q, k, v, q_pos, k_pos)
+    if group == 1:
+        return flat(st)
+    axes = ("ring", "ulysses")
+    perm = [(d, (d + 1) % group) for d in range(group)]
+
+    def step(_, carry):
+        qv, pv, sv = carry
+        qv, pv, sv = jax.tree.map(lambda a: jax.lax.ppermute(a, axes, perm), (qv, pv, sv))
+        return qv, pv, attend(qv, k, v, pv, k_pos, state=sv)
+
+    with jax.named_scope("prefix_ring"):
+        _, _, st = jax.lax.fori_loop(1, group, step, (q, q_pos, st))
+        st = jax.tree.map(lambda a: jax.lax.ppermute(a, axes, perm), st)  # home
+    return flat(st)

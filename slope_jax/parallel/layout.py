@@ -59,3 +59,20 @@ def bucket_length(n: int, multiple: int = 1, minimum: int = 16) -> int:
             if cand >= target:
                 return -(-cand // multiple) * multiple
         b *= 2
+
+
+def chunked_layout_positions(t: int, ring: int, ulysses: int, chunks: int) -> np.ndarray:
+    """int32 `[T]`: the layout of sequence-pipelined prefill (`parallel.seq_pipeline`).
+
+    T is cut into `chunks` sequence chunks of Tc = T/chunks tokens; the zigzag layout is applied inside each chunk;
+    rows stay device-major (device d owns rows [d·chunks·2Pz, (d+1)·chunks·2Pz), Pz = Tc/(2·R·U)), chunk-major inside
+    a device: row d·chunks·2Pz + i·2Pz + j holds position i·Tc + layout_positions(Tc)[d·2Pz + j].
+    `chunks = 1` gives `layout_positions`. Raises ValueError when T is not a multiple of 2·R·U·chunks.
+    """
+    if t % (2 * ring * ulysses * chunks):
+        raise ValueError(f"padded length {t} is not a multiple of 2*ring*ulysses*seq_chunks = "
+                         f"{2 * ring * ulysses * chunks}")
+    tc = t // chunks
+    base = layout_positions(tc, ring, ulysses).reshape(ring * ulysses, 1, -1)  # [devices, 1, 2Pz]
+    offsets = (np.arange(chunks) * tc).reshape(1, chunks, 1)
+    return (base + offsets).reshape(-1).astype(np.int32)

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as Ps
 
+from slope_jax.model import attention as attn_lib
 from slope_jax.model import gpt_oss as model_lib
 from slope_jax.model import rope
 from slope_jax.model.config import ModelConfig
@@ -150,11 +151,14 @@ def param_partition_specs(cfg: ModelConfig, dtype, num_slots: int, vocab_rows: i
 
 
 def _stage_forward(x, layers, cfg: ModelConfig, parallel: ParallelConfig, *, positions, valid, slot_index, active,
-                   q_tile, kv_tile, moe_tile):
+                   q_tile, kv_tile, moe_tile, prefix=None):
     """Run this stage's slots on local tokens.
 
     x `[2Pz, D]`; layers: the stage's weight stack `[n, …]`; slot_index int32 `[S]` (stack entry of each slot);
     active bool `[S]`; positions: `context_parallel.CPPositions`.
+    prefix: None, or `(k [n, S, K, H], v [n, S, K, H], positions int32 [S])`: K/V this device stored for the stack
+      entries from earlier sequence chunks (negative position = no key yet), attended by every layer too
+      (`context_parallel.prefix_attention`; sequence-pipelined prefill).
     Returns `(x, k [n, 2Pz, K, H], v [n, 2Pz, K, H])`, K/V per stack entry (zeros for padding entries).
     """
     R, U = parallel.ring, parallel.ulysses
@@ -171,19 +175,28 @@ def _stage_forward(x, layers, cfg: ModelConfig, parallel: ParallelConfig, *, pos
                                    experts_per_token=cfg.experts_per_token, alpha=cfg.swiglu_alpha,
                                    limit=cfg.swiglu_limit, tile=moe_tile)
 
-    def run(x, i, act, attend):
+    def run(x, i, act, attend, window):
         p = jax.tree.map(lambda a: a[i], layers)
-        y, k, v = model_lib.layer(x, p, cfg, cos=cos, sin=sin, valid=valid,
-                                  attend=lambda q, k, v, s: attend(q, k, v, sinks=s), moe_tile=moe_tile,
+
+        def core(q, k, v, s):
+            if prefix is None:
+                return attend(q, k, v, sinks=s)
+            pre = context_parallel.prefix_attention(q, positions.local, prefix[0][i], prefix[1][i], prefix[2], ring=R,
+                                                    ulysses=U, window=window, q_tile=q_tile, kv_tile=kv_tile)
+            return attend(q, k, v, sinks=s, prefix=pre)
+
+        y, k, v = model_lib.layer(x, p, cfg, cos=cos, sin=sin, valid=valid, attend=core, moe_tile=moe_tile,
                                   moe_fn=moe_fn)
         return jnp.where(act, y, x), k, v
+
+    kinds = (("sliding_layer", sliding, cfg.sliding_window), ("full_layer", full, attn_lib.NO_WINDOW))
 
     def body(carry, xs):
         x, kst, vst = carry
         idx, act = xs
-        for j, (scope, attend) in enumerate((("sliding_layer", sliding), ("full_layer", full))):
+        for j, (scope, attend, window) in enumerate(kinds):
             with jax.named_scope(scope):
-                x, k, v = run(x, idx[j], act[j], attend)
+                x, k, v = run(x, idx[j], act[j], attend, window)
             dst = jnp.where(act[j], idx[j], n)  # an empty slot's K/V is dropped (index n is out of range)
             kst = kst.at[dst].set(k, mode="drop")
             vst = vst.at[dst].set(v, mode="drop")

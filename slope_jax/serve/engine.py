@@ -32,6 +32,7 @@ from slope_jax.model import gpt_oss as model_lib
 from slope_jax.model.config import ModelConfig
 from slope_jax.parallel import layout
 from slope_jax.parallel import pipeline as pipe_lib
+from slope_jax.parallel import seq_pipeline
 from slope_jax.parallel.config import ParallelConfig
 from slope_jax.parallel.mesh import format_device_map, make_mesh
 from slope_jax.serve.requests import RequestError, check_request_id
@@ -104,9 +105,12 @@ class PrefillEngine:
             self.plan = pipe_lib.plan_stages(cfg, parallel.pipeline)
             self.params = params if _placed else self._place(params)
             log.info("engine: device -> (process, stage, ring, ulysses): %s", format_device_map(self.mesh))
-            self._step = pipe_lib.build_prefill_step(cfg, parallel, self.mesh, self.plan, self.dtype, **self.tiles)
-        log.info("engine: layout pipeline=%d ring=%d ulysses=%d expert=%d on %d device(s), dtype=%s, "
+            build = (seq_pipeline.build_chunked_prefill_step if parallel.seq_chunks > 1
+                     else pipe_lib.build_prefill_step)
+            self._step = build(cfg, parallel, self.mesh, self.plan, self.dtype, **self.tiles)
+        log.info("engine: layout pipeline=%d ring=%d ulysses=%d expert=%d seq_chunks=%d on %d device(s), dtype=%s, "
                  "%d empty slot(s)", parallel.pipeline, parallel.ring, parallel.ulysses, parallel.expert_degree(cfg),
+                 parallel.seq_chunks,
                  parallel.num_devices, self.dtype.name, self.plan.empty_slots)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -341,7 +345,6 @@ class PrefillEngine:
 
     def _run(self, t: int, batch: list[np.ndarray], ids: list[str], arrival: list[float], *, kv_dir, kv_full,
              return_kv, top_k, overwrite=False) -> list[PrefillResult]:
-        R, U = self.parallel.ring, self.parallel.ulysses
         m = len(batch)
         tokens = np.zeros((m, t), np.int32)
         for j, x in enumerate(batch):
@@ -349,7 +352,7 @@ class PrefillEngine:
         n_tok = np.asarray([x.size for x in batch], np.int32)
         positions = self._layout_positions(t)
         if self.mesh is not None:
-            tokens = layout.to_layout(tokens, R, U, axis=1)
+            tokens = tokens[:, positions]  # natural → layout order (positions is a permutation of [0, t))
         c0 = time.perf_counter()
         step = self.compiled(t, m)
         compile_ms = 1e3 * (time.perf_counter() - c0)
@@ -389,14 +392,17 @@ class PrefillEngine:
             k, v = multihost_utils.process_allgather(k, tiled=True), multihost_utils.process_allgather(v, tiled=True)
         k, v = np.asarray(k), np.asarray(v)
         if self.mesh is not None:
-            R, U = self.parallel.ring, self.parallel.ulysses
-            k, v = layout.to_natural(k, R, U, axis=2), layout.to_natural(v, R, U, axis=2)
+            inv = np.argsort(self._layout_positions(k.shape[2]))
+            k, v = np.take(k, inv, axis=2), np.take(v, inv, axis=2)
         return k, v
 
     def _layout_positions(self, t: int) -> np.ndarray:
         if self.mesh is None:
             return np.arange(t, dtype=np.int32)
-        return layout.layout_positions(t, self.parallel.ring, self.parallel.ulysses)
+        par = self.parallel
+        if par.seq_chunks > 1:
+            return layout.chunked_layout_positions(t, par.ring, par.ulysses, par.seq_chunks)
+        return layout.layout_positions(t, par.ring, par.ulysses)
 
     def _segments(self, index, rows_k, rows_v, j: int, n: int, full: bool, positions: np.ndarray):
         """K/V pieces of request j in one shard (`index` into the global `[M, stack, T, K, H]`, data `rows_k/v`):

@@ -53,6 +53,9 @@ flags.DEFINE_integer("expert", None, "Expert-parallel degree: ring*ulysses (each
                      "1/(ring*ulysses) of the experts) or 1 (every device holds all). Default: ring*ulysses when it "
                      "divides the expert count, else 1.")
 flags.DEFINE_integer("microbatches", None, "Requests in flight through the pipeline per step (default: --pipeline).")
+flags.DEFINE_integer("seq_chunks", 1, "Sequence chunks per request streamed through the pipeline stages "
+                     "(sequence-pipelined prefill: stages then cut one request's TTFT; 1 = off). Prompts pad to a "
+                     "multiple of 2*ring*ulysses*seq_chunks. Needs more than one device.", lower_bound=1)
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Weights and activations (norms, softmax, router "
                   "and accumulators are float32 either way).")
 flags.DEFINE_string("requests", "-", "JSONL file of requests, or '-' for stdin (read by process 0 only; lines are "
@@ -104,8 +107,8 @@ flags.DEFINE_bool("summary", True, "Print a one-screen summary at the end (proce
 # Flags that shape the compiled step or what it reads: every process must agree on them (start-up fingerprint).
 # A new flag of that kind must be added here.
 _STEP_FLAGS = ("layout", "expected_lengths", "ttft_slo_ms", "slo_percentile", "hardware", "pipeline", "ring",
-               "ulysses", "microbatches", "expert", "dtype", "q_tile", "kv_tile", "moe_tile", "kv_full", "overwrite",
-               "cpu_devices", "platform")
+               "ulysses", "microbatches", "expert", "seq_chunks", "dtype", "q_tile", "kv_tile", "moe_tile", "kv_full",
+               "overwrite", "cpu_devices", "platform")
 _STATE: dict = {"watch": None}
 
 
@@ -403,14 +406,13 @@ def _serve():
         lengths = [int(x) for x in (FLAGS.expected_lengths or FLAGS.precompile)] or [min(max_tokens, 32768)]
         parallel, reason = slo.auto_layout(cfg, hardware, jax.device_count(), jax.local_device_count(), lengths,
                                            FLAGS.ttft_slo_ms, FLAGS.slo_percentile / 100)
-        if FLAGS.microbatches:
-            parallel = dataclasses.replace(parallel, microbatches=FLAGS.microbatches)
+        parallel = dataclasses.replace(parallel, microbatches=FLAGS.microbatches, seq_chunks=FLAGS.seq_chunks)
         logging.info("--layout=auto on %d %s device(s), lengths %s, TTFT SLO %g ms: pipeline=%d ring=%d ulysses=%d "
                      "expert=%s (%s)", jax.device_count(), hardware, lengths, FLAGS.ttft_slo_ms, parallel.pipeline,
                      parallel.ring, parallel.ulysses, parallel.expert, reason)
     else:
         parallel = ParallelConfig(pipeline=FLAGS.pipeline, ring=FLAGS.ring, ulysses=FLAGS.ulysses,
-                                  microbatches=FLAGS.microbatches, expert=FLAGS.expert)
+                                  microbatches=FLAGS.microbatches, expert=FLAGS.expert, seq_chunks=FLAGS.seq_chunks)
     parallel.validate(cfg, jax.device_count() if parallel.num_devices > 1 else None)
     engine = PrefillEngine.from_checkpoint(FLAGS.checkpoint, parallel, FLAGS.dtype, progress=me == 0,
                                            q_tile=FLAGS.q_tile, kv_tile=FLAGS.kv_tile, moe_tile=FLAGS.moe_tile)
