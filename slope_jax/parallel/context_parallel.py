@@ -83,12 +83,13 @@ def _select(pred, a, b):
 
 
 def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, sinks: jax.Array, *, ring: int,
-                   ulysses: int, q_tile: int = 256, kv_tile: int = 256) -> jax.Array:
+                   ulysses: int, q_tile: int = 256, kv_tile: int = 256, impl: str = "xla") -> jax.Array:
     """Causal sink attention over the whole (context-parallel) sequence.
 
     Args:
       q: `[2Pz, N, H]` local queries (post-RoPE) in layout order; k, v: `[2Pz, K, H]`; pos: from
         `exchange_positions`; sinks: `[N]` float32 (all heads).
+      impl: the local attention core of every block (`attention.attend`: "xla", "pallas" or "auto").
     Returns:
       `[2Pz, N, H]` attention output in q's dtype, layout order.
     """
@@ -106,7 +107,7 @@ def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, s
         kvc = collectives.ulysses_seq_to_heads(kvc)  # [2, 2, C, K'/U, H]
         sinks = _local_sinks(sinks, U)
     posc = pos.chunks
-    attend = functools.partial(attn_lib.attend, q_tile=q_tile, kv_tile=kv_tile)
+    attend = functools.partial(attn_lib.attend, q_tile=q_tile, kv_tile=kv_tile, impl=impl)
     q0, q1 = qc[0], qc[1]
     p0, p1 = posc[0], posc[1]
 
@@ -150,10 +151,11 @@ def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, s
 
 
 def sliding_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, sinks: jax.Array, *, ring: int,
-                      ulysses: int, window: int, q_tile: int = 256, kv_tile: int = 256) -> jax.Array:
+                      ulysses: int, window: int, q_tile: int = 256, kv_tile: int = 256,
+                      impl: str = "xla") -> jax.Array:
     """Sliding-window sink attention with a halo exchange: each piece sees the W−1 tokens before it.
 
-    Args: as `full_attention`, plus `window` (keys per query, itself included).
+    Args: as `full_attention` (including `impl`), plus `window` (keys per query, itself included).
     Returns: `[2Pz, N, H]` in q's dtype, layout order.
     """
     two_pz, n, h = q.shape
@@ -174,6 +176,6 @@ def sliding_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions
     outs = []
     for slot in range(2):
         st = attn_lib.attend(q[slot * pz:(slot + 1) * pz], keys[slot, :, 0], keys[slot, :, 1], pp[slot], kpos[slot],
-                             window=window, q_tile=q_tile, kv_tile=kv_tile)
+                             window=window, q_tile=q_tile, kv_tile=kv_tile, impl=impl)
         outs.append(attn_lib.finalize(st, sinks))
     return jnp.concatenate(outs).astype(q.dtype)

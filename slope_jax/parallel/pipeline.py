@@ -122,7 +122,7 @@ def param_partition_specs(cfg: ModelConfig, dtype, num_slots: int, vocab_rows: i
 
 
 def _stage_forward(x, layers, cfg: ModelConfig, parallel: ParallelConfig, *, positions, valid, slot_index, active,
-                   q_tile, kv_tile, moe_tile):
+                   q_tile, kv_tile, moe_tile, attention_impl="xla", moe_impl="loop"):
     """Run this stage's slots on local tokens.
 
     x `[2Pz, D]`; layers: the stage's weight stack `[n, …]`; slot_index int32 `[S]` (stack entry of each slot);
@@ -133,14 +133,15 @@ def _stage_forward(x, layers, cfg: ModelConfig, parallel: ParallelConfig, *, pos
     n = jax.tree.leaves(layers)[0].shape[0]
     cos, sin = rope.cos_sin(cfg, positions.local, x.dtype)
     sliding = functools.partial(context_parallel.sliding_attention, pos=positions, ring=R, ulysses=U,
-                                window=cfg.sliding_window, q_tile=q_tile, kv_tile=kv_tile)
+                                window=cfg.sliding_window, q_tile=q_tile, kv_tile=kv_tile, impl=attention_impl)
     full = functools.partial(context_parallel.full_attention, pos=positions, ring=R, ulysses=U,
-                             q_tile=q_tile, kv_tile=kv_tile)
+                             q_tile=q_tile, kv_tile=kv_tile, impl=attention_impl)
 
     def run(x, i, act, attend):
         p = jax.tree.map(lambda a: a[i], layers)
         y, k, v = model_lib.layer(x, p, cfg, cos=cos, sin=sin, valid=valid,
-                                  attend=lambda q, k, v, s: attend(q, k, v, sinks=s), moe_tile=moe_tile)
+                                  attend=lambda q, k, v, s: attend(q, k, v, sinks=s), moe_tile=moe_tile,
+                                  moe_impl=moe_impl)
         return jnp.where(act, y, x), k, v
 
     def body(carry, xs):
@@ -165,7 +166,8 @@ def vocab_rows(cfg: ModelConfig, pipeline: int) -> int:
 
 
 def build_prefill_step(cfg: ModelConfig, parallel: ParallelConfig, mesh, plan: StagePlan, dtype, *,
-                       q_tile: int = 256, kv_tile: int = 256, moe_tile: int = 128):
+                       q_tile: int = 256, kv_tile: int = 256, moe_tile: int = 128, attention_impl: str = "xla",
+                       moe_impl: str = "loop"):
     """The jitted parallel prefill step.
 
     Signature of the returned function:
@@ -173,6 +175,7 @@ def build_prefill_step(cfg: ModelConfig, parallel: ParallelConfig, mesh, plan: S
        → (logits [M, V] float32 replicated, k [M, P·n, T, K, H], v [M, P·n, T, K, H])`
     with K/V in layout order, stack entries (`plan.flat`) sharded over `pipeline` and tokens over `(ring, ulysses)`.
     The embedding and unembedding tables are sharded over `pipeline` by vocabulary rows.
+    attention_impl / moe_impl: the local attention core and MoE grouped compute (see `model.gpt_oss.forward`).
     """
     P = parallel.pipeline
     active_table = jnp.asarray(plan.slot_layers >= 0)
@@ -204,7 +207,8 @@ def build_prefill_step(cfg: ModelConfig, parallel: ParallelConfig, mesh, plan: S
             with jax.named_scope("stage"):
                 x_out, k, v = _stage_forward(x_in, layers, cfg, parallel, positions=cp_pos,
                                              valid=positions < n_tok, slot_index=slot_index, active=active,
-                                             q_tile=q_tile, kv_tile=kv_tile, moe_tile=moe_tile)
+                                             q_tile=q_tile, kv_tile=kv_tile, moe_tile=moe_tile,
+                                             attention_impl=attention_impl, moe_impl=moe_impl)
             kb = kb.at[mc].set(jnp.where(live, k, kb[mc]))
             vb = vb.at[mc].set(jnp.where(live, v, vb[mc]))
             with jax.named_scope("head"):

@@ -61,6 +61,11 @@ flags.DEFINE_string("platform", None, "Force a JAX platform (cpu, cuda, rocm); d
 flags.DEFINE_integer("q_tile", 256, "Attention query tile (tokens).")
 flags.DEFINE_integer("kv_tile", 256, "Attention key/value tile (tokens).")
 flags.DEFINE_integer("moe_tile", 128, "Rows per expert matmul tile.")
+flags.DEFINE_enum("attention_impl", "auto", ["auto", "pallas", "xla"], "Local attention core: auto = the fused Pallas "
+                  "kernel on GPUs (Triton) and the pure-JAX blockwise reference elsewhere; pallas on CPU runs in "
+                  "interpret mode (slow, for testing).")
+flags.DEFINE_enum("moe_impl", "auto", ["auto", "ragged", "loop"], "MoE grouped expert compute: auto = "
+                  "jax.lax.ragged_dot on GPUs, the per-expert tile loop elsewhere (ragged_dot is dense work on CPU).")
 flags.DEFINE_list("precompile", [], "Prompt lengths whose buckets are compiled before the first request is read "
                   "(e.g. 1024,4096,16384), so early requests do not wait for compilation.")
 flags.DEFINE_bool("summary", True, "Print a one-screen summary at the end (process 0, to stderr).")
@@ -198,7 +203,8 @@ def _serve():
     parallel = ParallelConfig(pipeline=FLAGS.pipeline, ring=FLAGS.ring, ulysses=FLAGS.ulysses,
                               microbatches=FLAGS.microbatches)
     engine = PrefillEngine.from_checkpoint(FLAGS.checkpoint, parallel, FLAGS.dtype, progress=me == 0,
-                                           q_tile=FLAGS.q_tile, kv_tile=FLAGS.kv_tile, moe_tile=FLAGS.moe_tile)
+                                           q_tile=FLAGS.q_tile, kv_tile=FLAGS.kv_tile, moe_tile=FLAGS.moe_tile,
+                                           attention_impl=FLAGS.attention_impl, moe_impl=FLAGS.moe_impl)
     cfg = engine.cfg
     if FLAGS.precompile:
         engine.precompile([int(x) for x in FLAGS.precompile])
