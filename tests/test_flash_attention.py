@@ -125,7 +125,7 @@ def test_unknown_impl_names_the_field():
     with pytest.raises(ValueError, match="moe_impl"):
         moe.resolve_impl("dense")
     assert attn.resolve_impl("auto", "cpu") == "xla" and attn.resolve_impl("auto", "gpu") == "pallas"
-    assert moe.resolve_impl("auto", "cpu") == "loop" and moe.resolve_impl("auto", "rocm") == "ragged"
+    assert moe.resolve_impl("auto", "cpu") == "loop" and moe.resolve_impl("auto", "gpu") == "loop"  # measured
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -79,8 +79,8 @@ class PrefillEngine:
       q_tile, kv_tile, moe_tile: attention and MoE tile sizes (tokens).
       attention_impl: local attention core, "auto" (Pallas kernel on GPUs, pure-JAX elsewhere), "pallas" (Triton on
         GPUs, interpret mode on CPU: slow, for tests) or "xla" (the pure-JAX reference).
-      moe_impl: MoE grouped expert compute, "auto" (ragged on GPUs, loop elsewhere), "ragged" (`lax.ragged_dot`) or
-        "loop" (per-expert tile loop).
+      moe_impl: MoE grouped expert compute, "auto" (the tile loop: measured faster on CPU and H200, see
+        `moe.resolve_impl`), "ragged" (`lax.ragged_dot`) or "loop" (per-expert tile loop).
     Raises:
       LayoutError for a layout the model or the devices cannot take; ValueError for an unknown attention_impl or
       moe_impl.

@@ -64,8 +64,9 @@ flags.DEFINE_integer("moe_tile", 128, "Rows per expert matmul tile.")
 flags.DEFINE_enum("attention_impl", "auto", ["auto", "pallas", "xla"], "Local attention core: auto = the fused Pallas "
                   "kernel on GPUs (Triton) and the pure-JAX blockwise reference elsewhere; pallas on CPU runs in "
                   "interpret mode (slow, for testing).")
-flags.DEFINE_enum("moe_impl", "auto", ["auto", "ragged", "loop"], "MoE grouped expert compute: auto = "
-                  "jax.lax.ragged_dot on GPUs, the per-expert tile loop elsewhere (ragged_dot is dense work on CPU).")
+flags.DEFINE_enum("moe_impl", "auto", ["auto", "ragged", "loop"], "MoE grouped expert compute: loop = per-expert "
+                  "tile loop, ragged = jax.lax.ragged_dot; auto = loop (XLA runs ragged_dot as dense work over all "
+                  "experts on CPU and, measured, on H200).")
 flags.DEFINE_list("precompile", [], "Prompt lengths whose buckets are compiled before the first request is read "
                   "(e.g. 1024,4096,16384), so early requests do not wait for compilation.")
 flags.DEFINE_bool("summary", True, "Print a one-screen summary at the end (process 0, to stderr).")
