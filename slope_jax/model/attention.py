@@ -143,7 +143,7 @@ def _pad_to(x: jax.Array, n: int, value) -> jax.Array:
 
 
 ATTENTION_IMPLS = ("auto", "pallas", "xla")
-PALLAS_MAX_BLOCK_Q = 128  # Triton register budget: a [block_q, block_k] float32 score tile per program
+PALLAS_MAX_BLOCK_Q = 64  # H200 sweep (benchmarks/attention_blocks.py): 64x64, 4 warps, 2 stages best at 8K, within 1% at 32K
 PALLAS_MAX_BLOCK_K = 64
 
 
