@@ -142,9 +142,78 @@ def _pad_to(x: jax.Array, n: int, value) -> jax.Array:
     return jnp.pad(x, widths, constant_values=value)
 
 
+ATTENTION_IMPLS = ("auto", "pallas", "xla")
+# H200 sweep (benchmarks/attention_blocks.py): 64x64, 4 warps, 2 stages best at 8K, within 1% at 32K
+PALLAS_MAX_BLOCK_Q = 64
+PALLAS_MAX_BLOCK_K = 64
+
+
+def resolve_impl(impl: str, platform: str | None = None) -> str:
+    """`attention_impl` → the concrete core: "auto" is "pallas" on GPUs (cuda, rocm) and "xla" elsewhere.
+
+    Raises ValueError naming the field for an unknown value.
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl={impl!r}: expected one of {ATTENTION_IMPLS}")
+    if impl != "auto":
+        return impl
+    platform = platform or jax.default_backend()
+    return "pallas" if platform in ("gpu", "cuda", "rocm") else "xla"
+
+
+def _kv_tile_range(qpt: jax.Array, kpt: jax.Array, window: jax.Array) -> jax.Array:
+    """int32 `[nq, 2]`: the contiguous range `[lo, hi)` of key tiles each query tile must visit.
+
+    qpt `[nq, bq]`, kpt `[nk, bk]` padded positions. Tile j may hold a visible key iff it holds some key that is
+    <= the latest query and within the window of the earliest query; tiles outside the first..last such tile are
+    fully masked and skipped (an empty range when none is needed).
+    """
+    nk = kpt.shape[0]
+    exists = kpt >= 0
+    k_lo = jnp.where(exists, kpt, 2**31 - 1).min(axis=1)
+    k_hi = jnp.where(exists, kpt, -(2**31)).max(axis=1)
+    valid_q = qpt >= 0
+    q_lo = jnp.where(valid_q, qpt, 2**31 - 1).min(axis=1)
+    q_hi = jnp.where(valid_q, qpt, -(2**31)).max(axis=1)
+    needed = exists.any(axis=1)[None] & (k_lo[None] <= q_hi[:, None]) & (k_hi[None] > q_lo[:, None] - window)
+    any_needed = needed.any(axis=1)
+    lo = jnp.where(any_needed, jnp.argmax(needed, axis=1), 0)
+    hi = jnp.where(any_needed, nk - jnp.argmax(needed[:, ::-1], axis=1), 0)
+    return jnp.stack([lo, hi], axis=1).astype(jnp.int32)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _attend_pallas(q, k, v, q_pos, k_pos, window, state, q_tile, kv_tile) -> AttnState:
+    """`attend` through the fused Pallas kernel (Triton on GPU, interpret mode on CPU); same contract."""
+    from slope_jax.kernels import flash_attention as fa
+
+    tq, n, d = q.shape
+    tk, kh, _ = k.shape
+    platform = jax.default_backend()
+    # blocks: the tiles capped for the GPU's registers, and never longer than the (power-of-two rounded) lengths
+    bq = min(q_tile, PALLAS_MAX_BLOCK_Q, _pow2_at_least(max(tq, 16)))
+    bk = min(kv_tile, PALLAS_MAX_BLOCK_K, _pow2_at_least(max(tk, 16)))
+    fa.check_shapes(bq, bk, d, platform)
+    nq, nk = -(-tq // bq), -(-tk // bk)
+    qp = _pad_to(q_pos.astype(jnp.int32), nq * bq, INVALID_POS)
+    kp = _pad_to(k_pos.astype(jnp.int32), nk * bk, INVALID_POS)
+    kv_range = _kv_tile_range(qp.reshape(nq, bq), kp.reshape(nk, bk), window)
+    o, m, l = fa.flash_partial(_pad_to(q, nq * bq, 0), _pad_to(k, nk * bk, 0), _pad_to(v, nk * bk, 0).astype(k.dtype),
+                               qp, kp, kv_range, window, block_q=bq, block_k=bk, interpret=platform == "cpu")
+    counter = _COUNTER.get()
+    if counter is not None:
+        counter.emit((kv_range[:, 1] - kv_range[:, 0]).sum() * (bq * bk))
+    g = n // kh
+    part = AttnState(o[:tq].reshape(tq, kh, g, d), m[:tq].reshape(tq, kh, g), l[:tq].reshape(tq, kh, g))
+    return part if state is None else merge(state, part)
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, *,
            window: int | jax.Array = NO_WINDOW, state: AttnState | None = None,
-           q_tile: int = 256, kv_tile: int = 256) -> AttnState:
+           q_tile: int = 256, kv_tile: int = 256, impl: str = "xla") -> AttnState:
     """Accumulate attention of `q` over the keys `k, v` into an online-softmax state (no sinks yet).
 
     Args:
@@ -154,10 +223,17 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: ja
       k_pos: int32 `[Tk]` global positions of the keys; negative = no key.
       window: keys visible to a query, itself included (static int or traced scalar); NO_WINDOW for full layers.
       state: partial state to continue (e.g. from earlier ring steps); default empty.
-      q_tile, kv_tile: tile sizes (clipped to the lengths).
+      q_tile, kv_tile: tile sizes (clipped to the lengths; the Pallas kernel also caps them at
+        PALLAS_MAX_BLOCK_Q / PALLAS_MAX_BLOCK_K).
+      impl: "xla" (this module's `lax.map` × `fori_loop` over tiles: the reference), "pallas" (the fused kernel of
+        `slope_jax.kernels.flash_attention`; its partial is merged into `state`), or "auto" (`resolve_impl`).
     Returns:
       Updated AttnState for the `Tq` queries. Scale `D^-0.5` is applied to q·k (spec §2.3).
     """
+    impl = resolve_impl(impl)
+    window = jnp.asarray(window, jnp.int32)
+    if impl == "pallas":
+        return _attend_pallas(q, k, v, q_pos, k_pos, window, state, q_tile, kv_tile)
     tq, n, d = q.shape
     tk, kh, _ = k.shape
     g = n // kh
@@ -166,7 +242,6 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: ja
     bq, bk = min(q_tile, tq), min(kv_tile, tk)
     nq, nk = -(-tq // bq), -(-tk // bk)
     scale = d ** -0.5
-    window = jnp.asarray(window, jnp.int32)
 
     qt = _pad_to(q, nq * bq, 0).reshape(nq, bq, kh, g, d)
     qpt = _pad_to(q_pos.astype(jnp.int32), nq * bq, INVALID_POS).reshape(nq, bq)
@@ -175,35 +250,23 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: ja
     kpt = _pad_to(k_pos.astype(jnp.int32), nk * bk, INVALID_POS).reshape(nk, bk)
     st = AttnState(*(_pad_to(x, nq * bq, 0).reshape(nq, bq, *x.shape[1:]) for x in state))
     st = st._replace(m=jnp.where(jnp.arange(nq * bq).reshape(nq, bq)[..., None, None] < tq, st.m, -jnp.inf))
-
-    # Position bounds per key tile over existing keys, to find the contiguous range of tiles worth visiting.
-    exists = kpt >= 0
-    k_lo = jnp.where(exists, kpt, 2**31 - 1).min(axis=1)
-    k_hi = jnp.where(exists, kpt, -(2**31)).max(axis=1)
+    kv_range = _kv_tile_range(qpt, kpt, window)
 
     def per_q_tile(args):
-        qi, qp, s0 = args
-        valid_q = qp >= 0
-        q_lo = jnp.where(valid_q, qp, 2**31 - 1).min()
-        q_hi = jnp.where(valid_q, qp, -(2**31)).max()
-        # tile j may hold a visible key iff some key is <= the latest query and within the window of the earliest
-        needed = exists.any(axis=1) & (k_lo <= q_hi) & (k_hi > q_lo - window)
-        any_needed = needed.any()
-        lo = jnp.where(any_needed, jnp.argmax(needed), 0)
-        hi = jnp.where(any_needed, nk - jnp.argmax(needed[::-1]), 0)
+        qi, qp, s0, rng = args
 
         def body(j, s):
             return _tile_update(s, qi, kt[j], vt[j], qp, kpt[j], window, scale)
 
-        return jax.lax.fori_loop(lo, hi, body, s0), (hi - lo) * (bq * bk)
+        return jax.lax.fori_loop(rng[0], rng[1], body, s0)
 
-    out, work = jax.lax.map(per_q_tile, (qt, qpt, st))
+    out = jax.lax.map(per_q_tile, (qt, qpt, st, kv_range))
     counter = _COUNTER.get()
     if counter is not None:
-        counter.emit(work.sum())
+        counter.emit((kv_range[:, 1] - kv_range[:, 0]).sum() * (bq * bk))
     return AttnState(*(x.reshape(nq * bq, *x.shape[2:])[:tq] for x in out))
 
 
-def attention(q, k, v, q_pos, k_pos, sinks, *, window=NO_WINDOW, q_tile=256, kv_tile=256) -> jax.Array:
+def attention(q, k, v, q_pos, k_pos, sinks, *, window=NO_WINDOW, q_tile=256, kv_tile=256, impl="xla") -> jax.Array:
     """Complete sink attention: `finalize(attend(...), sinks)` → `[Tq, N, D]` float32."""
-    return finalize(attend(q, k, v, q_pos, k_pos, window=window, q_tile=q_tile, kv_tile=kv_tile), sinks)
+    return finalize(attend(q, k, v, q_pos, k_pos, window=window, q_tile=q_tile, kv_tile=kv_tile, impl=impl), sinks)

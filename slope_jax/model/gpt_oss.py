@@ -217,13 +217,14 @@ MoeFn = Callable[[jax.Array, jax.Array, dict], jax.Array]
 
 
 def layer(x: jax.Array, p: dict, cfg: ModelConfig, *, cos: jax.Array, sin: jax.Array, valid: jax.Array,
-          attend: AttendFn, moe_tile: int = 128, moe_fn: MoeFn | None = None):
+          attend: AttendFn, moe_tile: int = 128, moe_impl: str = "loop", moe_fn: MoeFn | None = None):
     """One decoder block (spec §2 step 2) on local tokens.
 
     Args:
       x: `[T, D]` residual stream (activation dtype).  p: one layer's parameters (no `layers` axis).
       cos, sin: `[T, H/2]` RoPE tables at the tokens' global positions.  valid: bool `[T]`, False for padding.
       attend: the attention core (single-device blockwise, or context-parallel).
+      moe_tile, moe_impl: the MoE grouped compute (`moe.moe`: "loop", "ragged" or "auto").
       moe_fn: the MoE block (default `moe.moe` with every expert local; expert parallelism passes its own).
     Returns:
       `(x [T, D], k [T, K, H], v [T, K, H])` — the new residual stream and this layer's post-RoPE K and V.
@@ -238,7 +239,7 @@ def layer(x: jax.Array, p: dict, cfg: ModelConfig, *, cos: jax.Array, sin: jax.A
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
         if moe_fn is None:
             y = moe_lib.moe(h, valid, p, experts_per_token=cfg.experts_per_token, alpha=cfg.swiglu_alpha,
-                            limit=cfg.swiglu_limit, tile=moe_tile)
+                            limit=cfg.swiglu_limit, tile=moe_tile, impl=moe_impl)
         else:
             y = moe_fn(h, valid, p)
         x = x + y.astype(x.dtype)
@@ -259,13 +260,15 @@ def layer_windows(cfg: ModelConfig) -> np.ndarray:
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax.Array, *,
-            q_tile: int = 256, kv_tile: int = 256, moe_tile: int = 128):
+            q_tile: int = 256, kv_tile: int = 256, moe_tile: int = 128, attention_impl: str = "xla",
+            moe_impl: str = "loop"):
     """Single-device prefill of one sequence (the reference path every parallel layout is compared against).
 
     Args:
       params: the parameter pytree (`layers` stacked over all L layers).
       tokens: int32 `[T]` token ids, the first `num_tokens` real, the rest padding (any ids).
       num_tokens: int32 scalar, 1 ≤ num_tokens ≤ T.
+      attention_impl: "xla" | "pallas" | "auto" (`attention.attend`); moe_impl: "loop" | "ragged" | "auto" (`moe.moe`).
     Returns:
       `(logits [V] float32 at position num_tokens−1, k [L, T, K, H], v [L, T, K, H])` with K/V post-RoPE in the
       activation dtype, natural token order (rows ≥ num_tokens are padding).
@@ -282,9 +285,10 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax.A
         def attend(q, k, v, sinks):
             # Pad keys sit at positions >= num_tokens, after every real query: causality hides them.
             return attn_lib.attention(q, k, v, positions, positions, sinks, window=window,
-                                      q_tile=q_tile, kv_tile=kv_tile)
+                                      q_tile=q_tile, kv_tile=kv_tile, impl=attention_impl)
 
-        x, k, v = layer(x, p, cfg, cos=cos, sin=sin, valid=valid, attend=attend, moe_tile=moe_tile)
+        x, k, v = layer(x, p, cfg, cos=cos, sin=sin, valid=valid, attend=attend, moe_tile=moe_tile,
+                        moe_impl=moe_impl)
         return x, (k, v)
 
     x, (ks, vs) = jax.lax.scan(body, x, (params["layers"], jnp.asarray(layer_windows(cfg))))

@@ -111,8 +111,8 @@ def _select(pred, a, b):
 
 
 def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, sinks: jax.Array, *, ring: int,
-                   ulysses: int, q_tile: int = 256, kv_tile: int = 256,
-                   prefix: attn_lib.AttnState | None = None) -> jax.Array:
+                   ulysses: int, q_tile: int = 256, kv_tile: int = 256, prefix: attn_lib.AttnState | None = None,
+                   impl: str = "xla") -> jax.Array:
     """Causal sink attention over the whole (context-parallel) sequence.
 
     Args:
@@ -121,6 +121,7 @@ def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, s
       prefix: optional partial state of the same local queries over keys outside this sequence (earlier sequence
         chunks, `prefix_attention`; o `[2Pz, N, H]`, m, l `[2Pz, N]`): moved to head shards with the same Ulysses
         all-to-all and merged before the sink enters.
+      impl: the local attention core of every block (`attention.attend`: "xla", "pallas" or "auto").
     Returns:
       `[2Pz, N, H]` attention output in q's dtype, layout order.
     """
@@ -138,7 +139,7 @@ def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, s
         kvc = collectives.ulysses_seq_to_heads(kvc)  # [2, 2, C, K'/U, H]
         sinks = _local_sinks(sinks, U)
     posc = pos.chunks
-    attend = functools.partial(attn_lib.attend, q_tile=q_tile, kv_tile=kv_tile)
+    attend = functools.partial(attn_lib.attend, q_tile=q_tile, kv_tile=kv_tile, impl=impl)
     q0, q1 = qc[0], qc[1]
     p0, p1 = posc[0], posc[1]
 
@@ -185,11 +186,11 @@ def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, s
 
 def sliding_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, sinks: jax.Array, *, ring: int,
                       ulysses: int, window: int, q_tile: int = 256, kv_tile: int = 256,
-                      prefix: attn_lib.AttnState | None = None) -> jax.Array:
+                      prefix: attn_lib.AttnState | None = None, impl: str = "xla") -> jax.Array:
     """Sliding-window sink attention with a halo exchange: each piece sees the W−1 tokens before it.
 
-    Args: as `full_attention` (`prefix` merged per piece, no all-to-all), plus `window` (keys per query, itself
-    included).
+    Args: as `full_attention` (`prefix` merged per piece, no all-to-all; `impl`), plus `window` (keys per query,
+    itself included).
     Returns: `[2Pz, N, H]` in q's dtype, layout order.
     """
     two_pz, n, h = q.shape
@@ -215,7 +216,7 @@ def sliding_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions
     outs = []
     for slot in range(2):
         st = attn_lib.attend(q[slot * pz:(slot + 1) * pz], keys[slot, :, 0], keys[slot, :, 1], pp[slot], kpos[slot],
-                             window=window, q_tile=q_tile, kv_tile=kv_tile)
+                             window=window, q_tile=q_tile, kv_tile=kv_tile, impl=impl)
         if prefix is not None:
             pre = jax.tree.map(lambda a: a[slot * pz:(slot + 1) * pz], prefix)
             st = attn_lib.merge(st, _grouped(pre, st.o.shape[1]))
@@ -249,7 +250,7 @@ def _merge_prefix(states, prefix: attn_lib.AttnState, ulysses: int):
 
 def prefix_attention(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array, k_pos: jax.Array, *, ring: int,
                      ulysses: int, window: int | jax.Array = attn_lib.NO_WINDOW, q_tile: int = 256,
-                     kv_tile: int = 256) -> attn_lib.AttnState:
+                     kv_tile: int = 256, impl: str = "xla") -> attn_lib.AttnState:
     """Partial attention (no sink) of the local queries over keys that stay where they are: the K/V of earlier
     sequence chunks that this stage stored, spread over the R·U devices of its `(ring, ulysses)` group
     (sequence-pipelined prefill, `parallel.seq_pipeline`).
@@ -270,7 +271,7 @@ def prefix_attention(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array,
     """
     t, n, h = q.shape
     group = ring * ulysses
-    attend = functools.partial(attn_lib.attend, window=window, q_tile=q_tile, kv_tile=kv_tile)
+    attend = functools.partial(attn_lib.attend, window=window, q_tile=q_tile, kv_tile=kv_tile, impl=impl)
 
     def flat(st):
         return attn_lib.AttnState(st.o.reshape(t, n, h), st.m.reshape(t, n), st.l.reshape(t, n))

@@ -32,7 +32,7 @@ from slope_jax.parallel.config import CP_AXES
 
 
 def moe_expert_parallel(h: jax.Array, valid: jax.Array, p: dict, *, ulysses: int, experts_per_token: int,
-                        alpha: float, limit: float, tile: int = 128) -> jax.Array:
+                        alpha: float, limit: float, tile: int = 128, impl: str = "loop") -> jax.Array:
     """The MoE block with this device's slice of the experts; call inside `shard_map` over `(…, ring, ulysses)`.
 
     Args:
@@ -41,6 +41,7 @@ def moe_expert_parallel(h: jax.Array, valid: jax.Array, p: dict, *, ulysses: int
       p: one layer's MoE parameters with the router replicated (`router_w [E, D]`, `router_b [E]`) and the expert
         parameters sliced to this device's E/EP experts (`b1 [E/EP, 2I]`, `b2 [E/EP, D]`, `w1*`, `w2*`).
       ulysses: U (the linear rank over `(ring, ulysses)` is r·U + u).
+      tile, impl: the local grouped compute (`moe.experts`).
     Returns:
       `[T_loc, D]` float32, equal (up to float32 summation order) to `moe.moe` with all experts.
     """
@@ -51,6 +52,7 @@ def moe_expert_parallel(h: jax.Array, valid: jax.Array, p: dict, *, ulysses: int
         e_local = p["b1"].shape[0]
         rank = jax.lax.axis_index("ring") * ulysses + jax.lax.axis_index("ulysses")
         local = ids_all - rank * e_local  # out of [0, e_local): another device's expert, or a pad (no work here)
-        y = moe_lib.experts(h_all, w_all, local.astype(jnp.int32), p, alpha=alpha, limit=limit, tile=tile)
+        y = moe_lib.experts(h_all, w_all, local.astype(jnp.int32), p, alpha=alpha, limit=limit, tile=tile,
+                            impl=impl)
         with jax.named_scope("combine"):
             return collectives.expert_combine(y, CP_AXES)

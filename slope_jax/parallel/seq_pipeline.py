@@ -44,8 +44,10 @@ def num_ticks(parallel: ParallelConfig, requests: int) -> int:
 
 
 def build_chunked_prefill_step(cfg: ModelConfig, parallel: ParallelConfig, mesh, plan: pipe_lib.StagePlan, dtype, *,
-                               q_tile: int = 256, kv_tile: int = 256, moe_tile: int = 128):
-    """The jitted sequence-pipelined prefill step (same signature and outputs as `pipeline.build_prefill_step`).
+                               q_tile: int = 256, kv_tile: int = 256, moe_tile: int = 128, attention_impl: str = "xla",
+                               moe_impl: str = "loop"):
+    """The jitted sequence-pipelined prefill step (same signature and outputs as `pipeline.build_prefill_step`;
+    attention_impl / moe_impl as there).
 
       `(params, tokens [M, T] int32, positions [T] int32, num_tokens [M] int32)
        → (logits [M, V] float32 replicated, k [M, P·n, T, K, H], v [M, P·n, T, K, H])`
@@ -95,7 +97,8 @@ def build_chunked_prefill_step(cfg: ModelConfig, parallel: ParallelConfig, mesh,
                 x_out, k, v = pipe_lib._stage_forward(x_in, layers, cfg, parallel, positions=cp_pos,
                                                       valid=pos_i < n_tok, slot_index=slot_index, active=active,
                                                       q_tile=q_tile, kv_tile=kv_tile, moe_tile=moe_tile,
-                                                      prefix=prefix)
+                                                      prefix=prefix, attention_impl=attention_impl,
+                                                      moe_impl=moe_impl)
             kb = kb.at[m, :, i].set(jnp.where(live, k, kb[m, :, i]))
             vb = vb.at[m, :, i].set(jnp.where(live, v, vb[m, :, i]))
             with jax.named_scope("head"):

@@ -28,7 +28,9 @@ from slope_jax import kv as kvfmt
 from slope_jax.checkpoints import hf as ckpt_lib
 from slope_jax.checkpoints import orbax_store
 from slope_jax.kv.format import LayerKV
+from slope_jax.model import attention as attn_lib
 from slope_jax.model import gpt_oss as model_lib
+from slope_jax.model import moe as moe_lib
 from slope_jax.model.config import ModelConfig
 from slope_jax.parallel import layout
 from slope_jax.parallel import pipeline as pipe_lib
@@ -80,20 +82,30 @@ class PrefillEngine:
       q_tile, kv_tile, moe_tile: attention and MoE tile sizes (tokens).
       allow_cross_host_ulysses: let a Ulysses group span processes (hosts); default False (LayoutError), see
         `parallel.mesh`.
+      attention_impl: local attention core, "auto" (Pallas kernel on GPUs, pure-JAX elsewhere), "pallas" (Triton on
+        GPUs, interpret mode on CPU: slow, for tests) or "xla" (the pure-JAX reference).
+      moe_impl: MoE grouped expert compute, "auto" (the tile loop: measured faster on CPU and H200, see
+        `moe.resolve_impl`), "ragged" (`lax.ragged_dot`) or "loop" (per-expert tile loop).
     Raises:
-      LayoutError for a layout the model or the devices cannot take.
+      LayoutError for a layout the model or the devices cannot take; ValueError for an unknown attention_impl or
+      moe_impl.
     """
 
     def __init__(self, cfg: ModelConfig, params: dict, parallel: ParallelConfig = ParallelConfig(),
                  dtype="bfloat16", *, devices=None, q_tile: int = 256, kv_tile: int = 256, moe_tile: int = 128,
-                 allow_cross_host_ulysses: bool = False, _placed: bool = False):
+                 allow_cross_host_ulysses: bool = False, attention_impl: str = "auto", moe_impl: str = "auto",
+                 _placed: bool = False):
         devices = list(jax.devices() if devices is None else devices)
         self.run_nonce = _agreed_run_nonce()  # names this run's KV export staging directories on every process
         self._exports = 0  # export counter, advanced identically on every process
         self.cfg = cfg
         self.parallel = parallel.validate(cfg, len(devices) if parallel.num_devices > 1 else None)
         self.dtype = jnp.dtype(dtype)
-        self.tiles = dict(q_tile=q_tile, kv_tile=kv_tile, moe_tile=moe_tile)
+        platform = devices[0].platform
+        self.impls = dict(attention_impl=attn_lib.resolve_impl(attention_impl, platform),
+                          moe_impl=moe_lib.resolve_impl(moe_impl, platform))
+        # compute options of the step: tile sizes and the concrete attention / MoE implementations
+        self.tiles = dict(q_tile=q_tile, kv_tile=kv_tile, moe_tile=moe_tile, **self.impls)
         self._compiled: dict[tuple[int, int], object] = {}
         if parallel.num_devices == 1:
             self.mesh = None
@@ -109,23 +121,26 @@ class PrefillEngine:
                      else pipe_lib.build_prefill_step)
             self._step = build(cfg, parallel, self.mesh, self.plan, self.dtype, **self.tiles)
         log.info("engine: layout pipeline=%d ring=%d ulysses=%d expert=%d seq_chunks=%d on %d device(s), dtype=%s, "
-                 "%d empty slot(s)", parallel.pipeline, parallel.ring, parallel.ulysses, parallel.expert_degree(cfg),
-                 parallel.seq_chunks,
-                 parallel.num_devices, self.dtype.name, self.plan.empty_slots)
+                 "%d empty slot(s), attention=%s, moe=%s", parallel.pipeline, parallel.ring, parallel.ulysses,
+                 parallel.expert_degree(cfg), parallel.seq_chunks, parallel.num_devices, self.dtype.name,
+                 self.plan.empty_slots, self.impls["attention_impl"], self.impls["moe_impl"])
 
     # ------------------------------------------------------------------------------------------------------------
     @classmethod
     def from_checkpoint(cls, path, parallel: ParallelConfig = ParallelConfig(), dtype="bfloat16", *,
-                        devices=None, progress: bool = True, **kwargs) -> PrefillEngine:
+                        devices=None, progress: bool = True, attention_impl: str = "auto", moe_impl: str = "auto",
+                        **kwargs) -> PrefillEngine:
         """Load a checkpoint directly into the layout: each device reads only the layers of its pipeline stage.
 
         `path` is an HF / `original/` checkpoint, or a directory written by `python -m slope_jax.convert` (detected
         by its marker file), which is restored with orbax into this layout (any layout; shards are re-cut on read).
+        Keywords as `PrefillEngine` (tiles, attention_impl, moe_impl, allow_cross_host_ulysses).
         """
         devices = list(jax.devices() if devices is None else devices)
         if orbax_store.is_orbax_checkpoint(path):
             cfg, params, _ = orbax_store.restore(path, parallel, dtype, devices=devices)
-            return cls(cfg, params, parallel, dtype, devices=devices, _placed=True, **kwargs)
+            return cls(cfg, params, parallel, dtype, devices=devices, _placed=True, attention_impl=attention_impl,
+                       moe_impl=moe_impl, **kwargs)
         ck = ckpt_lib.open_checkpoint(path)
         cfg = ck.config
         parallel.validate(cfg, len(devices) if parallel.num_devices > 1 else None)
@@ -138,7 +153,8 @@ class PrefillEngine:
             shardings = cls._shardings(cfg, dtype, mesh, plan, parallel)
             params = ckpt_lib.load_params(ck, dtype, shardings=shardings, stack_layers=plan.flat,
                                           vocab_rows=pipe_lib.vocab_rows(cfg, parallel.pipeline), progress=progress)
-        return cls(cfg, params, parallel, dtype, devices=devices, _placed=True, **kwargs)
+        return cls(cfg, params, parallel, dtype, devices=devices, _placed=True, attention_impl=attention_impl,
+                   moe_impl=moe_impl, **kwargs)
 
     @staticmethod
     def _shardings(cfg, dtype, mesh, plan, parallel: ParallelConfig):

@@ -99,6 +99,12 @@ flags.DEFINE_string("platform", None, "Force a JAX platform (cpu, cuda, rocm); d
 flags.DEFINE_integer("q_tile", 256, "Attention query tile (tokens).")
 flags.DEFINE_integer("kv_tile", 256, "Attention key/value tile (tokens).")
 flags.DEFINE_integer("moe_tile", 128, "Rows per expert matmul tile.")
+flags.DEFINE_enum("attention_impl", "auto", ["auto", "pallas", "xla"], "Local attention core: auto = the fused Pallas "
+                  "kernel on GPUs (Triton) and the pure-JAX blockwise reference elsewhere; pallas on CPU runs in "
+                  "interpret mode (slow, for testing).")
+flags.DEFINE_enum("moe_impl", "auto", ["auto", "ragged", "loop"], "MoE grouped expert compute: loop = per-expert "
+                  "tile loop, ragged = jax.lax.ragged_dot; auto = loop (XLA runs ragged_dot as dense work over all "
+                  "experts on CPU and, measured, on H200).")
 flags.DEFINE_list("precompile", [], "Prompt lengths whose buckets are compiled before the first request is read "
                   "(e.g. 1024,4096,16384), so early requests do not wait for compilation.")
 flags.DEFINE_bool("summary", True, "Print a one-screen summary at the end (process 0, to stderr).")
@@ -108,7 +114,7 @@ flags.DEFINE_bool("summary", True, "Print a one-screen summary at the end (proce
 # A new flag of that kind must be added here.
 _STEP_FLAGS = ("layout", "expected_lengths", "ttft_slo_ms", "slo_percentile", "hardware", "pipeline", "ring",
                "ulysses", "microbatches", "expert", "seq_chunks", "dtype", "q_tile", "kv_tile", "moe_tile", "kv_full",
-               "overwrite", "cpu_devices", "platform")
+               "overwrite", "attention_impl", "moe_impl", "cpu_devices", "platform")
 _STATE: dict = {"watch": None}
 
 
@@ -415,7 +421,8 @@ def _serve():
                                   microbatches=FLAGS.microbatches, expert=FLAGS.expert, seq_chunks=FLAGS.seq_chunks)
     parallel.validate(cfg, jax.device_count() if parallel.num_devices > 1 else None)
     engine = PrefillEngine.from_checkpoint(FLAGS.checkpoint, parallel, FLAGS.dtype, progress=me == 0,
-                                           q_tile=FLAGS.q_tile, kv_tile=FLAGS.kv_tile, moe_tile=FLAGS.moe_tile)
+                                           q_tile=FLAGS.q_tile, kv_tile=FLAGS.kv_tile, moe_tile=FLAGS.moe_tile,
+                                           attention_impl=FLAGS.attention_impl, moe_impl=FLAGS.moe_impl)
     if FLAGS.precompile:
         engine.precompile([int(x) for x in FLAGS.precompile])
     broadcast = _Broadcast(jax.process_count() > 1)
