@@ -190,14 +190,13 @@ def moe_rows(cfg: ModelConfig, tokens: int, real: int, tile: int, expert: int = 
 
     tokens: tokens the device's MoE sees (its local tokens, × `expert` when EP all-gathers them over the EP group);
     real: how many of them are real; tile: `moe_tile`, clipped to `tokens·k` as the engine does. Balanced routing:
-    `real·k` assignments split evenly over the E experts; pads' k assignments go to expert 0.
+    `real·k` assignments split evenly over the E experts; pads are routed to no expert (`moe.route_valid`).
     """
     k, E = cfg.experts_per_token, cfg.num_experts
     tile = max(1, min(tile, tokens * k))
     q, rem = divmod(real * k, E)
     counts = np.array([q + (e < rem) for e in range(E)], np.int64)
-    counts[0] += (tokens - real) * k
-    local = counts[: E // expert] if expert > 1 else counts  # expert 0 (the pads') sits on EP rank 0
+    local = counts[: E // expert] if expert > 1 else counts  # EP rank 0 holds the first E/EP (the busiest) experts
     return int(sum(-(-int(c) // tile) * tile for c in local if c > 0))
 
 

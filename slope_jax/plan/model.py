@@ -21,7 +21,7 @@ from typing import Any
 
 from slope_jax.model.config import ModelConfig
 from slope_jax.parallel.config import ParallelConfig
-from slope_jax.plan import flops, memory, traffic
+from slope_jax.plan import flops, memory, seq_chunks, traffic
 from slope_jax.plan.hardware import Hardware, load
 
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4, "float16": 2}
@@ -56,10 +56,12 @@ class Prediction:
     link_kind: dict[str, str]
     hardware: str
     assumptions: list[str]
+    seq_chunks: int = 1
 
     @property
     def layout(self) -> str:
-        return f"P{self.pipeline}xR{self.ring}xU{self.ulysses}" + (f"+EP{self.expert}" if self.expert > 1 else "")
+        return (f"P{self.pipeline}xR{self.ring}xU{self.ulysses}" + (f"+EP{self.expert}" if self.expert > 1 else "")
+                + (f"+C{self.seq_chunks}" if self.seq_chunks > 1 else ""))
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -143,10 +145,15 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
     comm = {k: lb[k] / bw[links[k]] for k in traffic.LINK_KINDS if k != "ring_ppermute"}
     comm["ring_ppermute_exposed"] = ring_exposed_s
     comm_s = sum(comm.values())
+    C = parallel.seq_chunks
+    chunk_ratio = _chunk_ratio(cfg, t, P, R, U, C, m) if C > 1 and P > 1 else 1.0
+    # sequence-pipelined prefill: the stages overlap on a request's chunks
+    mm_s, att_s, head_s = mm_s * chunk_ratio, att_s * chunk_ratio, head_s * chunk_ratio
     compute_s = mm_s + att_s + head_s
-    overhead_s = eff.overhead_s + eff.layer_overhead_s * ticks * S
+    ticks_run = m * C + P - 1 if devices > 1 else m
+    overhead_s = eff.overhead_s + eff.layer_overhead_s * ticks_run * S
     step_s = compute_s + comm_s + overhead_s
-    fill_s = step_s * (P - 1) / ticks if devices > 1 else 0.0
+    fill_s = step_s * (P - 1) / ticks_run if devices > 1 else 0.0
 
     params = memory.param_bytes(cfg, b, P, ep)
     temps = memory.temp_bytes(cfg, P, R, U, t, m, b, tiles, ep)
@@ -167,6 +174,10 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
     ]
     if ep > 1:
         assumptions.append(f"EP{ep}: all-gather tokens + reduce-scatter outputs, 2(EP-1)/EP x T_local x EP x D bytes")
+    if C > 1 and P > 1:
+        assumptions.append(f"seq_chunks={C}: compute scaled by the chunked critical path / the unchunked one "
+                           f"({chunk_ratio:.3f}; plan.seq_chunks: lock-step ticks, fill and attention imbalance); the "
+                           "prefix-attention query ring over earlier chunks is not counted in the link bytes")
     return Prediction(
         pipeline=P, ring=R, ulysses=U, expert=ep, length=length, bucket=t, batch=m, ttft_ms=step_s * 1e3,
         step_ms=step_s * 1e3, compute_ms=compute_s * 1e3, communication_ms=comm_s * 1e3, fill_ms=fill_s * 1e3,
@@ -177,7 +188,18 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
         memory_bytes_per_device=mem_total, memory_breakdown=mem, fits_memory=mem_total <= limit,
         collective_bytes_per_device=lb["total"],
         link_bytes_per_device={k: lb[k] for k in traffic.LINK_KINDS}, link_kind=links, hardware=hw.name,
-        assumptions=assumptions)
+        assumptions=assumptions, seq_chunks=C)
+
+
+def _chunk_ratio(cfg: ModelConfig, t: int, P: int, R: int, U: int, C: int, m: int) -> float:
+    """Time of a step with C sequence chunks per request relative to the unchunked step (same devices, same work):
+    one request (m = 1) from `seq_chunks.critical_path` (fill and attention imbalance included); m requests in
+    flight from the tick counts ((m·C + P − 1) ticks of a chunk vs (m + P − 1) ticks of a whole request)."""
+    if m == 1:
+        one = seq_chunks.predict(cfg, t, pipeline=P, ring=R, ulysses=U, chunks=1, flops_per_s=1.0)
+        chunked = seq_chunks.predict(cfg, t, pipeline=P, ring=R, ulysses=U, chunks=C, flops_per_s=1.0)
+        return chunked["ttft_s"] / one["ttft_s"]
+    return (m * C + P - 1) / (C * (m + P - 1))
 
 
 def predict_tensor_parallel(cfg: ModelConfig, tp: int, length: int, hardware: str | Hardware, *,

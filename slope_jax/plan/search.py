@@ -23,10 +23,14 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_layouts(cfg: ModelConfig, num_devices: int, devices_per_host: int, *, with_expert: bool = True
-                      ) -> list[ParallelConfig]:
-    """Every valid `(pipeline, ring, ulysses[, expert])` using all `num_devices`: ParallelConfig.validate's rules,
-    Ulysses inside a host (`ulysses` divides `devices_per_host`), EP degree 1 or R·U (when it divides E)."""
+SEQ_CHUNK_OPTIONS = (1, 4, 8, 16)  # sequence chunks considered for pipelined layouts (P > 1)
+
+
+def enumerate_layouts(cfg: ModelConfig, num_devices: int, devices_per_host: int, *, with_expert: bool = True,
+                      seq_chunk_options=SEQ_CHUNK_OPTIONS) -> list[ParallelConfig]:
+    """Every valid `(pipeline, ring, ulysses[, expert][, seq_chunks])` using all `num_devices`: the rules of
+    `ParallelConfig.validate`, Ulysses inside a host (`ulysses` divides `devices_per_host`), EP degree 1 or R·U
+    (when it divides E), and for P > 1 each of `seq_chunk_options` (sequence-pipelined prefill)."""
     out = []
     for p in _divisors(num_devices):
         for u in _divisors(num_devices // p):
@@ -34,12 +38,13 @@ def enumerate_layouts(cfg: ModelConfig, num_devices: int, devices_per_host: int,
             if devices_per_host % u:
                 continue
             try:
-                par = ParallelConfig(pipeline=p, ring=r, ulysses=u, expert=1).validate(cfg, num_devices)
+                ParallelConfig(pipeline=p, ring=r, ulysses=u, expert=1).validate(cfg, num_devices)
             except LayoutError:
                 continue
-            out.append(par)
-            if with_expert and r * u > 1 and cfg.num_experts % (r * u) == 0:
-                out.append(ParallelConfig(pipeline=p, ring=r, ulysses=u, expert=r * u))
+            experts = [1] + ([r * u] if with_expert and r * u > 1 and cfg.num_experts % (r * u) == 0 else [])
+            for ep in experts:
+                for c in (seq_chunk_options if p > 1 else (1,)):
+                    out.append(ParallelConfig(pipeline=p, ring=r, ulysses=u, expert=ep, seq_chunks=c))
     return out
 
 
@@ -136,7 +141,8 @@ def choose_layout(cfg: ModelConfig, hardware: str | Hardware, num_devices: int, 
         if not fitting:
             raise LayoutError(hardest["reason"])
         row = min(fitting, key=lambda r: r["ttft_ms"])
-    par = ParallelConfig(pipeline=row["pipeline"], ring=row["ring"], ulysses=row["ulysses"], expert=row["expert"])
+    par = ParallelConfig(pipeline=row["pipeline"], ring=row["ring"], ulysses=row["ulysses"], expert=row["expert"],
+                         seq_chunks=row.get("seq_chunks", 1))
     return par, f"{row['layout']} at {lengths[-1]} tokens: {hardest['reason']}", table
 
 

@@ -39,7 +39,7 @@ def compare(engine, n: int, m: int | None = None) -> dict:
     t = engine.bucket(n)
     compiled = engine.compiled(t, m)
     text = compiled.as_text()
-    tiles = flops.Tiles(**engine.tiles)
+    tiles = _tiles(engine)
     model = flops.per_device(cfg, par.pipeline, par.ring, par.ulysses, t, n, m, tiles)
     xf = hlo.matmul_flops(text)
     xla_flops = xf["static"]
@@ -85,10 +85,15 @@ def attention_work(engine, n: int) -> tuple[float, float]:
         fresh.prefill([np.arange(n) % cfg.vocab_size], return_kv=False)
     measured = max(counter.work.values())
     t = engine.bucket(n)
-    model = flops.per_device(cfg, par.pipeline, par.ring, par.ulysses, t, n, 1, flops.Tiles(**engine.tiles))
+    model = flops.per_device(cfg, par.pipeline, par.ring, par.ulysses, t, n, 1, _tiles(engine))
     # work counts score entries; FLOPs are 4·heads·H per entry (heads N on sliding layers, N/U on full layers)
     per_entry_sl = 4 * cfg.num_attention_heads * cfg.head_dim
     per_entry_full = 4 * (cfg.num_attention_heads // par.ulysses) * cfg.head_dim
     c = model["classes"]
     entries = c["sliding"][0] / per_entry_sl + (c["step0"][0] + c["ring"][0]) / per_entry_full
     return float(measured), float(entries)
+
+
+def _tiles(engine) -> flops.Tiles:
+    """The engine's tile sizes (its `tiles` also names the attention / MoE implementations)."""
+    return flops.Tiles(**{k: engine.tiles[k] for k in ("q_tile", "kv_tile", "moe_tile")})

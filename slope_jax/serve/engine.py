@@ -107,6 +107,7 @@ class PrefillEngine:
         # compute options of the step: tile sizes and the concrete attention / MoE implementations
         self.tiles = dict(q_tile=q_tile, kv_tile=kv_tile, moe_tile=moe_tile, **self.impls)
         self._compiled: dict[tuple[int, int], object] = {}
+        self.compile_ms: dict[tuple[int, int], float] = {}  # (bucket, prompts per step) -> XLA compile time, ms
         if parallel.num_devices == 1:
             self.mesh = None
             self.plan = pipe_lib.StagePlan.single_stage(cfg.num_hidden_layers)
@@ -247,7 +248,8 @@ class PrefillEngine:
                     jax.ShapeDtypeStruct((t,), jnp.int32, sharding=s_pos),
                     jax.ShapeDtypeStruct((m,), jnp.int32, sharding=s_n))
             self._compiled[key] = self._step.lower(*args).compile()
-            log.info("compiled bucket T=%d x %d in %.1f s", t, m, time.perf_counter() - t0)
+            self.compile_ms[key] = (time.perf_counter() - t0) * 1e3
+            log.info("compiled bucket T=%d x %d in %.1f s", t, m, self.compile_ms[key] / 1e3)
         return self._compiled[key]
 
     @property

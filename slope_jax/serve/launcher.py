@@ -231,8 +231,8 @@ class _Intake:
             batch, rejected, wait_s = self.scheduler.take_batch(time.perf_counter(), self.closed)
             for item, reason in rejected:
                 req = item.request
-                self.emit({"id": req.id, "line": req.line, "error": f"line {req.line} ({req.id}): rejected: {reason}",
-                           "rejected": True, "ttft_slo_ms": item.slo_ms, "num_tokens": item.num_tokens})
+                self.emit({"id": req.id, "line": req.line, "error": f"line {req.line} ({req.id}): {reason}",
+                           "rejected": True, "ttft_slo_ms": _slo_ms(req), "num_tokens": item.num_tokens})
             if batch:
                 return batch
             if self.closed:
@@ -360,6 +360,11 @@ def _fail(message: str):
     sys.exit(2)
 
 
+def _slo_ms(req) -> float | None:
+    """A request's TTFT SLO in ms: its own `ttft_slo_ms`, else `--ttft_slo_ms`, else None."""
+    return req.ttft_slo_ms if req.ttft_slo_ms is not None else FLAGS.ttft_slo_ms
+
+
 def _result_record(req, res, engine, tokenizer, item=None) -> dict:
     import numpy as np
 
@@ -375,7 +380,7 @@ def _result_record(req, res, engine, tokenizer, item=None) -> dict:
                 "export_ms": round(res.export_ms, 3), "kv_path": res.kv_path})
     if item is not None and item.predicted_ttft_ms is not None:  # the cost model's TTFT beside the measured one
         rec["predicted_ttft_ms"] = round(item.predicted_ttft_ms, 3)
-    slo_ms = req.ttft_slo_ms if item is None or item.slo_ms is None else item.slo_ms
+    slo_ms = _slo_ms(req)
     if slo_ms is not None:
         rec["ttft_slo_ms"] = round(slo_ms, 3)
         rec["slo_met"] = res.ttft_ms <= slo_ms
@@ -412,10 +417,12 @@ def _serve():
         lengths = [int(x) for x in (FLAGS.expected_lengths or FLAGS.precompile)] or [min(max_tokens, 32768)]
         parallel, reason = slo.auto_layout(cfg, hardware, jax.device_count(), jax.local_device_count(), lengths,
                                            FLAGS.ttft_slo_ms, FLAGS.slo_percentile / 100)
-        parallel = dataclasses.replace(parallel, microbatches=FLAGS.microbatches, seq_chunks=FLAGS.seq_chunks)
+        if FLAGS["seq_chunks"].present:  # an explicit --seq_chunks overrides the planner's choice
+            parallel = dataclasses.replace(parallel, seq_chunks=FLAGS.seq_chunks)
+        parallel = dataclasses.replace(parallel, microbatches=FLAGS.microbatches)
         logging.info("--layout=auto on %d %s device(s), lengths %s, TTFT SLO %g ms: pipeline=%d ring=%d ulysses=%d "
-                     "expert=%s (%s)", jax.device_count(), hardware, lengths, FLAGS.ttft_slo_ms, parallel.pipeline,
-                     parallel.ring, parallel.ulysses, parallel.expert, reason)
+                     "expert=%s seq_chunks=%d (%s)", jax.device_count(), hardware, lengths, FLAGS.ttft_slo_ms,
+                     parallel.pipeline, parallel.ring, parallel.ulysses, parallel.expert, parallel.seq_chunks, reason)
     else:
         parallel = ParallelConfig(pipeline=FLAGS.pipeline, ring=FLAGS.ring, ulysses=FLAGS.ulysses,
                                   microbatches=FLAGS.microbatches, expert=FLAGS.expert, seq_chunks=FLAGS.seq_chunks)
@@ -502,13 +509,13 @@ def _serve():
         ids = [p[0] for p in payload]
         prompts = [np.asarray(p[1], np.int32) for p in payload]
         arrivals = [pending[i].arrival_s for i in ids] if me == 0 else None
-        t_batch = time.perf_counter()
+        t_batch, compiled_before = time.perf_counter(), set(engine.compile_ms)
         outcomes = _prefill_isolated(engine, prompts, ids, arrivals, kv_dir=FLAGS.kv_dir, kv_full=FLAGS.kv_full,
                                      return_kv=False, top_k=FLAGS.top_k, overwrite=FLAGS.overwrite)
         if me == 0:
             # the engine's busy time for the cost model's online correction: wall time less first-time compilation
-            busy_ms = (time.perf_counter() - t_batch) * 1e3 - sum({r.compile_ms for r in outcomes
-                                                                   if not isinstance(r, str)})
+            busy_ms = (time.perf_counter() - t_batch) * 1e3 - sum(ms for key, ms in engine.compile_ms.items()
+                                                                  if key not in compiled_before)
             predict_ms.observe([len(p) for p in prompts], busy_ms)
             scheduler.finished(time.perf_counter())
             for rid, res in zip(ids, outcomes):

@@ -45,19 +45,55 @@ def auto_layout(cfg: ModelConfig, hardware: str, num_devices: int, devices_per_h
     return par, reason
 
 
-def batch_model(engine, hardware: str, dtype: str, devices_per_host: int) -> sched_lib.OnlineCorrection:
-    """`predict_ms(lengths)` of one batch on `engine` (grouped by bucket, `engine.parallel.in_flight` prompts per
-    step, as `PrefillEngine.prefill` runs it), from the planner's predicted step time, corrected online: call
-    `.observe(lengths, measured_ms)` after each batch."""
+class BatchModel:
+    """`predict_ms(lengths)` of one batch on `engine` for the scheduler: the planner's predicted step time per
+    (bucket, prompts per step), grouped as `PrefillEngine.prefill` runs a batch (by bucket, `parallel.in_flight`
+    prompts per step), scaled online by measured compute (`observe`), plus the expected XLA compile time for every
+    step shape the engine has not compiled yet (the mean of its measured compile times; nothing before the first):
+    the first request of a new bucket pays its compilation, so admission must count it.
+    """
+
+    def __init__(self, engine, step_ms):
+        self.engine = engine
+        self.per_step = 1 if engine.mesh is None else engine.parallel.in_flight
+        self.model = sched_lib.OnlineCorrection(sched_lib.batch_predictor(step_ms, engine.bucket, self.per_step))
+
+    def _step_shapes(self, lengths) -> set[tuple[int, int]]:
+        groups: dict[int, int] = {}
+        for n in lengths:
+            t = self.engine.bucket(int(n))
+            groups[t] = groups.get(t, 0) + 1
+        shapes = set()
+        for t, c in groups.items():
+            full, rest = divmod(c, self.per_step)
+            shapes.update([(t, self.per_step)] * bool(full) + [(t, rest)] * bool(rest))
+        return shapes
+
+    def __call__(self, lengths: list[int]) -> float:
+        ms = self.model(lengths)
+        seen = self.engine.compile_ms
+        if seen:
+            new = self._step_shapes(lengths) - set(seen)
+            ms += len(new) * sum(seen.values()) / len(seen)
+        return ms
+
+    def observe(self, lengths: list[int], measured_ms: float) -> None:
+        """Fold in one finished batch's measured compute (ms, compilation excluded)."""
+        self.model.observe(lengths, measured_ms)
+
+
+def batch_model(engine, hardware: str, dtype: str, devices_per_host: int) -> BatchModel:
+    """The scheduler's batch-time model for `engine` (see `BatchModel`), from `slope_jax.plan.predict` on
+    `hardware` (a profile name) for the engine's layout and dtype."""
     from slope_jax.plan import predict
 
     parallel = engine.parallel
-    per_step = 1 if engine.mesh is None else parallel.in_flight
     layout = ParallelConfig(pipeline=parallel.pipeline, ring=parallel.ring, ulysses=parallel.ulysses,
-                            microbatches=parallel.microbatches, expert=parallel.expert_degree(engine.cfg))
+                            microbatches=parallel.microbatches, expert=parallel.expert_degree(engine.cfg),
+                            seq_chunks=parallel.seq_chunks)
 
     def step_ms(bucket: int, m: int) -> float:
         return float(predict(engine.cfg, layout, bucket, hardware, batch=m, bucket=bucket, dtype=dtype,
                              devices_per_host=devices_per_host).ttft_ms)
 
-    return sched_lib.OnlineCorrection(sched_lib.batch_predictor(step_ms, engine.bucket, per_step))
+    return BatchModel(engine, step_ms)
