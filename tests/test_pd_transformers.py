@@ -293,6 +293,8 @@ def test_bfloat16_export_without_jax(tmp_path):
     shape = (n, TINY.num_key_value_heads, TINY.head_dim)
     full = {layer: [rng.standard_normal(shape).astype(ml_dtypes.bfloat16) for _ in "kv"]
             for layer in range(TINY.num_hidden_layers)}
+    export = tmp_path / "bf16"  # the manifest's request id names its directory
+    export.mkdir()
     records, files = [], []
     for proc, (lo, hi) in enumerate(((0, 20), (20, n))):  # two processes' pieces, as a ring of 2 writes them
         segs = []
@@ -301,17 +303,17 @@ def test_bfloat16_export_without_jax(tmp_path):
             a, b = max(a, lo), min(b, hi)
             if a < b:
                 segs.append((layer, a, b, k[a:b], v[a:b]))
-        name, recs = kv.write_shard_file(str(tmp_path), proc, segs)
+        name, recs = kv.write_shard_file(str(export), proc, segs)
         records += recs
         files.append(name)
     ids = random_prompt(TINY, n, seed=1)
-    kv.write_manifest(str(tmp_path), request_id="bf16", token_ids=ids, cfg=TINY, dtype="bfloat16", full=False,
+    kv.write_manifest(str(export), request_id="bf16", token_ids=ids, cfg=TINY, dtype="bfloat16", full=False,
                       segments=records, files=files, first_token=5)
-    out = subprocess.run([sys.executable, "-c", _NO_JAX_LOAD, str(tmp_path)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", _NO_JAX_LOAD, str(export)], capture_output=True, text=True,
                          timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
     assert out.returncode == 0 and out.stdout.split() == ["bfloat16", str(n), str(w)], out.stderr[-2000:]
-    exact = kv.to_transformers_cache(tmp_path, TINY)  # the export's dtype: bit-exact bfloat16
-    wide = kv.to_transformers_cache(tmp_path, TINY, dtype=torch.float32)
+    exact = kv.to_transformers_cache(export, TINY)  # the export's dtype: bit-exact bfloat16
+    wide = kv.to_transformers_cache(export, TINY, dtype=torch.float32)
     for layer, (k, v) in full.items():
         rows = slice(n - (w - 1), n) if TINY.is_sliding(layer) else slice(0, n)
         for got, want in ((exact.layers[layer].keys, k), (wide.layers[layer].values, v)):

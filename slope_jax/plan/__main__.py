@@ -20,23 +20,32 @@ import os
 from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "gpt-oss-120b", "Model: a config.json path, a checkpoint directory holding config.json, "
-                    "or a name under configs/ (gpt-oss-120b, gpt-oss-20b, tiny).")
-flags.DEFINE_string("hardware", "mi250", "Hardware profile: a name under configs/hardware/ (mi250, mi250x, mi300x, "
-                    "a100, h100, h200, cpu) or a profile JSON path.")
-flags.DEFINE_integer("hosts", 4, "Hosts in the cluster.", lower_bound=1)
-flags.DEFINE_integer("devices_per_host", 8, "Devices per host (Ulysses groups stay inside a host).", lower_bound=1)
-flags.DEFINE_float("ttft_slo_ms", 1000.0, "TTFT SLO in milliseconds.", lower_bound=1e-3)
-flags.DEFINE_float("percentile", 90.0, "Percentile of requests that must meet the SLO (e.g. 90 for p90).")
-flags.DEFINE_list("lengths", ["32768", "65536", "102400"], "Context lengths (tokens) to plan for.")
-flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "Activation dtype (default: bfloat16; float32 on the cpu "
-                  "profile).")
-flags.DEFINE_bool("expert_parallel", True, "Also consider expert-parallel layouts (EP = ring·ulysses).")
-flags.DEFINE_string("json", None, "Write the plan as JSON here (per length: every layout, feasible ones, chosen).")
-flags.DEFINE_string("png", None, "Write a plot here: predicted TTFT vs length per layout with the SLO line; goodput.")
-flags.DEFINE_string("measured", None, "calibrate: JSON of measured rows (benchmarks/plan_measure_cpu.py).")
-flags.DEFINE_string("out", None, "calibrate: profile JSON to write (default configs/hardware/<hardware>.json); "
-                    "scenario: markdown path (default docs/scenario-gpt-oss-120b-mi250.md).")
+
+
+def _define_flags() -> None:
+    """The CLI's flags, defined when the CLI runs (not on import): the launcher, imported in the same process by
+    tests or tools, defines flags of the same names (--hardware, --ttft_slo_ms, --dtype)."""
+    flags.DEFINE_string("model", "gpt-oss-120b", "Model: a config.json path, a checkpoint directory holding "
+                        "config.json, or a name under configs/ (gpt-oss-120b, gpt-oss-20b, tiny).")
+    flags.DEFINE_string("hardware", "mi250", "Hardware profile: a name under configs/hardware/ (mi250, mi250x, "
+                        "mi300x, a100, h100, h200, cpu) or a profile JSON path.")
+    flags.DEFINE_integer("hosts", 4, "Hosts in the cluster.", lower_bound=1)
+    flags.DEFINE_integer("devices_per_host", 8, "Devices per host (Ulysses groups stay inside a host).",
+                         lower_bound=1)
+    flags.DEFINE_float("ttft_slo_ms", 1000.0, "TTFT SLO in milliseconds.", lower_bound=1e-3)
+    flags.DEFINE_float("percentile", 90.0, "Percentile of requests that must meet the SLO (e.g. 90 for p90).")
+    flags.DEFINE_list("lengths", ["32768", "65536", "102400"], "Context lengths (tokens) to plan for.")
+    flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "Activation dtype (default: bfloat16; float32 on "
+                      "the cpu profile).")
+    flags.DEFINE_bool("expert_parallel", True, "Also consider expert-parallel layouts (EP = ring·ulysses).")
+    flags.DEFINE_string("json", None, "Write the plan as JSON here (per length: every layout, feasible ones, "
+                        "chosen).")
+    flags.DEFINE_string("png", None, "Write a plot here: predicted TTFT vs length per layout with the SLO line; "
+                        "goodput.")
+    flags.DEFINE_string("measured", None, "calibrate: JSON of measured rows (benchmarks/plan_measure_cpu.py).")
+    flags.DEFINE_string("out", None, "calibrate: profile JSON to write (default configs/hardware/<hardware>.json); "
+                        "scenario: markdown path (default docs/scenario-gpt-oss-120b-mi250.md).")
+
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -162,7 +171,8 @@ def main(argv):
 
 
 def run():
-    """Console-script entry (`slope-plan`)."""
+    """Console-script entry (`slope-plan`) and `python -m slope_jax.plan`."""
+    _define_flags()
     app.run(main)
 
 

@@ -75,12 +75,12 @@ def attention_work(engine, n: int) -> tuple[float, float]:
     import numpy as np
 
     from slope_jax.model import attention
-    from slope_jax.serve.engine import PrefillEngine
 
     par = engine.parallel
     cfg = engine.cfg
-    fresh = PrefillEngine(cfg, engine.params, par, engine.dtype, devices=list(engine.mesh.devices.reshape(-1)),
-                          _placed=True, **engine.tiles)
+    # a fresh engine of the same class (plan sits below serve: no import of it), traced inside count_work
+    fresh = type(engine)(cfg, engine.params, par, engine.dtype, devices=list(engine.mesh.devices.reshape(-1)),
+                         _placed=True, **engine.tiles)
     with attention.count_work({"pipeline": par.pipeline, "ring": par.ring, "ulysses": par.ulysses}) as counter:
         fresh.prefill([np.arange(n) % cfg.vocab_size], return_kv=False)
     measured = max(counter.work.values())

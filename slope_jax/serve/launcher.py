@@ -34,8 +34,6 @@ import traceback
 
 from absl import app, flags, logging
 
-from slope_jax.serve.scheduler import Pending
-
 FLAGS = flags.FLAGS
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -109,6 +107,9 @@ flags.DEFINE_list("precompile", [], "Prompt lengths whose buckets are compiled b
                   "(e.g. 1024,4096,16384), so early requests do not wait for compilation.")
 flags.DEFINE_bool("summary", True, "Print a one-screen summary at the end (process 0, to stderr).")
 
+
+# Nothing at module level may import numpy or JAX: `distributed.exit_on_sigterm` must block SIGTERM before any
+# library starts threads (see main()).
 
 # Flags that shape the compiled step or what it reads: every process must agree on them (start-up fingerprint).
 # A new flag of that kind must be added here.
@@ -214,7 +215,10 @@ class _Intake:
     scheduler, bad lines and rejected requests → error records at once."""
 
     def __init__(self, reader, scheduler, parse_line, emit):
+        from slope_jax.serve.scheduler import Pending  # numpy: not before main() has set up SIGTERM handling
+
         self.reader, self.scheduler, self.parse_line, self.emit = reader, scheduler, parse_line, emit
+        self.pending_type = Pending
         self.closed = False
 
     def _accept(self, item) -> None:
@@ -223,7 +227,7 @@ class _Intake:
             return
         for req in self.parse_line(*item):
             deadline = None if req.ttft_slo_ms is None else req.arrival + req.ttft_slo_ms / 1e3
-            self.scheduler.add(Pending(req, req.id, int(req.tokens.size), req.arrival, deadline))
+            self.scheduler.add(self.pending_type(req, req.id, int(req.tokens.size), req.arrival, deadline))
 
     def next_batch(self):
         """The next batch to run (a list of Request), or None when the input is closed and everything is served."""
