@@ -169,6 +169,19 @@ def test_flag_and_layout_mistakes_are_one_line_exit_2():
         assert message in r.stderr and "Traceback" not in r.stderr and "died" not in r.stderr, r.stderr[-2000:]
 
 
+_SPAWNED: list = []  # launcher processes of the running test, killed at its end even when it fails
+
+
+@pytest.fixture(autouse=True)
+def _reap_launchers():
+    yield
+    while _SPAWNED:
+        p = _SPAWNED.pop()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def _pair(args0, args1, port, extra=(), **popen):
     procs = {}
     for pid, args in ((1, args1), (0, args0)):
@@ -176,6 +189,7 @@ def _pair(args0, args1, port, extra=(), **popen):
                f"--coordinator_address=127.0.0.1:{port}", "--init_timeout=60", *extra, *args]
         procs[pid] = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, **({"stdin": subprocess.DEVNULL} | popen))
+        _SPAWNED.append(procs[pid])
     return procs
 
 
