@@ -69,8 +69,12 @@ def temp_bytes(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int,
         layer += (2 * 2 * 2 * c * (max(K, U) // U) * H * b) if R > 1 else 0
     scores = 3 * score * 4
     moe = (2 * cfg.intermediate_size * D + D * cfg.intermediate_size) * b
+    # expert parallelism: the block sees the stage's T_stage = EP·T_local tokens — the gathered hidden states
+    # [T_stage, D] (b) and the float32 partial sums [T_stage, D] twice (the expert loop's carry and the
+    # reduce-scatter operand)
+    ep_tokens = 0 if single or expert == 1 else (b + 2 * 4) * expert * tl * D
     out = {"kv": float(kv), "layer_params": float(slices), "inputs": float(m * tl * D * b), "layer": float(layer),
-           "scores": float(scores), "moe": float(moe)}
+           "scores": float(scores), "moe": float(moe), "expert_parallel": float(ep_tokens)}
     out["total"] = sum(out.values())
     return out
 
