@@ -25,20 +25,16 @@ def params():
     return jax.tree.map(np.asarray, model.init_params(CONFIG_A, jax.random.key(0), "float32"))
 
 
-@pytest.mark.parametrize("layout,n,check_memory", [((1, 1, 1), 37, True), ((1, 2, 4), 100, True),
-                                                    ((2, 2, 2), 70, False)])
-def test_model_agrees_with_compiled_program(layout, n, check_memory, params):
+@pytest.mark.parametrize("layout,n", [((1, 1, 1), 37), ((1, 2, 4), 100), ((2, 2, 2), 70)])
+def test_model_agrees_with_compiled_program(layout, n, params):
     """FLOPs and collective bytes within 5 % (measured: exact to 4 digits), argument + temp memory within 15 %
-    (measured: within 7 % on the unpipelined cases). Memory is not asserted for the pipelined CONFIG_A case: with
-    16-token tiles XLA's temporaries there are dominated by small fixed buffers the estimate misses by ~16 %
-    (the mid config's pipelined layouts are within 9 %: benchmarks/plan_vs_xla.py)."""
+    (measured: ratios 1.12, 1.09 and 0.89; the pipelined case has the most small fixed buffers at 16-token tiles)."""
     par = ParallelConfig(*layout)
     eng = PrefillEngine(CONFIG_A, params, par, "float32", devices=jax.devices()[:par.num_devices], **TILES)
     row = verify.compare(eng, n)
     assert row["flops_ratio"] == pytest.approx(1.0, abs=0.05), row
     assert row["bytes_ratio"] == pytest.approx(1.0, abs=0.05), row
-    if check_memory:
-        assert row["memory_ratio"] == pytest.approx(1.0, abs=0.15), row
+    assert row["memory_ratio"] == pytest.approx(1.0, abs=0.15), row
 
 
 def test_attention_tile_ranges_match_the_programs_own_count(params):

@@ -9,9 +9,15 @@ A stage stores ⌈L/P⌉ layers; embedding and unembedding rows are split over t
 Temporaries (the live set at the attention of a layer): the K/V of the stage's layers for the
 `M` requests in flight (`[M, n, T_local, K, H]` × 2; on one device the layer scan writes them into the output), the
 embedded inputs `[M, T_local, D]`, the residual stream, the layer's q and its float32 online-softmax state
-(`[T_local, N, H]` each), the ring's two K/V blocks in flight, and three float32 score tiles `[bq, heads, bk]`
-(scores, probabilities, mask) of the widest attention call; for MoE layers the dequantized weights of one expert,
-`[2I·D + D·I]`.
+(`[T_local, N, H]` each), the ring's two K/V blocks in flight, float32 score tiles `[bq, heads, bk]` — two of the
+widest attention call (scores and probabilities; the mask is fused into them) and one of the other layer kind's
+(a buffer of its own in XLA's assignment: the two kinds' tile loops have different shapes); for MoE layers the
+dequantized weights of one expert, `[2I·D + D·I]`, twice (as dequantized from MXFP4 and as laid out for the dot: both
+orientations appear in the compiled program's buffers); under expert parallelism the stage's gathered tokens
+`[EP·T_local, D]` and two float32 partial-sum buffers of that size (the expert loop's carry and the reduce-scatter
+operand). Checked against `compiled.memory_analysis()` by benchmarks/plan_vs_xla.py (tiny and mid configs, 7 layouts,
+1 to 8192 tokens: within 15 %); XLA's buffer sharing is a heap simulation, so this is an estimate of its live set,
+not a replay of it.
 """
 
 from __future__ import annotations
@@ -60,15 +66,18 @@ def temp_bytes(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int,
     layer = tl * N * H * (b + 4) + tl * D * b
     if single:
         bq, bk = min(tiles.q_tile, t), min(tiles.kv_tile, t)
-        score = bq * bk * N
+        sliding = full = bq * bk * N
     else:
         pz = t // (2 * R * U)
         c = U * pz
-        score = max(min(tiles.q_tile, pz) * min(tiles.kv_tile, pz + max(W - 1, 0)) * N,
-                    min(tiles.q_tile, c) * min(tiles.kv_tile, c) * (N // U))
+        sliding = min(tiles.q_tile, pz) * min(tiles.kv_tile, pz + max(W - 1, 0)) * N
+        full = min(tiles.q_tile, c) * min(tiles.kv_tile, c) * (N // U)
         layer += (2 * 2 * 2 * c * (max(K, U) // U) * H * b) if R > 1 else 0
-    scores = 3 * score * 4
-    moe = (2 * cfg.intermediate_size * D + D * cfg.intermediate_size) * b
+    # two float32 tiles of the widest attention call live at once (scores, probabilities; the mask is fused into
+    # them) and one of the other layer kind's call, which XLA places in a buffer of its own
+    scores = (2 * max(sliding, full) + min(sliding, full)) * 4
+    # the dequantized weights of one expert, twice: as dequantized from MXFP4 and as laid out for the dot
+    moe = 2 * (2 * cfg.intermediate_size * D + D * cfg.intermediate_size) * b
     # expert parallelism: the block sees the stage's T_stage = EP·T_local tokens — the gathered hidden states
     # [T_stage, D] (b) and the float32 partial sums [T_stage, D] twice (the expert loop's carry and the
     # reduce-scatter operand)
