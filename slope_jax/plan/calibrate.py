@@ -2,8 +2,8 @@
 
 Model (design §7, `model.predict`): `time = F_matmul/(peak·e_mm) + F_attention/(peak·e_att) + communication
 + overhead_s + layer_overhead_s · (layer slots executed)`, where e_att is `attention` for sharded steps and
-`attention_one_device` for one-device steps (`hardware.Efficiency`: different programs that use a shared host's
-cores differently). With `x = (1/e_mm, 1/e_att, 1/e_att1, overhead_s, layer_overhead_s)` this is linear in x; the fit
+`attention_one_device` for one-device steps (`hardware.Efficiency`: different programs with differently shaped
+attention tiles). With `x = (1/e_mm, 1/e_att, 1/e_att1, overhead_s, layer_overhead_s)` this is linear in x; the fit
 minimises the squared *relative* error over the measured rows subject to x ≥ 0 (an exhaustive active-set search over
 the subsets of free coefficients: exact). `attention_one_device` is fitted only when the rows hold both one-device and
 sharded steps; otherwise the one attention efficiency covers every row.

@@ -33,11 +33,12 @@ class Efficiency:
     """Fractions of peak reached by matmuls and by attention, fixed costs per step and per executed layer slot.
 
     `attention_one_device` (None = `attention`): the one-device program's attention efficiency where it is measured
-    apart from the sharded program's. On a shared-compute host the two are different programs on the same cores:
-    one device runs its attention tile loops (a `lax.map` over query tiles × a `fori_loop` over key tiles, small ops
-    in sequence) with XLA:CPU's intra-op threads, while the virtual devices of a sharded step run their programs
-    concurrently, one per thread, so the sharded attention keeps every core busy and the one-device attention does
-    not (measured: 1 → 2 cores speeds the one-device attention of the tiny config at 4096 tokens up 1.6×, not 2×).
+    apart from the sharded program's. The two are different compiled programs whose attention tiles differ in shape:
+    one device's tile loop (a `lax.map` over query tiles × a `fori_loop` over key tiles) works on `[bq, N, bk]`
+    score tiles of all N heads (4 MiB at 256-token tiles and 16 heads, twice a 2 MiB L2 of the local CPU), the
+    sharded full layers on N/U heads after the Ulysses all-to-all. Fitted only from rows of both kinds (the CPU:
+    0.051 vs 0.056, configs/hardware/calibration/cpu_tiny.json); not a threading effect — on the quiet 2-core host the
+    one-device attention of the tiny config at 4096 tokens runs 1.95× faster on 2 cores than on 1.
     """
 
     matmul: float
