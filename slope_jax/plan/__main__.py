@@ -142,7 +142,9 @@ def cmd_calibrate():
     for r in rows:
         print(f"{r['layout']:<14} {r['length']:>7} {r['measured_ms']:>12.1f} {r['predicted_ms']:>13.1f} "
               f"{r['error']:>+7.1%}")
-    print(f"efficiency matmul {eff.matmul:.3g}, attention {eff.attention:.3g}, overhead {eff.overhead_s * 1e3:.2f} ms"
+    one = "" if eff.attention_one_device is None else f" (one-device program {eff.attention_one_device:.3g})"
+    print(f"efficiency matmul {eff.matmul:.3g}, attention {eff.attention:.3g}{one}, overhead "
+          f"{eff.overhead_s * 1e3:.2f} ms"
           f" per step + {eff.layer_overhead_s * 1e3:.3f} ms per layer slot; wrote {path}")
 
 

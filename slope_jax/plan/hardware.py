@@ -6,8 +6,10 @@ Profile fields (SI units):
   intra_host_bytes_per_s (one device's link to a peer in its host, per direction),
   inter_host_bytes_per_s (one device's share of the host's network, per direction),
   shared_compute (true when the "devices" are virtual and share one host's cores: the CPU profile),
-  efficiency {matmul, attention: fraction of peak reached; overhead_s per step; layer_overhead_s per executed layer
-  slot; source}, sources {field: citation}.
+  efficiency {matmul, attention: fraction of peak reached; attention_one_device: the attention's fraction of peak in
+  the one-device program where it differs from the sharded program's (optional; absent = `attention`, the neutral
+  value for every profile measured without that distinction); overhead_s per step; layer_overhead_s per executed
+  layer slot; source}, sources {field: citation}.
 `calibrate` fits `efficiency` from measured step times (`python -m slope_jax.plan calibrate`).
 """
 
@@ -28,13 +30,29 @@ class HardwareError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Efficiency:
-    """Fractions of peak reached by matmuls and by attention, fixed costs per step and per executed layer slot."""
+    """Fractions of peak reached by matmuls and by attention, fixed costs per step and per executed layer slot.
+
+    `attention_one_device` (None = `attention`): the one-device program's attention efficiency where it is measured
+    apart from the sharded program's. The two are different compiled programs whose attention tiles differ in shape:
+    one device's tile loop (a `lax.map` over query tiles × a `fori_loop` over key tiles) works on `[bq, N, bk]`
+    score tiles of all N heads (4 MiB at 256-token tiles and 16 heads, twice a 2 MiB L2 of the local CPU), the
+    sharded full layers on N/U heads after the Ulysses all-to-all. Fitted only from rows of both kinds (the CPU:
+    0.051 vs 0.056, configs/hardware/calibration/cpu_tiny.json); not a threading effect — on the quiet 2-core host the
+    one-device attention of the tiny config at 4096 tokens runs 1.95× faster on 2 cores than on 1.
+    """
 
     matmul: float
     attention: float
     overhead_s: float = 0.0
     layer_overhead_s: float = 0.0
     source: str = ""
+    attention_one_device: float | None = None
+
+    def attention_for(self, devices: int) -> float:
+        """The attention efficiency of a step on `devices` devices."""
+        if devices == 1 and self.attention_one_device is not None:
+            return self.attention_one_device
+        return self.attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +88,10 @@ class Hardware:
             if key not in d:
                 raise HardwareError(f"{source}: missing field {key!r} (required: {', '.join(required)})")
         eff = d["efficiency"]
-        for key in ("matmul", "attention"):
+        for key in ("matmul", "attention", "attention_one_device"):
             v = eff.get(key)
+            if key == "attention_one_device" and v is None:
+                continue  # optional: absent = the same as `attention`
             if not isinstance(v, (int, float)) or not 0 < v <= 1:
                 raise HardwareError(f"{source}: efficiency.{key}={v!r} must be a number in (0, 1]")
         for key in ("hbm_bytes", "hbm_bytes_per_s", "intra_host_bytes_per_s", "inter_host_bytes_per_s"):
@@ -84,7 +104,9 @@ class Hardware:
                    inter_host_bytes_per_s=float(d["inter_host_bytes_per_s"]),
                    efficiency=Efficiency(float(eff["matmul"]), float(eff["attention"]),
                                          float(eff.get("overhead_s", 0.0)), float(eff.get("layer_overhead_s", 0.0)),
-                                         str(eff.get("source", ""))),
+                                         str(eff.get("source", "")),
+                                         None if eff.get("attention_one_device") is None
+                                         else float(eff["attention_one_device"])),
                    shared_compute=bool(d.get("shared_compute", False)), sources=dict(d.get("sources", {})))
 
 

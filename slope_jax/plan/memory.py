@@ -6,12 +6,26 @@ activation dtype; norms and sinks float32; experts MXFP4-packed — 16 bytes of 
 scale byte, 4.25 bits per weight (OCP MX spec v1.0 §5; spec/gpt-oss.md) — or dense; experts divided by the EP degree.
 A stage stores ⌈L/P⌉ layers; embedding and unembedding rows are split over the P stages.
 
-Temporaries (the live set at the attention of a layer): the K/V of the stage's layers for the
-`M` requests in flight (`[M, n, T_local, K, H]` × 2; on one device the layer scan writes them into the output), the
-embedded inputs `[M, T_local, D]`, the residual stream, the layer's q and its float32 online-softmax state
-(`[T_local, N, H]` each), the ring's two K/V blocks in flight, and three float32 score tiles `[bq, heads, bk]`
-(scores, probabilities, mask) of the widest attention call; for MoE layers the dequantized weights of one expert,
-`[2I·D + D·I]`.
+Temporaries (an estimate of the live set XLA's buffer assignment keeps; each term below was read off the
+memory-usage report of compiled steps, `--xla_dump_to`):
+  - the K/V of the stage's layers for the `M` requests in flight (`[M, n, T_local, K, H]` × 2; on one device the
+    layer scan writes them into the output), the embedded inputs `[M, T_local, D]`, the residual stream, the layer's
+    q and its float32 online-softmax state (`[T_local, N, H]` each), the ring's two K/V blocks in flight;
+  - float32 score tiles `[bq, heads, bk]`: two of the widest attention call (scores and probabilities; the mask is
+    fused into them) and one of the other layer kind's, which gets a buffer of its own (the two kinds' tile loops have
+    different shapes). A ring step's key block is the peer's two zigzag chunks (`bk ≤ 2·U·Pz`), its queries one chunk;
+  - per-layer weight copies of the layer scan (dynamic slices of the stack; none when a stage holds one layer): one on
+    one device, two in a sharded step (the 2-D relayouts of q/o for the dots and the sliced MXFP4 expert blocks);
+    a pipelined stage whose stack holds one entry per layer kind (S = 2 slots, two layers) also copies its attention
+    weights whole (the tick loop's carry), two more copies;
+  - the dequantized weights of one expert, `[2I·D + D·I]`, twice (as dequantized from MXFP4 and in the dot's layout).
+    They share their buffers with the attention weight copies (same size class, disjoint live ranges: the attention
+    and the MoE block of a layer run one after the other), so the larger of the two counts;
+  - under expert parallelism the stage's gathered tokens `[EP·T_local, D]` and two float32 partial-sum buffers of that
+    size (the expert loop's carry and the reduce-scatter operand).
+Checked against `compiled.memory_analysis()` by benchmarks/plan_vs_xla.py (tiny and mid configs, 7 layouts incl.
+pipeline 2 and 4, 1 to 8192 tokens: within 12.2 %, every layout's EP default included). XLA's buffer sharing is a heap
+simulation, so this is an estimate of its live set, not a replay of it.
 """
 
 from __future__ import annotations
@@ -54,23 +68,38 @@ def temp_bytes(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int,
     _, n = stage_slots(cfg, pipeline)
     kv = 0 if single else 2 * m * n * tl * K * H * b  # one device: the layer scan writes K/V into its output
     per_layer = param_bytes(cfg, b, 1, expert)
-    # the scan body's dynamic slices of the stack (none when a stage holds a single layer: nothing to select)
+    # the scan body's per-layer weight copies (module docstring; none when a stage holds one layer)
     copies = 1 if single else 0 if n == 1 else 2
-    slices = copies * (per_layer["total"] - per_layer["embeddings"]) / cfg.num_hidden_layers
+    L = cfg.num_hidden_layers
+    attention_w = (per_layer["attention"] + per_layer["router"]) / L
+    att_slices = copies * attention_w
+    exp_slices = copies * per_layer["experts"] / L
+    S, _ = stage_slots(cfg, pipeline)
+    stack_copy = 2 * attention_w if pipeline > 1 and S == 2 and n > 1 else 0.0
     layer = tl * N * H * (b + 4) + tl * D * b
     if single:
         bq, bk = min(tiles.q_tile, t), min(tiles.kv_tile, t)
-        score = bq * bk * N
+        sliding = full = bq * bk * N
     else:
         pz = t // (2 * R * U)
         c = U * pz
-        score = max(min(tiles.q_tile, pz) * min(tiles.kv_tile, pz + max(W - 1, 0)) * N,
-                    min(tiles.q_tile, c) * min(tiles.kv_tile, c) * (N // U))
+        sliding = min(tiles.q_tile, pz) * min(tiles.kv_tile, pz + max(W - 1, 0)) * N
+        full = min(tiles.q_tile, c) * min(tiles.kv_tile, 2 * c if R > 1 else c) * (N // U)
         layer += (2 * 2 * 2 * c * (max(K, U) // U) * H * b) if R > 1 else 0
-    scores = 3 * score * 4
-    moe = (2 * cfg.intermediate_size * D + D * cfg.intermediate_size) * b
-    out = {"kv": float(kv), "layer_params": float(slices), "inputs": float(m * tl * D * b), "layer": float(layer),
-           "scores": float(scores), "moe": float(moe)}
+    # two float32 tiles of the widest attention call live at once (scores, probabilities; the mask is fused into
+    # them) and one of the other layer kind's call, which XLA places in a buffer of its own
+    scores = (2 * max(sliding, full) + min(sliding, full)) * 4
+    # the dequantized weights of one expert, twice: as dequantized from MXFP4 and as laid out for the dot; they share
+    # buffers with the attention weight copies (the larger of the two counts)
+    moe = 2 * (2 * cfg.intermediate_size * D + D * cfg.intermediate_size) * b
+    # expert parallelism: the block sees the stage's T_stage = EP·T_local tokens — the gathered hidden states
+    # [T_stage, D] (b) and the float32 partial sums [T_stage, D] twice (the expert loop's carry and the
+    # reduce-scatter operand)
+    ep_tokens = 0 if single or expert == 1 else (b + 2 * 4) * expert * tl * D
+    out = {"kv": float(kv), "inputs": float(m * tl * D * b), "layer": float(layer), "scores": float(scores),
+           "expert_params": float(exp_slices), "stage_weights": float(stack_copy),
+           "attention_params_or_dequantized_expert": float(max(att_slices, moe)),
+           "expert_parallel": float(ep_tokens)}
     out["total"] = sum(out.values())
     return out
 

@@ -128,7 +128,7 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
     ticks = m + P - 1 if devices > 1 else m
     mm_s = (f["projections"] + f["moe"]) / (peak * eff.matmul)
     head_s = f["head"] / (peak * eff.matmul)
-    att_s = f["attention"] / (peak * eff.attention)
+    att_s = f["attention"] / (peak * eff.attention_for(devices))
 
     links = _links(parallel, devices_per_host)
     bw = {"intra": hw.intra_host_bytes_per_s, "inter": hw.inter_host_bytes_per_s}
@@ -165,7 +165,8 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
     assumptions = [
         f"{hw.name}: peak {peak / 1e12:.4g} TFLOP/s per device ({dtype}"
         + (f", host peak shared by {devices} virtual devices" if hw.shared_compute else "") + ")",
-        f"efficiency matmul {eff.matmul:.3g}, attention {eff.attention:.3g}"
+        f"efficiency matmul {eff.matmul:.3g}, attention {eff.attention_for(devices):.3g}"
+        + (" (one-device program)" if devices == 1 and eff.attention_one_device is not None else "")
         + (f" ({eff.source})" if eff.source else ""),
         f"links: intra-host {hw.intra_host_bytes_per_s / 1e9:.4g} GB/s, inter-host "
         f"{hw.inter_host_bytes_per_s / 1e9:.4g} GB/s per device; Ulysses inside a host",

@@ -7,12 +7,14 @@ XLA side: dot FLOPs of the compiled HLO with the `known_trip_count` of every enc
 contribute their per-pass FLOPs × the model's trip count for that loop class (the model's FLOPs over its one-pass
 FLOPs): their per-iteration shapes are XLA's, their trip counts the model's, and `attention_work` checks those
 against the compiled program's own count (`attention.count_work`). Collectives: `traffic.hlo_bytes_by_scope`.
-Memory: `compiled.memory_analysis()` argument + temp bytes.
+Memory: `compiled.memory_analysis()` argument + temp bytes. Under expert parallelism (the engine's default when R·U
+divides the expert count) every count uses the engine's EP degree; the EP collectives are counted as the HLO counts
+them (all-gather and reduce-scatter by their per-device block: `moe_traffic.MoeTraffic.block_total`).
 """
 
 from __future__ import annotations
 
-from slope_jax.plan import flops, hlo, memory, traffic
+from slope_jax.plan import flops, hlo, memory, moe_traffic, traffic
 
 
 def _loop_class(op_name: str) -> str:
@@ -40,7 +42,8 @@ def compare(engine, n: int, m: int | None = None) -> dict:
     compiled = engine.compiled(t, m)
     text = compiled.as_text()
     tiles = _tiles(engine)
-    model = flops.per_device(cfg, par.pipeline, par.ring, par.ulysses, t, n, m, tiles)
+    ep = 1 if single else par.expert_degree(cfg)  # the engine's EP degree (default on when R·U divides E)
+    model = flops.per_device(cfg, par.pipeline, par.ring, par.ulysses, t, n, m, tiles, ep)
     xf = hlo.matmul_flops(text)
     xla_flops = xf["static"]
     for op, per_pass in xf["dynamic"].items():
@@ -52,11 +55,13 @@ def compare(engine, n: int, m: int | None = None) -> dict:
     else:
         width = traffic.collective_element_bytes(engine.dtype, jax.default_backend())
         xla_bytes = float(traffic.hlo_bytes_by_scope(text).get("total", 0))
-        pred_bytes = traffic.analytic_bytes(cfg, par, t, m, engine.plan.slots_per_stage, width)["total"]
+        pred_bytes = (traffic.analytic_bytes(cfg, par, t, m, engine.plan.slots_per_stage, width)["total"]
+                      + moe_traffic.moe_traffic(cfg, par, t, m, engine.plan.slots_per_stage, width).block_total)
     mem = compiled.memory_analysis()
     xla_mem = float(mem.argument_size_in_bytes + mem.temp_size_in_bytes)
-    pred_mem = (memory.param_bytes(cfg, b, par.pipeline)["total"] + memory.input_bytes(t, m, par.ring * par.ulysses)
-                + memory.temp_bytes(cfg, par.pipeline, par.ring, par.ulysses, t, m, b, tiles)["total"])
+    pred_mem = (memory.param_bytes(cfg, b, par.pipeline, ep)["total"]
+                + memory.input_bytes(t, m, par.ring * par.ulysses)
+                + memory.temp_bytes(cfg, par.pipeline, par.ring, par.ulysses, t, m, b, tiles, ep)["total"])
 
     def ratio(a, b):
         return a / b if b else (1.0 if a == b else float("inf"))
