@@ -95,7 +95,7 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
     """Predict one prefill step of `batch` requests of `length` tokens on `parallel` (design §7; module docstring).
 
     Args:
-      cfg: the model. parallel: layout (its `expert` degree is used as given; None = 1).
+      cfg: the model. parallel: layout (EP degree `parallel.expert_degree(cfg)`, as the engine runs it).
       length: prompt tokens (padded to the engine's bucket). hardware: profile name, JSON path or Hardware.
       batch: requests per step (default 1: the TTFT of a request on an idle server).
       dtype: activation dtype (default float32 on shared-compute CPU profiles, else bfloat16).
@@ -109,9 +109,7 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
     dtype = dtype or ("float32" if hw.shared_compute else "bfloat16")
     b = DTYPE_BYTES[dtype]
     P, R, U = parallel.pipeline, parallel.ring, parallel.ulysses
-    ep = parallel.expert or 1
-    if ep > 1 and (cfg.num_experts % ep or (R * U) % ep):
-        raise ValueError(f"expert={ep} must divide num_experts={cfg.num_experts} and ring*ulysses={R * U}")
+    ep = parallel.expert_degree(cfg)  # validate() checked it: 1, or R·U dividing num_experts
     m = batch or 1
     t = bucket_length(length, parallel) if bucket is None else bucket
     if t < length or t % parallel.token_multiple:
