@@ -29,19 +29,10 @@ from slope_jax.plan import flops as flops_lib
 
 
 def stage_slots(cfg: ModelConfig, pipeline: int) -> tuple[int, int]:
-    """(sliding, full) slots every stage computes under `parallel.pipeline.plan_stages`' stated split."""
-    L = cfg.num_hidden_layers
-    sizes = [L // pipeline + (1 if p < L % pipeline else 0) for p in range(pipeline)]
-    longest, start = 0, 0
-    for size in sizes:
-        slots = 0
-        for layer in range(start, start + size):
-            parity = 0 if cfg.is_sliding(layer) else 1
-            slots += 1 + (slots % 2 != parity)
-        longest = max(longest, slots)
-        start += size
-    longest += longest % 2
-    return longest // 2, longest // 2
+    """(sliding, full) slots every stage computes under `parallel.pipeline.plan_stages`' stated split (half each of
+    `flops.stage_slots`' slot count)."""
+    slots, _ = flops_lib.stage_slots(cfg, pipeline)
+    return slots // 2, slots // 2
 
 
 def chunk_bounds(t: int, chunks: int) -> list[tuple[int, int]]:
