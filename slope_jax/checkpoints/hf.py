@@ -29,6 +29,8 @@ import jax
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from slope_jax.checkpoints.tree import flatten as _flatten
+from slope_jax.checkpoints.tree import unflatten as _unflatten
 from slope_jax.checkpoints import names as names_lib
 from slope_jax.model import gpt_oss as model_lib
 from slope_jax.model.config import ConfigError, ModelConfig
@@ -277,25 +279,6 @@ def _check_names_shapes(source: TensorSource, table: list[TensorEntry], cfg_path
 
 # ---------------------------------------------------------------------------------------------------------------
 # Materialisation
-def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, prefix + k + "/"))
-        else:
-            out[prefix + k] = v
-    return out
-
-
-def _unflatten(flat: dict[str, object]) -> dict:
-    out: dict = {}
-    for k, v in flat.items():
-        node = out
-        parts = k.split("/")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = v
-    return out
 
 
 def load_params(ckpt: CheckpointDir, dtype="bfloat16", *, shardings: dict | None = None,

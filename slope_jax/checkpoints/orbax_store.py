@@ -40,6 +40,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as Ps
 
+from slope_jax.checkpoints.tree import flatten as _flatten
+from slope_jax.checkpoints.tree import unflatten as _unflatten
 from slope_jax.atomic import atomic_json, atomic_write
 from slope_jax.checkpoints.hf import CheckpointError
 from slope_jax.model import gpt_oss as model_lib
@@ -93,25 +95,6 @@ def placement(cfg: ModelConfig, parallel: ParallelConfig, dtype, devices=None) -
     return Placement(mesh, plan, pspecs, specs)
 
 
-def _flatten(tree, prefix: str = "", leaf=None) -> dict:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict) and not (leaf is not None and isinstance(v, leaf)):
-            out.update(_flatten(v, prefix + k + "/", leaf))
-        else:
-            out[prefix + k] = v
-    return out
-
-
-def _unflatten(flat: dict) -> dict:
-    out: dict = {}
-    for k, v in flat.items():
-        node = out
-        parts = k.split("/")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = v
-    return out
 
 
 def _per_layer(name: str, spec: model_lib.ParamSpec) -> bool:
