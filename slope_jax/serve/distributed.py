@@ -169,6 +169,8 @@ class PeerWatch:
         self._closing = False
         self._finished: set[int] = set()
         self._lost_event = threading.Event()
+        self._ended: set[int] = set()  # peers whose connection has closed
+        self._ended_cv = threading.Condition()
         self._on_lost = on_peer_lost or _exit_with
         for pid, conn in conns.items():
             conn.settimeout(None)
@@ -185,6 +187,9 @@ class PeerWatch:
             else:
                 why = "connection closed"
             if not chunk:
+                with self._ended_cv:
+                    self._ended.add(pid)
+                    self._ended_cv.notify_all()
                 with self._lock:
                     if pid in self._finished:  # it said goodbye first: a clean end
                         return
@@ -239,6 +244,11 @@ class PeerWatch:
                 conn.shutdown(socket.SHUT_WR)
             except OSError:
                 pass
+        if self.process_id == 0 and failure is not None:
+            # process 0 hosts JAX's coordination service: let the peers act on FAIL and exit first (at most 2 s), or
+            # their JAX runtime sees the service vanish and aborts with its own "another task died" message
+            with self._ended_cv:
+                self._ended_cv.wait_for(lambda: len(self._ended) >= len(self.conns), timeout=2.0)
 
 
 def _exit_with(message: str) -> None:
