@@ -3,16 +3,20 @@
     python benchmarks/restore_vs_load.py --make --cleanup     # writes the 20b-shaped 2-layer cut first (~3.1 GB)
 
 Each measurement runs in its own child process (8 virtual CPU devices): the wall time of the load/restore call
-(until every array is ready, JAX start-up excluded) and the child's peak resident memory (`ru_maxrss`). Every child
-also hashes every parameter canonically (per layer, in natural layer order, vocabulary rows cut to V), so the HF load
-and the restores — in the same layout and in a different one — are compared bit for bit by digest.
-Steps: convert at --layout; HF load at --layout; orbax restore at --layout; orbax restore at --restore_layout.
-Prints a table and writes JSON (default benchmarks/results/restore_vs_load.json).
+(until every array is ready, JAX start-up excluded), the child's peak resident memory (`ru_maxrss`), CPU time and
+page faults. The HF load and the orbax restore at --layout alternate for --rounds rounds (medians compared), each
+child starting from the page-cache state --cache asks for. The first child of each path, and the restore into
+--restore_layout, hash every parameter canonically (per layer, in natural layer order, vocabulary rows cut to V), so
+the HF load and the restores are compared bit for bit by digest. Prints a table and writes JSON.
 
-Measured (2-core shared CPU box, load average ~25 during the run, bf16, gpt-oss-20b dims cut to 2 layers, 3.05 GiB):
-HF load at (2,2,2) 148.4 s / peak RSS 16.9 GiB; orbax restore at (2,2,2) 85.6 s / 13.8 GiB (1.73x faster, 0.82x
-RSS); orbax restore at (1,1,1) 41.7 s / 4.5 GiB; all bitwise equal to the HF load. On CPU every replica of a shard
-is its own host buffer (4 per shard at (2,2,2): 12.2 GiB of "device" arrays), which dominates both paths.
+Measured (2-core Firecracker VM, quiet, bf16, gpt-oss-20b dims cut to 2 layers, 3.05 GiB; 9.8 GiB of device arrays
+at (2,2,2) held in 3.05 GiB of host blocks, replicas shared; JSON in benchmarks/measured/cpu/), 5 rounds each:
+  --cache=cold  HF load median 9.52 s, orbax restore 2.88 s: 3.31x (best runs 3.06x); peak RSS 0.61x
+  --cache=warm  HF load median 6.66 s, orbax restore 6.54 s: 1.02x (best runs 1.14x); peak RSS 0.68x
+Cold, the restore's reads run concurrently in TensorStore, while the HF path faults its memory map in one thread
+(its CPU time is about its wall time).
+Warm, both paths are bound by the kernel zeroing the fresh host memory that becomes the parameters (perf: 51-59 %
+of CPU samples in clear_page_erms in both) plus one copy each, so neither can be much faster than the other.
 """
 
 from __future__ import annotations
@@ -42,7 +46,13 @@ flags.DEFINE_list("restore_layout", ["1", "1", "1"], "pipeline,ring,ulysses of t
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Float parameter dtype.")
 flags.DEFINE_bool("cleanup", False, "Delete the checkpoint and the converted directory afterwards.")
 flags.DEFINE_string("out", os.path.join(REPO, "benchmarks", "results", "restore_vs_load.json"), "JSON output.")
+flags.DEFINE_integer("rounds", 3, "Rounds of (HF load, orbax restore) at --layout, alternating; medians are compared.")
+flags.DEFINE_enum("cache", "warm", ["cold", "warm", "asis"],
+                  "Page cache before each timed child: cold = dropped (root: writes /proc/sys/vm/drop_caches), "
+                  "warm = dropped, then the files that child reads are read once (both paths start from the same "
+                  "state), asis = untouched.")
 flags.DEFINE_enum("child", None, ["convert", "hf", "orbax"], "Internal: run one measurement and print JSON.")
+flags.DEFINE_bool("digests", True, "Internal: the child hashes every parameter.")
 
 
 def _digests(params, pl, cfg) -> dict[str, str]:
@@ -108,17 +118,45 @@ def _child(kind: str, layout: list[str]) -> dict:
         return {"seconds": time.perf_counter() - t0, "peak_rss_mib": _rss_mib(), "bytes": meta["bytes"]}
     jax.block_until_ready(params)
     seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "peak_rss_mib": _rss_mib(), "digests": _digests(params, pl, cfg),
-            "device_bytes": sum(s.data.nbytes for a in jax.tree.leaves(params) for s in a.addressable_shards)}
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    out = {"seconds": seconds, "peak_rss_mib": _rss_mib(), "cpu_user_s": ru.ru_utime, "cpu_sys_s": ru.ru_stime,
+           "minor_faults": ru.ru_minflt,
+           "device_bytes": sum(s.data.nbytes for a in jax.tree.leaves(params) for s in a.addressable_shards),
+           "host_buffers_bytes": sum({s.data.unsafe_buffer_pointer(): s.data.nbytes for a in jax.tree.leaves(params)
+                                      for s in a.addressable_shards}.values())}
+    if FLAGS.digests:
+        out["digests"] = _digests(params, pl, cfg)
+    return out
 
 
 def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def _run_child(kind: str, layout: list[str]) -> dict:
+def _prepare_cache(paths: list[str]) -> None:
+    if FLAGS.cache == "asis":
+        return
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+    except OSError as e:
+        raise SystemExit(f"--cache={FLAGS.cache} drops the page cache and needs root ({e}); use --cache=asis") from e
+    if FLAGS.cache == "warm":
+        for root in paths:
+            for d, _, files in os.walk(root):
+                for name in files:
+                    with open(os.path.join(d, name), "rb") as f:
+                        while f.read(64 << 20):
+                            pass
+
+
+def _run_child(kind: str, layout: list[str], digests: bool = True) -> dict:
+    orbax_dir = FLAGS.orbax_dir or FLAGS.checkpoint.rstrip("/") + "-orbax"
+    if kind != "convert":
+        _prepare_cache([orbax_dir if kind == "orbax" else FLAGS.checkpoint])
     cmd = [sys.executable, os.path.abspath(__file__), f"--child={kind}", f"--layout={','.join(layout)}",
-           f"--checkpoint={FLAGS.checkpoint}", f"--dtype={FLAGS.dtype}"]
+           f"--checkpoint={FLAGS.checkpoint}", f"--dtype={FLAGS.dtype}", f"--digests={digests}"]
     if FLAGS.orbax_dir:
         cmd.append(f"--orbax_dir={FLAGS.orbax_dir}")
     t0 = time.perf_counter()
@@ -127,9 +165,15 @@ def _run_child(kind: str, layout: list[str]) -> dict:
         raise SystemExit(f"child {kind} {layout} failed:\n{r.stderr[-4000:]}")
     out = json.loads(r.stdout.strip().splitlines()[-1])
     out["process_seconds"] = time.perf_counter() - t0
-    print(f"  {kind:7s} layout {','.join(layout):6s}: {out['seconds']:7.2f} s, peak RSS {out['peak_rss_mib']:8.0f} MiB",
-          flush=True)
+    print(f"  {kind:7s} layout {','.join(layout):6s}: {out['seconds']:7.2f} s, peak RSS {out['peak_rss_mib']:8.0f} MiB"
+          + (f", cpu user {out['cpu_user_s']:.1f} s sys {out['cpu_sys_s']:.1f} s, minor faults {out['minor_faults']}"
+             if "cpu_sys_s" in out else ""), flush=True)
     return out
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
 
 
 def main(argv):
@@ -144,34 +188,41 @@ def main(argv):
                         "--config", os.path.join(REPO, "configs", "gpt-oss-20b.json"), f"--layers={FLAGS.layers}",
                         f"--out={FLAGS.checkpoint}", "--num_shards=3"], check=True)
     orbax_dir = FLAGS.orbax_dir or FLAGS.checkpoint.rstrip("/") + "-orbax"
+    runs: dict[str, list[dict]] = {"hf": [], "orbax": []}
     try:
         conv = _run_child("convert", FLAGS.layout)
-        hf_load = _run_child("hf", FLAGS.layout)
-        same = _run_child("orbax", FLAGS.layout)
+        for r in range(FLAGS.rounds):  # alternate, so drift of the machine hits both paths alike
+            for kind in ("hf", "orbax"):
+                runs[kind].append(_run_child(kind, FLAGS.layout, digests=r == 0))
         other = _run_child("orbax", FLAGS.restore_layout)
     finally:
         if FLAGS.cleanup:
             shutil.rmtree(orbax_dir, ignore_errors=True)
             shutil.rmtree(FLAGS.checkpoint, ignore_errors=True)
+    hf_load, same = runs["hf"][0], runs["orbax"][0]
     equal_same = same["digests"] == hf_load["digests"]
     equal_other = other["digests"] == hf_load["digests"]
-    rows = [("HF MXFP4 load", FLAGS.layout, hf_load), ("orbax restore", FLAGS.layout, same),
-            ("orbax restore", FLAGS.restore_layout, other)]
-    print(f"\n{'path':15s} {'layout':8s} {'load s':>8s} {'peak RSS MiB':>13s} {'speed-up':>9s} {'RSS ratio':>10s} "
-          f"{'bitwise = HF':>13s}")
-    for label, lay, r in rows:  # ratios only against the HF load in the same layout (replicas cost time and RSS)
-        same_layout = lay == FLAGS.layout
-        speed = f"{hf_load['seconds'] / r['seconds']:8.2f}x" if same_layout else f"{'-':>9s}"
-        rss = f"{r['peak_rss_mib'] / hf_load['peak_rss_mib']:10.2f}" if same_layout else f"{'-':>10s}"
-        print(f"{label:15s} {','.join(lay):8s} {r['seconds']:8.2f} {r['peak_rss_mib']:13.0f} {speed} {rss} "
-              f"{str(r['digests'] == hf_load['digests']):>13s}")
-    print(f"convert ({','.join(FLAGS.layout)}): {conv['seconds']:.1f} s, {conv['bytes'] / 2**30:.2f} GiB stored, "
-          f"peak RSS {conv['peak_rss_mib']:.0f} MiB")
-    result = {"checkpoint": FLAGS.checkpoint, "layers": FLAGS.layers, "dtype": FLAGS.dtype,
-              "layout": FLAGS.layout, "restore_layout": FLAGS.restore_layout, "convert": conv,
-              "hf_load": hf_load, "orbax_restore": same, "orbax_restore_other_layout": other,
-              "speedup": hf_load["seconds"] / same["seconds"],
-              "rss_ratio": same["peak_rss_mib"] / hf_load["peak_rss_mib"],
+    med = {k: _median([x["seconds"] for x in v]) for k, v in runs.items()}
+    best = {k: min(x["seconds"] for x in v) for k, v in runs.items()}
+    rss = {k: _median([x["peak_rss_mib"] for x in v]) for k, v in runs.items()}
+    print(f"\n{FLAGS.rounds} rounds, page cache {FLAGS.cache}")
+    print(f"{'path':15s} {'layout':8s} {'median s':>9s} {'best s':>8s} {'peak RSS MiB':>13s} {'speed-up':>9s} "
+          f"{'RSS ratio':>10s} {'bitwise = HF':>13s}")
+    for label, kind in (("HF MXFP4 load", "hf"), ("orbax restore", "orbax")):
+        print(f"{label:15s} {','.join(FLAGS.layout):8s} {med[kind]:9.2f} {best[kind]:8.2f} {rss[kind]:13.0f} "
+              f"{med['hf'] / med[kind]:8.2f}x {rss[kind] / rss['hf']:10.2f} "
+              f"{str(runs[kind][0]['digests'] == hf_load['digests']):>13s}")
+    print(f"{'orbax restore':15s} {','.join(FLAGS.restore_layout):8s} {other['seconds']:9.2f} {'-':>8s} "
+          f"{other['peak_rss_mib']:13.0f} {'-':>9s} {'-':>10s} {str(equal_other):>13s}")
+    print(f"speed-up of medians {med['hf'] / med['orbax']:.2f}x, of best runs {best['hf'] / best['orbax']:.2f}x; "
+          f"convert ({','.join(FLAGS.layout)}): {conv['seconds']:.1f} s, {conv['bytes'] / 2**30:.2f} GiB stored")
+    result = {"checkpoint": FLAGS.checkpoint, "layers": FLAGS.layers, "dtype": FLAGS.dtype, "cache": FLAGS.cache,
+              "rounds": FLAGS.rounds, "layout": FLAGS.layout, "restore_layout": FLAGS.restore_layout,
+              "convert": conv, "hf_load_runs": runs["hf"], "orbax_restore_runs": runs["orbax"],
+              "orbax_restore_other_layout": other,
+              "median_seconds": med, "best_seconds": best, "median_peak_rss_mib": rss,
+              "speedup_median": med["hf"] / med["orbax"], "speedup_best": best["hf"] / best["orbax"],
+              "rss_ratio": rss["orbax"] / rss["hf"],
               "bitwise_equal_same_layout": equal_same, "bitwise_equal_other_layout": equal_other}
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
     with open(FLAGS.out, "w") as f:

@@ -255,11 +255,30 @@ def _assert_same_placed(got: dict, want: dict, where: str):
         np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=f"{where}: {k}")
 
 
+def _assert_replicas_share_host_blocks(params: dict, where: str):
+    """CPU backend: devices holding the same shard share one 64-byte-aligned host buffer (`checkpoints.host`: one
+    block per distinct shard, adopted without a copy); distinct shards have distinct buffers."""
+    import jax
+
+    if jax.default_backend() != "cpu":
+        return
+    for k, a in _flat(params):
+        by_index: dict = {}
+        for s in a.addressable_shards:
+            key = tuple(sl.indices(d)[:2] for sl, d in zip(s.index, a.shape))
+            by_index.setdefault(key, set()).add(s.data.unsafe_buffer_pointer())
+        assert all(len(p) == 1 for p in by_index.values()), (where, k, "replicas hold copies")
+        ptrs = [next(iter(p)) for p in by_index.values()]
+        assert len(set(ptrs)) == len(ptrs), (where, k, "distinct shards share a buffer")
+        assert all(p % 64 == 0 for p in ptrs), (where, k, "unaligned host block")
+
+
 @pytest.mark.parametrize("name", ["A", "B"])
 def test_orbax_restore_is_bitwise_the_hf_load_in_any_layout(checkpoints, tmp_path, name):
     """Convert at (P, R, U) = (2, 2, 2), restore at the same, (1, 2, 4), (4, 1, 2) (CONFIG_B: 3+2+2+2 layers, padding
     entries inside the stack) and (1, 1, 1): every parameter equals the HF loader's into that layout bit for bit,
-    with the same sharding. Also in float32 (a dtype other than the converted one; the cast is exact)."""
+    with the same sharding. Also in float32 (a dtype other than the converted one; the cast is exact). Both paths
+    keep one host block per distinct shard (replicas share it)."""
     from slope_jax.checkpoints import orbax_store
     from slope_jax.parallel.config import ParallelConfig
     from slope_jax.serve.engine import PrefillEngine
@@ -274,6 +293,8 @@ def test_orbax_restore_is_bitwise_the_hf_load_in_any_layout(checkpoints, tmp_pat
         want = PrefillEngine.from_checkpoint(src, par, dtype, progress=False).params
         got = PrefillEngine.from_checkpoint(out, par, dtype, progress=False).params  # detects the orbax dir
         _assert_same_placed(got, want, f"{name} {par} {dtype}")
+        _assert_replicas_share_host_blocks(got, f"orbax {name} {par} {dtype}")
+        _assert_replicas_share_host_blocks(want, f"hf {name} {par} {dtype}")
 
 
 def test_convert_cli_and_refusals(tmp_path):

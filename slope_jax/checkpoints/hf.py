@@ -31,6 +31,7 @@ from safetensors import SafetensorError, safe_open
 
 from slope_jax.checkpoints.tree import flatten as _flatten
 from slope_jax.checkpoints.tree import unflatten as _unflatten
+from slope_jax.checkpoints import host as host_lib
 from slope_jax.checkpoints import names as names_lib
 from slope_jax.model import gpt_oss as model_lib
 from slope_jax.model.config import ConfigError, ModelConfig
@@ -331,12 +332,12 @@ def load_params(ckpt: CheckpointDir, dtype="bfloat16", *, shardings: dict | None
                 # expert parallelism: a device holds a range of experts; read only those rows of each layer tensor
                 e_lo, e_hi, _ = (index[1] if len(index) > 1 else slice(None)).indices(spec.shape[1])
                 part = (e_lo, e_hi) if (e_lo, e_hi) != (0, spec.shape[1]) else None
-                block = np.zeros((hi - lo, e_hi - e_lo, *spec.shape[2:]), spec.dtype)
+                block = host_lib.aligned_zeros((hi - lo, e_hi - e_lo, *spec.shape[2:]), spec.dtype)
                 for j, g in enumerate(stack[lo:hi]):
                     if g >= 0:
                         block[j] = read_one(entries[g], experts=part) if part else read_one(entries[g])
                 return block[(slice(None), slice(None), *index[2:])]
-            block = np.zeros((hi - lo, *spec.shape[1:]), spec.dtype)
+            block = host_lib.aligned_zeros((hi - lo, *spec.shape[1:]), spec.dtype)
             if pname.startswith("layers/"):
                 for j, g in enumerate(stack[lo:hi]):
                     if g >= 0:
@@ -354,16 +355,8 @@ def load_params(ckpt: CheckpointDir, dtype="bfloat16", *, shardings: dict | None
                 block[...] = read_one(entries[None])
             return block[(slice(None), *index[1:])]
 
-        cache: dict = {}
-
-        def cb(index, shard=shard, cache=cache):
-            key = tuple((s.start, s.stop, s.step) for s in index)
-            if key not in cache:  # replicas of a shard (ring/ulysses devices of a stage) share one read
-                cache[key] = shard(index)
-            return cache[key]
-
-        out[pname] = jax.make_array_from_callback(spec.shape, sharding, cb)
-        cache.clear()
+        # replicas of a shard (ring/ulysses devices of a stage) share one read and one aligned host block
+        out[pname] = host_lib.place(spec.shape, sharding, shard)
         log.debug("loaded %s %s %s", pname, spec.shape, spec.dtype)
     return _unflatten(out)
 

@@ -139,7 +139,7 @@ class PrefillEngine:
         """
         devices = list(jax.devices() if devices is None else devices)
         if orbax_store.is_orbax_checkpoint(path):
-            cfg, params, _ = orbax_store.restore(path, parallel, dtype, devices=devices)
+            cfg, params, _ = orbax_store.restore(path, parallel, dtype, devices=devices, progress=progress)
             return cls(cfg, params, parallel, dtype, devices=devices, _placed=True, attention_impl=attention_impl,
                        moe_impl=moe_impl, **kwargs)
         ck = ckpt_lib.open_checkpoint(path)
