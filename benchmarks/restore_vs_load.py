@@ -9,14 +9,19 @@ child starting from the page-cache state --cache asks for. The first child of ea
 --restore_layout, hash every parameter canonically (per layer, in natural layer order, vocabulary rows cut to V), so
 the HF load and the restores are compared bit for bit by digest. Prints a table and writes JSON.
 
-Measured (2-core Firecracker VM, quiet, bf16, gpt-oss-20b dims cut to 2 layers, 3.05 GiB; 9.8 GiB of device arrays
-at (2,2,2) held in 3.05 GiB of host blocks, replicas shared; JSON in benchmarks/measured/cpu/), 5 rounds each:
-  --cache=cold  HF load median 9.52 s, orbax restore 2.88 s: 3.31x (best runs 3.06x); peak RSS 0.61x
-  --cache=warm  HF load median 6.66 s, orbax restore 6.54 s: 1.02x (best runs 1.14x); peak RSS 0.68x
-Cold, the restore's reads run concurrently in TensorStore, while the HF path faults its memory map in one thread
-(its CPU time is about its wall time).
+The "copy floor" child copies the checkpoint's bytes once, in one thread, into fresh aligned host blocks: the least
+work any loader does to produce the parameters in new host memory.
+
+Measured (2-core Firecracker VM, bf16, gpt-oss-20b dims cut to 2 layers, 3.05 GiB; 9.8 GiB of device arrays at
+(2,2,2) held in 3.05 GiB of host blocks, replicas shared; JSON in benchmarks/measured/cpu/), medians of 5 rounds:
+  --cache=warm  HF load 7.36 s, orbax restore 7.61 s (0.97x), copy floor 3.68 s; peak RSS 0.68x
+  --cache=cold  HF load 7.76 s, orbax restore 5.03 s (1.54x), copy floor 9.79 s; peak RSS 0.63x
+  (an earlier cold run of the same code, 30 min before: HF 9.52 s, orbax 2.88 s, 3.31x — this VM's memory and
+  disk vary that much between runs, hence alternating rounds)
 Warm, both paths are bound by the kernel zeroing the fresh host memory that becomes the parameters (perf: 51-59 %
-of CPU samples in clear_page_erms in both) plus one copy each, so neither can be much faster than the other.
+of CPU samples in clear_page_erms in both) and copy the bytes twice (source -> reader buffer -> block); the HF load
+is 2.0x the one-thread copy floor, so a 3x faster restore would have to beat a single memcpy into fresh memory by
+1.5x. Cold, the restore's concurrent TensorStore reads beat the HF path's one-thread mmap faults.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ flags.DEFINE_enum("cache", "warm", ["cold", "warm", "asis"],
                   "Page cache before each timed child: cold = dropped (root: writes /proc/sys/vm/drop_caches), "
                   "warm = dropped, then the files that child reads are read once (both paths start from the same "
                   "state), asis = untouched.")
-flags.DEFINE_enum("child", None, ["convert", "hf", "orbax"], "Internal: run one measurement and print JSON.")
+flags.DEFINE_enum("child", None, ["convert", "hf", "orbax", "floor"], "Internal: run one measurement and print JSON.")
 flags.DEFINE_bool("digests", True, "Internal: the child hashes every parameter.")
 
 
@@ -89,7 +94,36 @@ def _digests(params, pl, cfg) -> dict[str, str]:
     return out
 
 
+def _floor() -> dict:
+    """The copy floor of any loader on this machine: the checkpoint's bytes (page cache as --cache leaves it) copied
+    once, by one thread, into fresh 64-byte-aligned host blocks of at most 512 MiB (what both loaders must at least
+    do to produce the parameters in new host memory). No JAX, no parsing."""
+    import glob
+    import mmap
+
+    import numpy as np
+
+    from slope_jax.checkpoints.host import aligned_zeros
+
+    t0 = time.perf_counter()
+    blocks, step = [], 512 << 20
+    for f in sorted(glob.glob(os.path.join(FLAGS.checkpoint, "*.safetensors"))):
+        with open(f, "rb") as fh:
+            m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        src = np.frombuffer(m, np.uint8)
+        for a in range(0, src.size, step):
+            block = aligned_zeros((min(src.size, a + step) - a,), np.uint8)
+            block[:] = src[a:a + block.size]
+            blocks.append(block)
+    seconds = time.perf_counter() - t0
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return {"seconds": seconds, "peak_rss_mib": _rss_mib(), "cpu_user_s": ru.ru_utime, "cpu_sys_s": ru.ru_stime,
+            "minor_faults": ru.ru_minflt, "bytes": sum(b.nbytes for b in blocks)}
+
+
 def _child(kind: str, layout: list[str]) -> dict:
+    if kind == "floor":
+        return _floor()
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as Ps
@@ -154,7 +188,7 @@ def _prepare_cache(paths: list[str]) -> None:
 def _run_child(kind: str, layout: list[str], digests: bool = True) -> dict:
     orbax_dir = FLAGS.orbax_dir or FLAGS.checkpoint.rstrip("/") + "-orbax"
     if kind != "convert":
-        _prepare_cache([orbax_dir if kind == "orbax" else FLAGS.checkpoint])
+        _prepare_cache([orbax_dir if kind == "orbax" else FLAGS.checkpoint])  # floor reads what hf reads
     cmd = [sys.executable, os.path.abspath(__file__), f"--child={kind}", f"--layout={','.join(layout)}",
            f"--checkpoint={FLAGS.checkpoint}", f"--dtype={FLAGS.dtype}", f"--digests={digests}"]
     if FLAGS.orbax_dir:
@@ -188,11 +222,11 @@ def main(argv):
                         "--config", os.path.join(REPO, "configs", "gpt-oss-20b.json"), f"--layers={FLAGS.layers}",
                         f"--out={FLAGS.checkpoint}", "--num_shards=3"], check=True)
     orbax_dir = FLAGS.orbax_dir or FLAGS.checkpoint.rstrip("/") + "-orbax"
-    runs: dict[str, list[dict]] = {"hf": [], "orbax": []}
+    runs: dict[str, list[dict]] = {"hf": [], "orbax": [], "floor": []}
     try:
         conv = _run_child("convert", FLAGS.layout)
         for r in range(FLAGS.rounds):  # alternate, so drift of the machine hits both paths alike
-            for kind in ("hf", "orbax"):
+            for kind in ("hf", "orbax", "floor"):
                 runs[kind].append(_run_child(kind, FLAGS.layout, digests=r == 0))
         other = _run_child("orbax", FLAGS.restore_layout)
     finally:
@@ -208,10 +242,10 @@ def main(argv):
     print(f"\n{FLAGS.rounds} rounds, page cache {FLAGS.cache}")
     print(f"{'path':15s} {'layout':8s} {'median s':>9s} {'best s':>8s} {'peak RSS MiB':>13s} {'speed-up':>9s} "
           f"{'RSS ratio':>10s} {'bitwise = HF':>13s}")
-    for label, kind in (("HF MXFP4 load", "hf"), ("orbax restore", "orbax")):
+    for label, kind in (("HF MXFP4 load", "hf"), ("orbax restore", "orbax"), ("copy floor", "floor")):
+        equal = str(runs[kind][0]["digests"] == hf_load["digests"]) if "digests" in runs[kind][0] else "-"
         print(f"{label:15s} {','.join(FLAGS.layout):8s} {med[kind]:9.2f} {best[kind]:8.2f} {rss[kind]:13.0f} "
-              f"{med['hf'] / med[kind]:8.2f}x {rss[kind] / rss['hf']:10.2f} "
-              f"{str(runs[kind][0]['digests'] == hf_load['digests']):>13s}")
+              f"{med['hf'] / med[kind]:8.2f}x {rss[kind] / rss['hf']:10.2f} {equal:>13s}")
     print(f"{'orbax restore':15s} {','.join(FLAGS.restore_layout):8s} {other['seconds']:9.2f} {'-':>8s} "
           f"{other['peak_rss_mib']:13.0f} {'-':>9s} {'-':>10s} {str(equal_other):>13s}")
     print(f"speed-up of medians {med['hf'] / med['orbax']:.2f}x, of best runs {best['hf'] / best['orbax']:.2f}x; "
@@ -219,6 +253,7 @@ def main(argv):
     result = {"checkpoint": FLAGS.checkpoint, "layers": FLAGS.layers, "dtype": FLAGS.dtype, "cache": FLAGS.cache,
               "rounds": FLAGS.rounds, "layout": FLAGS.layout, "restore_layout": FLAGS.restore_layout,
               "convert": conv, "hf_load_runs": runs["hf"], "orbax_restore_runs": runs["orbax"],
+              "copy_floor_runs": runs["floor"],
               "orbax_restore_other_layout": other,
               "median_seconds": med, "best_seconds": best, "median_peak_rss_mib": rss,
               "speedup_median": med["hf"] / med["orbax"], "speedup_best": best["hf"] / best["orbax"],

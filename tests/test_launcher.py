@@ -92,12 +92,19 @@ def _check_records(records, reqs, bad, num_lines):
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("launch")
     reqs, bad, num_lines = _requests(base / "requests.jsonl")
+    # the two-process run restores a converted (orbax) copy of the shipped checkpoint, saved in another layout
+    # (P, R, U) = (2, 2, 2): each process reads only its devices' shards; results must equal the HF-loaded run's
+    from slope_jax.checkpoints import orbax_store
+
+    converted = str(base / "shipped-orbax")
+    orbax_store.convert(SHIPPED, converted, ParallelConfig(2, 2, 2), "float32", progress=False)
     out = {}
     for name, n in (("two_procs", 2), ("one_proc", 1)):
         d = base / name
         d.mkdir()
+        ckpt = [f"--checkpoint={converted}"] if n == 2 else []
         _launch(n, [f"--requests={base / 'requests.jsonl'}", f"--results={d / 'results.jsonl'}",
-                    f"--kv_dir={d / 'kv'}", f"--logits_dir={d / 'logits'}", f"--max_tokens={MAX_TOKENS}"], d)
+                    f"--kv_dir={d / 'kv'}", f"--logits_dir={d / 'logits'}", f"--max_tokens={MAX_TOKENS}", *ckpt], d)
         text = (d / "results.jsonl").read_text()
         records = [json.loads(x, parse_constant=lambda c: pytest.fail(f"non-strict JSON: {c}"))  # no NaN/Infinity
                    for x in text.splitlines()]
@@ -107,6 +114,8 @@ def runs(tmp_path_factory):
 
 
 def test_two_processes_equal_one_process_and_single_device(runs):
+    """2 processes x 4 devices restoring the orbax conversion == 1 process x 8 devices loading the HF checkpoint
+    (bitwise KV, equal logits) == the single-device reference (within 1e-5)."""
     base, reqs, out = runs
     two, one = out["two_procs"], out["one_proc"]
     assert set(two) == set(one) == set(reqs)

@@ -116,6 +116,18 @@ def test_fingerprint_compare_names_each_differing_field(checkpoints, tmp_path):
     copy = shutil.copytree(checkpoints["A"]["mxfp4"], tmp_path / "copy")
     a, b, c = (fingerprint.checkpoint_fingerprint(p) for p in (checkpoints["A"]["mxfp4"], other, copy))
     assert a["checkpoint.weights"] != b["checkpoint.weights"] and a == c  # content, not path
+    # converted (orbax) directories: identified by their marker, which carries the source's content digest
+    from slope_jax.checkpoints import orbax_store
+
+    conv = {}
+    for name, src in (("a", checkpoints["A"]["mxfp4"]), ("other", other)):
+        conv[name] = str(tmp_path / f"ob-{name}")
+        orbax_store.convert(src, conv[name], progress=False)
+    oa, ob = (fingerprint.checkpoint_fingerprint(conv[k]) for k in ("a", "other"))
+    ocopy = fingerprint.checkpoint_fingerprint(shutil.copytree(conv["a"], tmp_path / "ob-copy"))
+    assert oa["checkpoint.weights"] != ob["checkpoint.weights"]  # equal shapes, other weights
+    assert oa == ocopy and oa["checkpoint.config"] == ob["checkpoint.config"]
+    assert oa["checkpoint.weights"] != a["checkpoint.weights"]  # a converted directory is not its source
 
 
 class _FlakyEngine:

@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as Ps
 from slope_jax.checkpoints.tree import flatten as _flatten
 from slope_jax.checkpoints.tree import unflatten as _unflatten
 from slope_jax.atomic import atomic_json, atomic_write
+from slope_jax.checkpoints import digest
 from slope_jax.checkpoints import host as host_lib
 from slope_jax.checkpoints.hf import CheckpointError
 from slope_jax.model import gpt_oss as model_lib
@@ -57,7 +58,7 @@ from slope_jax.parallel.mesh import make_mesh
 
 log = logging.getLogger(__name__)
 
-MARKER = "slope_jax_orbax.json"
+MARKER = digest.ORBAX_MARKER
 PARAMS_DIR = "params"
 FORMAT = 1
 # Stored chunk budget (orbax `SaveArgs.chunk_byte_size`: each chunk is the largest divisor of the written shard that
@@ -167,14 +168,9 @@ def fingerprint(cfg: ModelConfig, dtype, source_id: str = "") -> str:
 
 
 def _source_id(ckpt) -> str:
-    """Identity of an HF/original checkpoint from its safetensors headers (names, dtypes, shapes) and file sizes."""
-    h = hashlib.sha256()
-    for name in sorted(ckpt.source.header):
-        dtype, shape = ckpt.source.header[name]
-        h.update(f"{name}:{dtype}:{shape};".encode())
-    for f in sorted(set(ckpt.source.file_of.values())):
-        h.update(f"{f}:{os.path.getsize(os.path.join(ckpt.source.directory, f))};".encode())
-    return h.hexdigest()[:16]
+    """Identity of an HF/original checkpoint: its sampled content digest (`checkpoints.digest`; names, sizes and
+    sampled bytes of every weight file), so conversions of two checkpoints of equal shapes but other weights differ."""
+    return digest.checkpoint_digest(ckpt.path)["checkpoint.weights"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -245,6 +241,14 @@ def read_marker(path) -> dict:
         raise CheckpointError(f"{f}: format={meta.get('format')!r}, this version reads format {FORMAT}; re-run "
                               "`python -m slope_jax.convert`")
     return meta
+
+
+def model_config(path) -> ModelConfig:
+    """The model config of a checkpoint directory of either kind, reading no weights: a converted directory's marker,
+    or an HF / `original/` checkpoint's config.json (and safetensors headers). Raises CheckpointError/ConfigError."""
+    from slope_jax.checkpoints import hf
+
+    return config_of(read_marker(path)) if is_orbax_checkpoint(path) else hf.open_checkpoint(path).config
 
 
 def config_of(meta: dict) -> ModelConfig:

@@ -128,9 +128,13 @@ class ReferenceEngine:
     name = "reference"
 
     def __init__(self, checkpoint: str, dtype: str, max_new_tokens: int, check_fingerprint: bool = True):
+        from slope_jax.checkpoints import orbax_store
         from slope_jax.checkpoints.hf import load_checkpoint
 
-        self.cfg, self.params = load_checkpoint(checkpoint, dtype=dtype, progress=False)
+        if orbax_store.is_orbax_checkpoint(checkpoint):  # a converted directory: restored onto one device
+            self.cfg, self.params, _ = orbax_store.restore(checkpoint, dtype=dtype)
+        else:
+            self.cfg, self.params = load_checkpoint(checkpoint, dtype=dtype, progress=False)
         self.max_new_tokens = max_new_tokens
         self.check_fingerprint = check_fingerprint
 

@@ -9,13 +9,12 @@ instead of hanging in the first collective or computing with mixed programs. No 
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
 import os
 
-_SAMPLES = 16  # blocks hashed per weight file, evenly spaced (plus the safetensors header)
-_BLOCK = 1 << 16
+from slope_jax.checkpoints import digest
+
 
 
 def _version(package: str) -> str:
@@ -25,37 +24,10 @@ def _version(package: str) -> str:
         return "not installed"
 
 
-def file_digest(path: str) -> str:
-    """SHA-256 of a file's size, its first 1 MiB (a safetensors header: names, dtypes, shapes, offsets) and 16 blocks
-    of 64 KiB spread evenly over the rest: reads ~2 MiB per file whatever its size, and two checkpoints of equal
-    shapes but other weights (e.g. other random seeds or fine-tunes) differ in every block."""
-    size = os.path.getsize(path)
-    h = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-        if size > 1 << 20:
-            for i in range(_SAMPLES):
-                f.seek((1 << 20) + (size - (1 << 20) - _BLOCK) * i // max(1, _SAMPLES - 1))
-                h.update(f.read(_BLOCK))
-    return h.hexdigest()
-
-
 def checkpoint_fingerprint(path: str) -> dict[str, str]:
-    """{"checkpoint.config": sha256 of config.json (and original/config.json), "checkpoint.weights": digest over the
-    weight files (names, sizes, sampled contents) and index files}. Cheap: a few MiB read per file."""
-    cfg, weights = hashlib.sha256(), hashlib.sha256()
-    for sub in ("", "original"):
-        d = os.path.join(path, sub)
-        if not os.path.isdir(d):
-            continue
-        for name in sorted(os.listdir(d)):
-            full = os.path.join(d, name)
-            if name == "config.json":
-                with open(full, "rb") as f:
-                    cfg.update(sub.encode() + b"/" + f.read())
-            elif name.endswith(".safetensors") or name.endswith(".safetensors.index.json"):
-                weights.update(f"{sub}/{name}:{file_digest(full)}".encode())
-    return {"checkpoint.config": cfg.hexdigest()[:16], "checkpoint.weights": weights.hexdigest()[:16]}
+    """The checkpoint's part of a fingerprint (`checkpoints.digest.checkpoint_digest`: sampled weight contents of an
+    HF/original checkpoint, or the marker of a converted directory)."""
+    return digest.checkpoint_digest(path)
 
 
 def make(step_options: dict, checkpoint: str) -> dict:

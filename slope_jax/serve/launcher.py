@@ -38,7 +38,8 @@ FLAGS = flags.FLAGS
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 flags.DEFINE_string("checkpoint", os.path.join(_REPO, "checkpoints", "tiny-gpt-oss"),
-                    "Checkpoint directory (HF layout with config.json and safetensors, or an original/ directory).")
+                    "Checkpoint directory: HF layout (config.json + safetensors), an original/ directory, or a "
+                    "directory converted by `python -m slope_jax.convert` (restored shard by shard).")
 flags.DEFINE_enum("layout", "manual", ["manual", "auto"], "manual: the layout is --pipeline/--ring/--ulysses/--expert. "
                   "auto: the SLO planner (slope_jax.plan) picks it for --expected_lengths, --ttft_slo_ms and this "
                   "machine's devices (--hardware); the choice and its reason are logged at start-up.")
@@ -398,7 +399,7 @@ def _serve():
     import numpy as np
 
     from slope_jax import kv as kvfmt
-    from slope_jax.checkpoints.hf import open_checkpoint
+    from slope_jax.checkpoints.orbax_store import model_config
     from slope_jax.parallel.config import ParallelConfig
     from slope_jax.serve import requests, slo
     from slope_jax.serve.batching import LineReader
@@ -407,7 +408,7 @@ def _serve():
 
     t_start = time.perf_counter()
     me = jax.process_index()
-    cfg = open_checkpoint(FLAGS.checkpoint).config  # headers only: check the limits before loading weights
+    cfg = model_config(FLAGS.checkpoint)  # no weights read: check the limits before loading them
     if FLAGS.max_tokens is not None and FLAGS.max_tokens > cfg.max_position_embeddings:
         raise FlagError(f"--max_tokens={FLAGS.max_tokens} exceeds the model's max_position_embeddings="
                         f"{cfg.max_position_embeddings} ({FLAGS.checkpoint})")
