@@ -71,3 +71,23 @@ def reference_engines(checkpoints):
 
 def random_prompt(cfg: ModelConfig, n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, cfg.vocab_size, n).astype(np.int32)
+
+
+def assert_prefill_close(expected, got, tol: float) -> None:
+    """Two lists of PrefillResult agree: same first token, logits and every layer's K/V within `tol` (max abs)."""
+    assert len(expected) == len(got)
+    for a, b in zip(expected, got):
+        assert np.abs(a.logits - b.logits).max() < tol
+        assert a.first_token == b.first_token
+        for layer in a.kv:
+            assert np.abs(a.kv[layer].k - b.kv[layer].k).max() < tol
+            assert np.abs(a.kv[layer].v - b.kv[layer].v).max() < tol
+
+
+def launcher_env() -> dict:
+    """Environment for a launcher subprocess: it sets the device count and platform itself from its flags."""
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env.pop("JAX_PLATFORMS", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env

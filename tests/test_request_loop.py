@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, SHIPPED
+from conftest import REPO, SHIPPED, launcher_env
 from request_fuzz import MALFORMED, MAX_TOKENS, VALID_IN_MALFORMED
 from tokenizers import Tokenizer
 
@@ -21,14 +21,6 @@ from slope_jax.serve import fingerprint, launcher, requests
 from slope_jax.serve.scheduler import Pending, Scheduler
 
 PY = sys.executable
-
-
-def _env():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    env.pop("JAX_PLATFORMS", None)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 def _free_port() -> int:
@@ -163,7 +155,7 @@ def test_a_failing_step_is_retried_per_request_and_blamed_on_one():
 
 
 def _launch1(args, **kw):
-    return subprocess.run([PY, "-m", "slope_jax.launch", *args], cwd=REPO, env=_env(), capture_output=True,
+    return subprocess.run([PY, "-m", "slope_jax.launch", *args], cwd=REPO, env=launcher_env(), capture_output=True,
                           text=True, timeout=300, **kw)
 
 
@@ -199,7 +191,7 @@ def _pair(args0, args1, port, extra=(), **popen):
     for pid, args in ((1, args1), (0, args0)):
         cmd = [PY, "-m", "slope_jax.launch", "--num_processes=2", f"--process_id={pid}",
                f"--coordinator_address=127.0.0.1:{port}", "--init_timeout=60", *extra, *args]
-        procs[pid] = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        procs[pid] = subprocess.Popen(cmd, cwd=REPO, env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, **({"stdin": subprocess.DEVNULL} | popen))
         _SPAWNED.append(procs[pid])
     return procs
@@ -259,7 +251,7 @@ def test_first_request_is_not_held_back_for_a_later_one():
     sent, and its TTFT is at most --batch_wait_ms + its compute (plus slack for parsing on a busy machine)."""
     wait_ms = 20
     p = subprocess.Popen([PY, "-m", "slope_jax.launch", "--cpu_devices=1", "--dtype=float32", "--precompile=10",
-                          f"--batch_wait_ms={wait_ms}", "--batch_size=8"], cwd=REPO, env=_env(),
+                          f"--batch_wait_ms={wait_ms}", "--batch_size=8"], cwd=REPO, env=launcher_env(),
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 240
@@ -309,7 +301,7 @@ def test_api_prompts_that_differ_across_processes_raise(tmp_path):
     script = tmp_path / "api.py"
     script.write_text(API_SCRIPT)
     port = _free_port()
-    procs = [subprocess.Popen([PY, str(script), str(pid), str(port), SHIPPED], cwd=REPO, env=_env(),
+    procs = [subprocess.Popen([PY, str(script), str(pid), str(port), SHIPPED], cwd=REPO, env=launcher_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for pid in (1, 0)]
     for p in procs:
         out, err = p.communicate(timeout=300)
@@ -321,7 +313,7 @@ def test_api_prompts_that_differ_across_processes_raise(tmp_path):
 def test_both_entry_points_show_the_same_help():
     texts = []
     for cmd in ([PY, "-m", "slope_jax.launch", "--help"], [os.path.join(os.path.dirname(PY), "slope-jax"), "--help"]):
-        r = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+        r = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=120)
         text = r.stdout + r.stderr
         texts.append(text.replace(cmd[0] if "slope-jax" in cmd[0] else "", ""))
         assert "slope_jax launcher" in text and "--batch_wait_ms" in text and "launch/local.sh" in text, text[:2000]

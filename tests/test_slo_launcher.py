@@ -10,19 +10,11 @@ import re
 import subprocess
 import sys
 
-from conftest import REPO
+from conftest import REPO, launcher_env
 
 from slope_jax.model.config import ModelConfig
 from slope_jax.plan import choose_layout
 from slope_jax.serve import slo
-
-
-def _env():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    env.pop("JAX_PLATFORMS", None)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 def test_auto_layout_admission_and_slo_summary(tmp_path):
@@ -33,7 +25,7 @@ def test_auto_layout_admission_and_slo_summary(tmp_path):
     res = tmp_path / "res.jsonl"
     r = subprocess.run([sys.executable, "-m", "slope_jax.launch", "--cpu_devices=8", "--layout=auto",
                         "--ttft_slo_ms=60000", "--expected_lengths=64,512", "--dtype=float32",
-                        f"--requests={reqs}", f"--results={res}"], cwd=REPO, env=_env(), capture_output=True,
+                        f"--requests={reqs}", f"--results={res}"], cwd=REPO, env=launcher_env(), capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     # the layout the planner picks for this machine is the one the launcher runs (and logs, with the reason)

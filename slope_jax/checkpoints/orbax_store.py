@@ -126,23 +126,21 @@ def _layer_sharding(pl: Placement, name: str, p: int) -> NamedSharding:
 
 def _split_layers(name: str, arr: jax.Array, pl: Placement) -> dict[int, jax.Array]:
     """A placed stack `[P·n, …]` → {global layer: `[…]` sharded over its stage's devices}, from local shards only
-    (each stage's shard is copied to the host once; no device computation, so nothing is compiled)."""
+    (`host.place`: one host block per distinct shard; no device computation, so nothing is compiled)."""
     out = {}
     by_device = {s.device: s for s in arr.addressable_shards}
+    shape = arr.shape[1:]
     for g, (p, j) in _stage_of(pl.plan).items():
         sh = _layer_sharding(pl, name, p)
-        cache: dict = {}
+        where = sh.addressable_devices_indices_map(shape)
 
-        def cb(index, p=p, j=j, sh=sh, cache=cache):
-            # the shard of layer g at `index` is row j of the stack shard held by any device of stage p at that index
-            dev = next(d for d, idx in sh.addressable_devices_indices_map(arr.shape[1:]).items() if idx == index)
-            s = by_device[dev]
-            key = id(s.data)
-            if key not in cache:
-                cache[key] = np.asarray(s.data)
-            return cache[key][j]
+        def row(index, j=j, where=where):
+            # layer g's shard at `index` is row j of the stack shard held by any device of its stage at that index
+            dev = next(d for d, idx in where.items() if host_lib.index_key(idx, shape) ==
+                       host_lib.index_key(index, shape))
+            return np.asarray(by_device[dev].data)[j]
 
-        out[g] = jax.make_array_from_callback(arr.shape[1:], sh, cb)
+        out[g] = host_lib.place(shape, sh, row)
     return out
 
 
@@ -272,7 +270,7 @@ class _StoreReader:
         except (OSError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{params_dir}: orbax metadata unreadable ({e}); the conversion did not finish") \
                 from e
-        self._ocp, self._dir = ocp, epath.Path(params_dir)
+        self._ocp, self.directory = ocp, epath.Path(params_dir)
         self._ocdbt, self._zarr3 = bool(meta.get("use_ocdbt", True)), bool(meta.get("use_zarr3", False))
         self._ctx = ocp.type_handlers.get_ts_context(use_ocdbt=self._ocdbt)
         self._names = {".".join(k["key"] for k in v["key_metadata"]) for v in meta["tree_metadata"].values()}
@@ -286,10 +284,11 @@ class _StoreReader:
         for name in names:
             key = name.replace("/", ".")
             if key not in self._names:
-                raise CheckpointError(f"{self._dir}: holds no array {name!r}; the conversion is incomplete or from "
-                                      "another version — re-run convert")
-            info = self._ocp.type_handlers.ParamInfo(name=key, parent_dir=self._dir, is_ocdbt_checkpoint=self._ocdbt,
-                                                     use_zarr3=self._zarr3, ts_context=self._ctx)
+                raise CheckpointError(f"{self.directory}: holds no array {name!r}; the conversion is incomplete or "
+                                      "from another version — re-run convert")
+            info = self._ocp.type_handlers.ParamInfo(name=key, parent_dir=self.directory,
+                                                     is_ocdbt_checkpoint=self._ocdbt, use_zarr3=self._zarr3,
+                                                     ts_context=self._ctx)
             spec = self._ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=self._ocdbt)
             futures[name] = ts.open(spec, open=True, context=self._ctx)
         return {name: f.result() for name, f in futures.items()}
@@ -317,14 +316,14 @@ def _restore_family(reader: _StoreReader, name: str, spec: model_lib.ParamSpec, 
         stores = {g: opened[f"{name}/{g}"] for g in layers}
         for g, s in stores.items():
             if tuple(s.shape) != tuple(spec.shape[1:]):
-                raise CheckpointError(f"{reader._dir}: {name} layer {g} has shape {list(s.shape)}, declared "
+                raise CheckpointError(f"{reader.directory}: {name} layer {g} has shape {list(s.shape)}, declared "
                                       f"{list(spec.shape[1:])}")
     vocab = bool(spec.axes) and spec.axes[0] == "vocab"
     if not per_layer:
         stores = reader.open([name])
         s = stores[name]
         if tuple(s.shape[vocab:]) != tuple(spec.shape[vocab:]):
-            raise CheckpointError(f"{reader._dir}: {name} has shape {list(s.shape)}, declared {list(spec.shape)}")
+            raise CheckpointError(f"{reader.directory}: {name} has shape {list(s.shape)}, declared {list(spec.shape)}")
 
     def source(store):
         return store if store.dtype.numpy_dtype == spec.dtype else ts.cast(store, spec.dtype)
