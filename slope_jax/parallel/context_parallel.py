@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from slope_jax.model import attention as attn_lib
+from slope_jax.model.options import StepOptions
 from slope_jax.parallel import collectives
 
 
@@ -111,8 +112,7 @@ def _select(pred, a, b):
 
 
 def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, sinks: jax.Array, *, ring: int,
-                   ulysses: int, q_tile: int = 256, kv_tile: int = 256, prefix: attn_lib.AttnState | None = None,
-                   impl: str = "xla") -> jax.Array:
+                   ulysses: int, options: StepOptions, prefix: attn_lib.AttnState | None = None) -> jax.Array:
     """Causal sink attention over the whole (context-parallel) sequence.
 
     Args:
@@ -121,7 +121,7 @@ def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, s
       prefix: optional partial state of the same local queries over keys outside this sequence (earlier sequence
         chunks, `prefix_attention`; o `[2Pz, N, H]`, m, l `[2Pz, N]`): moved to head shards with the same Ulysses
         all-to-all and merged before the sink enters.
-      impl: the local attention core of every block (`attention.attend`: "xla", "pallas" or "auto").
+      options: resolved step options: the tiles and local attention core of every block (`attention.attend`).
     Returns:
       `[2Pz, N, H]` attention output in q's dtype, layout order.
     """
@@ -139,7 +139,8 @@ def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, s
         kvc = collectives.ulysses_seq_to_heads(kvc)  # [2, 2, C, K'/U, H]
         sinks = _local_sinks(sinks, U)
     posc = pos.chunks
-    attend = functools.partial(attn_lib.attend, q_tile=q_tile, kv_tile=kv_tile, impl=impl)
+    attend = functools.partial(attn_lib.attend, q_tile=options.q_tile, kv_tile=options.kv_tile,
+                               impl=options.attention_impl)
     q0, q1 = qc[0], qc[1]
     p0, p1 = posc[0], posc[1]
 
@@ -185,11 +186,11 @@ def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, s
 
 
 def sliding_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, sinks: jax.Array, *, ring: int,
-                      ulysses: int, window: int, q_tile: int = 256, kv_tile: int = 256,
-                      prefix: attn_lib.AttnState | None = None, impl: str = "xla") -> jax.Array:
+                      ulysses: int, window: int, options: StepOptions,
+                      prefix: attn_lib.AttnState | None = None) -> jax.Array:
     """Sliding-window sink attention with a halo exchange: each piece sees the W−1 tokens before it.
 
-    Args: as `full_attention` (`prefix` merged per piece, no all-to-all; `impl`), plus `window` (keys per query,
+    Args: as `full_attention` (`prefix` merged per piece, no all-to-all; `options`), plus `window` (keys per query,
     itself included).
     Returns: `[2Pz, N, H]` in q's dtype, layout order.
     """
@@ -216,7 +217,8 @@ def sliding_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions
     outs = []
     for slot in range(2):
         st = attn_lib.attend(q[slot * pz:(slot + 1) * pz], keys[slot, :, 0], keys[slot, :, 1], pp[slot], kpos[slot],
-                             window=window, q_tile=q_tile, kv_tile=kv_tile, impl=impl)
+                             window=window, q_tile=options.q_tile, kv_tile=options.kv_tile,
+                             impl=options.attention_impl)
         if prefix is not None:
             pre = jax.tree.map(lambda a: a[slot * pz:(slot + 1) * pz], prefix)
             st = attn_lib.merge(st, _grouped(pre, st.o.shape[1]))
@@ -249,8 +251,8 @@ def _merge_prefix(states, prefix: attn_lib.AttnState, ulysses: int):
 
 
 def prefix_attention(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array, k_pos: jax.Array, *, ring: int,
-                     ulysses: int, window: int | jax.Array = attn_lib.NO_WINDOW, q_tile: int = 256,
-                     kv_tile: int = 256, impl: str = "xla") -> attn_lib.AttnState:
+                     ulysses: int, options: StepOptions,
+                     window: int | jax.Array = attn_lib.NO_WINDOW) -> attn_lib.AttnState:
     """Partial attention (no sink) of the local queries over keys that stay where they are: the K/V of earlier
     sequence chunks that this stage stored, spread over the R·U devices of its `(ring, ulysses)` group
     (sequence-pipelined prefill, `parallel.seq_pipeline`).
@@ -264,14 +266,16 @@ def prefix_attention(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array,
 
     Args:
       q: `[2Pz, N, H]` local queries (post-RoPE); q_pos: int32 `[2Pz]`; k, v: `[S, K, H]` this device's stored keys;
-      k_pos: int32 `[S]` their global positions (negative = no key); window: as `attention.attend`.
+      k_pos: int32 `[S]` their global positions (negative = no key); window: as `attention.attend`; options: as
+      `full_attention`.
     Returns:
       Head-flat AttnState of the local queries: o `[2Pz, N, H]`, m, l `[2Pz, N]` float32 (merge it with
       `full_attention(prefix=…)` / `sliding_attention(prefix=…)`; the sink enters there, once).
     """
     t, n, h = q.shape
     group = ring * ulysses
-    attend = functools.partial(attn_lib.attend, window=window, q_tile=q_tile, kv_tile=kv_tile, impl=impl)
+    attend = functools.partial(attn_lib.attend, window=window, q_tile=options.q_tile, kv_tile=options.kv_tile,
+                               impl=options.attention_impl)
 
     def flat(st):
         return attn_lib.AttnState(st.o.reshape(t, n, h), st.m.reshape(t, n), st.l.reshape(t, n))

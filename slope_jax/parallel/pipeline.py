@@ -36,6 +36,7 @@ from slope_jax.model import attention as attn_lib
 from slope_jax.model import gpt_oss as model_lib
 from slope_jax.model import rope
 from slope_jax.model.config import ModelConfig
+from slope_jax.model.options import StepOptions
 from slope_jax.parallel import collectives, context_parallel, expert_parallel
 from slope_jax.parallel.config import CP_AXES, ParallelConfig
 
@@ -151,7 +152,7 @@ def param_partition_specs(cfg: ModelConfig, dtype, num_slots: int, vocab_rows: i
 
 
 def _stage_forward(x, layers, cfg: ModelConfig, parallel: ParallelConfig, *, positions, valid, slot_index, active,
-                   q_tile, kv_tile, moe_tile, prefix=None, attention_impl="xla", moe_impl="loop"):
+                   options: StepOptions, prefix=None):
     """Run this stage's slots on local tokens.
 
     x `[2Pz, D]`; layers: the stage's weight stack `[n, …]`; slot_index int32 `[S]` (stack entry of each slot);
@@ -165,15 +166,14 @@ def _stage_forward(x, layers, cfg: ModelConfig, parallel: ParallelConfig, *, pos
     n = jax.tree.leaves(layers)[0].shape[0]
     cos, sin = rope.cos_sin(cfg, positions.local, x.dtype)
     sliding = functools.partial(context_parallel.sliding_attention, pos=positions, ring=R, ulysses=U,
-                                window=cfg.sliding_window, q_tile=q_tile, kv_tile=kv_tile, impl=attention_impl)
-    full = functools.partial(context_parallel.full_attention, pos=positions, ring=R, ulysses=U,
-                             q_tile=q_tile, kv_tile=kv_tile, impl=attention_impl)
+                                window=cfg.sliding_window, options=options)
+    full = functools.partial(context_parallel.full_attention, pos=positions, ring=R, ulysses=U, options=options)
 
-    moe_fn = None
+    moe_fn = model_lib.local_moe(cfg, options)
     if parallel.expert_degree(cfg) > 1:
         moe_fn = functools.partial(expert_parallel.moe_expert_parallel, ulysses=U,
                                    experts_per_token=cfg.experts_per_token, alpha=cfg.swiglu_alpha,
-                                   limit=cfg.swiglu_limit, tile=moe_tile, impl=moe_impl)
+                                   limit=cfg.swiglu_limit, tile=options.moe_tile, impl=options.moe_impl)
 
     def run(x, i, act, attend, window):
         p = jax.tree.map(lambda a: a[i], layers)
@@ -182,12 +182,10 @@ def _stage_forward(x, layers, cfg: ModelConfig, parallel: ParallelConfig, *, pos
             if prefix is None:
                 return attend(q, k, v, sinks=s)
             pre = context_parallel.prefix_attention(q, positions.local, prefix[0][i], prefix[1][i], prefix[2], ring=R,
-                                                    ulysses=U, window=window, q_tile=q_tile, kv_tile=kv_tile,
-                                                    impl=attention_impl)
+                                                    ulysses=U, window=window, options=options)
             return attend(q, k, v, sinks=s, prefix=pre)
 
-        y, k, v = model_lib.layer(x, p, cfg, cos=cos, sin=sin, valid=valid, attend=core, moe_tile=moe_tile,
-                                  moe_impl=moe_impl, moe_fn=moe_fn)
+        y, k, v = model_lib.layer(x, p, cfg, cos=cos, sin=sin, valid=valid, attend=core, moe_fn=moe_fn)
         return jnp.where(act, y, x), k, v
 
     kinds = (("sliding_layer", sliding, cfg.sliding_window), ("full_layer", full, attn_lib.NO_WINDOW))
@@ -213,9 +211,8 @@ def vocab_rows(cfg: ModelConfig, pipeline: int) -> int:
     return -(-cfg.vocab_size // pipeline) * pipeline
 
 
-def build_prefill_step(cfg: ModelConfig, parallel: ParallelConfig, mesh, plan: StagePlan, dtype, *,
-                       q_tile: int = 256, kv_tile: int = 256, moe_tile: int = 128, attention_impl: str = "xla",
-                       moe_impl: str = "loop"):
+def build_prefill_step(cfg: ModelConfig, parallel: ParallelConfig, mesh, plan: StagePlan, dtype,
+                       options: StepOptions):
     """The jitted parallel prefill step.
 
     Signature of the returned function:
@@ -224,8 +221,9 @@ def build_prefill_step(cfg: ModelConfig, parallel: ParallelConfig, mesh, plan: S
     with K/V in layout order, stack entries (`plan.flat`) sharded over `pipeline` and tokens over `(ring, ulysses)`.
     The embedding and unembedding tables are sharded over `pipeline` by vocabulary rows; with expert parallelism
     (`parallel.expert_degree(cfg)` > 1) the expert weights over `(ring, ulysses)` (`expert_parallel`).
-    attention_impl / moe_impl: the local attention core and MoE grouped compute (see `model.gpt_oss.forward`).
+    options: resolved step options (tiles, attention core, MoE compute; ValueError if "auto" is left).
     """
+    options.require_resolved()
     P = parallel.pipeline
     active_table = jnp.asarray(plan.slot_layers >= 0)
     index_table = jnp.asarray(plan.slot_index)
@@ -256,8 +254,7 @@ def build_prefill_step(cfg: ModelConfig, parallel: ParallelConfig, mesh, plan: S
             with jax.named_scope("stage"):
                 x_out, k, v = _stage_forward(x_in, layers, cfg, parallel, positions=cp_pos,
                                              valid=positions < n_tok, slot_index=slot_index, active=active,
-                                             q_tile=q_tile, kv_tile=kv_tile, moe_tile=moe_tile,
-                                             attention_impl=attention_impl, moe_impl=moe_impl)
+                                             options=options)
             kb = kb.at[mc].set(jnp.where(live, k, kb[mc]))
             vb = vb.at[mc].set(jnp.where(live, v, vb[mc]))
             with jax.named_scope("head"):

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as Ps
 from slope_jax.model import attention as attn_lib
 from slope_jax.model import gpt_oss as model_lib
 from slope_jax.model.config import ModelConfig
+from slope_jax.model.options import StepOptions
 from slope_jax.parallel import collectives, context_parallel
 from slope_jax.parallel import pipeline as pipe_lib
 from slope_jax.parallel.config import CP_AXES, ParallelConfig
@@ -43,11 +44,10 @@ def num_ticks(parallel: ParallelConfig, requests: int) -> int:
     return requests * parallel.seq_chunks + parallel.pipeline - 1
 
 
-def build_chunked_prefill_step(cfg: ModelConfig, parallel: ParallelConfig, mesh, plan: pipe_lib.StagePlan, dtype, *,
-                               q_tile: int = 256, kv_tile: int = 256, moe_tile: int = 128, attention_impl: str = "xla",
-                               moe_impl: str = "loop"):
+def build_chunked_prefill_step(cfg: ModelConfig, parallel: ParallelConfig, mesh, plan: pipe_lib.StagePlan, dtype,
+                               options: StepOptions):
     """The jitted sequence-pipelined prefill step (same signature and outputs as `pipeline.build_prefill_step`;
-    attention_impl / moe_impl as there).
+    options as there).
 
       `(params, tokens [M, T] int32, positions [T] int32, num_tokens [M] int32)
        → (logits [M, V] float32 replicated, k [M, P·n, T, K, H], v [M, P·n, T, K, H])`
@@ -55,6 +55,7 @@ def build_chunked_prefill_step(cfg: ModelConfig, parallel: ParallelConfig, mesh,
     with tokens, positions and K/V in the chunked layout order (`layout.chunked_layout_positions(T, R, U, C)`), tokens
     sharded over `(ring, ulysses)`, stack entries over `pipeline`. T must be a multiple of 2·R·U·C.
     """
+    options.require_resolved()
     P, C = parallel.pipeline, parallel.seq_chunks
     R, U = parallel.ring, parallel.ulysses
     active_table = jnp.asarray(plan.slot_layers >= 0)
@@ -96,9 +97,7 @@ def build_chunked_prefill_step(cfg: ModelConfig, parallel: ParallelConfig, mesh,
             with jax.named_scope("stage"):
                 x_out, k, v = pipe_lib._stage_forward(x_in, layers, cfg, parallel, positions=cp_pos,
                                                       valid=pos_i < n_tok, slot_index=slot_index, active=active,
-                                                      q_tile=q_tile, kv_tile=kv_tile, moe_tile=moe_tile,
-                                                      prefix=prefix, attention_impl=attention_impl,
-                                                      moe_impl=moe_impl)
+                                                      options=options, prefix=prefix)
             kb = kb.at[m, :, i].set(jnp.where(live, k, kb[m, :, i]))
             vb = vb.at[m, :, i].set(jnp.where(live, v, vb[m, :, i]))
             with jax.named_scope("head"):

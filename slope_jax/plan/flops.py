@@ -21,13 +21,13 @@ Executed FLOPs per device (`per_device`) follow the engine's structure (design Â
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
 import numpy as np
 
 from slope_jax.model.config import ModelConfig
+from slope_jax.model.options import StepOptions
 
 INVALID_POS = -(2**30)  # attention.INVALID_POS (kept here so that this module needs no JAX)
 NO_WINDOW = 2**30
@@ -112,13 +112,9 @@ def _layout_positions(t: int, ring: int, ulysses: int) -> np.ndarray:
     return layout.layout_positions(t, ring, ulysses)
 
 
-@dataclasses.dataclass(frozen=True)
-class Tiles:
-    """Tile sizes of the compiled step (engine defaults)."""
-
-    q_tile: int = 256
-    kv_tile: int = 256
-    moe_tile: int = 128
+# The tile model is the step's own options (`model.options.StepOptions`: q_tile, kv_tile, moe_tile; the planner
+# ignores the implementations): one definition, one set of defaults.
+Tiles = StepOptions
 
 
 def stage_slots(cfg: ModelConfig, pipeline: int) -> tuple[int, int]:

@@ -28,10 +28,9 @@ from slope_jax import kv as kvfmt
 from slope_jax.checkpoints import hf as ckpt_lib
 from slope_jax.checkpoints import orbax_store
 from slope_jax.kv.format import LayerKV
-from slope_jax.model import attention as attn_lib
 from slope_jax.model import gpt_oss as model_lib
-from slope_jax.model import moe as moe_lib
 from slope_jax.model.config import ModelConfig
+from slope_jax.model.options import StepOptions
 from slope_jax.parallel import layout
 from slope_jax.parallel import pipeline as pipe_lib
 from slope_jax.parallel import seq_pipeline
@@ -79,33 +78,27 @@ class PrefillEngine:
         with `layers` stacked over the L layers.
       parallel: the layout; its device count must equal `jax.device_count()` (or `len(devices)`).
       dtype: activation dtype ("bfloat16" or "float32"); float params are cast to it.
-      q_tile, kv_tile, moe_tile: attention and MoE tile sizes (tokens).
+      options: the step's compute options (`model.options.StepOptions`: tiles, attention core, MoE compute),
+        resolved once here for the devices' platform ("auto" → concrete) and kept as `self.options`.
+      **option_fields: StepOptions fields given one by one instead (q_tile=…, attention_impl=…; not with
+        `options`).
       allow_cross_host_ulysses: let a Ulysses group span processes (hosts); default False (LayoutError), see
         `parallel.mesh`.
-      attention_impl: local attention core, "auto" (Pallas kernel on GPUs, pure-JAX elsewhere), "pallas" (Triton on
-        GPUs, interpret mode on CPU: slow, for tests) or "xla" (the pure-JAX reference).
-      moe_impl: MoE grouped expert compute, "auto" (the tile loop: measured faster on CPU and H200, see
-        `moe.resolve_impl`), "ragged" (`lax.ragged_dot`) or "loop" (per-expert tile loop).
     Raises:
-      LayoutError for a layout the model or the devices cannot take; ValueError for an unknown attention_impl or
-      moe_impl.
+      LayoutError for a layout the model or the devices cannot take; ValueError for a bad option (named), or both
+      `options` and option fields; TypeError for an unknown keyword.
     """
 
     def __init__(self, cfg: ModelConfig, params: dict, parallel: ParallelConfig = ParallelConfig(),
-                 dtype="bfloat16", *, devices=None, q_tile: int = 256, kv_tile: int = 256, moe_tile: int = 128,
-                 allow_cross_host_ulysses: bool = False, attention_impl: str = "auto", moe_impl: str = "auto",
-                 _placed: bool = False):
+                 dtype="bfloat16", *, devices=None, options: StepOptions | None = None,
+                 allow_cross_host_ulysses: bool = False, _placed: bool = False, **option_fields):
         devices = list(jax.devices() if devices is None else devices)
         self.run_nonce = _agreed_run_nonce()  # names this run's KV export staging directories on every process
         self._exports = 0  # export counter, advanced identically on every process
         self.cfg = cfg
         self.parallel = parallel.validate(cfg, len(devices) if parallel.num_devices > 1 else None)
         self.dtype = jnp.dtype(dtype)
-        platform = devices[0].platform
-        self.impls = dict(attention_impl=attn_lib.resolve_impl(attention_impl, platform),
-                          moe_impl=moe_lib.resolve_impl(moe_impl, platform))
-        # compute options of the step: tile sizes and the concrete attention / MoE implementations
-        self.tiles = dict(q_tile=q_tile, kv_tile=kv_tile, moe_tile=moe_tile, **self.impls)
+        self.options = _step_options(options, option_fields).resolve(devices[0].platform)
         self._compiled: dict[tuple[int, int], object] = {}
         self.compile_ms: dict[tuple[int, int], float] = {}  # (bucket, prompts per step) -> XLA compile time, ms
         if parallel.num_devices == 1:
@@ -120,28 +113,31 @@ class PrefillEngine:
             log.info("engine: device -> (process, stage, ring, ulysses): %s", format_device_map(self.mesh))
             build = (seq_pipeline.build_chunked_prefill_step if parallel.seq_chunks > 1
                      else pipe_lib.build_prefill_step)
-            self._step = build(cfg, parallel, self.mesh, self.plan, self.dtype, **self.tiles)
+            self._step = build(cfg, parallel, self.mesh, self.plan, self.dtype, self.options)
         log.info("engine: layout pipeline=%d ring=%d ulysses=%d expert=%d seq_chunks=%d on %d device(s), dtype=%s, "
-                 "%d empty slot(s), attention=%s, moe=%s", parallel.pipeline, parallel.ring, parallel.ulysses,
+                 "%d empty slot(s), options %s", parallel.pipeline, parallel.ring, parallel.ulysses,
                  parallel.expert_degree(cfg), parallel.seq_chunks, parallel.num_devices, self.dtype.name,
-                 self.plan.empty_slots, self.impls["attention_impl"], self.impls["moe_impl"])
+                 self.plan.empty_slots, self.options)
+
+    @property
+    def impls(self) -> dict:
+        """The concrete attention / MoE implementations this engine runs (from `options`)."""
+        return {"attention_impl": self.options.attention_impl, "moe_impl": self.options.moe_impl}
 
     # ------------------------------------------------------------------------------------------------------------
     @classmethod
     def from_checkpoint(cls, path, parallel: ParallelConfig = ParallelConfig(), dtype="bfloat16", *,
-                        devices=None, progress: bool = True, attention_impl: str = "auto", moe_impl: str = "auto",
-                        **kwargs) -> PrefillEngine:
+                        devices=None, progress: bool = True, **kwargs) -> PrefillEngine:
         """Load a checkpoint directly into the layout: each device reads only the layers of its pipeline stage.
 
         `path` is an HF / `original/` checkpoint, or a directory written by `python -m slope_jax.convert` (detected
         by its marker file), which is restored with orbax into this layout (any layout; shards are re-cut on read).
-        Keywords as `PrefillEngine` (tiles, attention_impl, moe_impl, allow_cross_host_ulysses).
+        Keywords as `PrefillEngine` (options or its fields, allow_cross_host_ulysses).
         """
         devices = list(jax.devices() if devices is None else devices)
         if orbax_store.is_orbax_checkpoint(path):
             cfg, params, _ = orbax_store.restore(path, parallel, dtype, devices=devices, progress=progress)
-            return cls(cfg, params, parallel, dtype, devices=devices, _placed=True, attention_impl=attention_impl,
-                       moe_impl=moe_impl, **kwargs)
+            return cls(cfg, params, parallel, dtype, devices=devices, _placed=True, **kwargs)
         ck = ckpt_lib.open_checkpoint(path)
         cfg = ck.config
         parallel.validate(cfg, len(devices) if parallel.num_devices > 1 else None)
@@ -154,8 +150,7 @@ class PrefillEngine:
             shardings = cls._shardings(cfg, dtype, mesh, plan, parallel)
             params = ckpt_lib.load_params(ck, dtype, shardings=shardings, stack_layers=plan.flat,
                                           vocab_rows=pipe_lib.vocab_rows(cfg, parallel.pipeline), progress=progress)
-        return cls(cfg, params, parallel, dtype, devices=devices, _placed=True, attention_impl=attention_impl,
-                   moe_impl=moe_impl, **kwargs)
+        return cls(cfg, params, parallel, dtype, devices=devices, _placed=True, **kwargs)
 
     @staticmethod
     def _shardings(cfg, dtype, mesh, plan, parallel: ParallelConfig):
@@ -196,7 +191,7 @@ class PrefillEngine:
 
         def one(args):
             t, n = args
-            return model_lib.forward(params, self.cfg, t, n, **self.tiles)
+            return model_lib.forward(params, self.cfg, t, n, self.options)
 
         logits, k, v = jax.lax.map(one, (tokens, num_tokens))
         return logits, k, v  # k, v: [M, L, T, K, H]
@@ -505,6 +500,13 @@ class PrefillEngine:
                                 "k": kvfmt.segment_name(layer, "k", a, b), "v": kvfmt.segment_name(layer, "v", a, b),
                                 "positions": kvfmt.segment_name(layer, "positions", a, b)})
         return records
+
+
+def _step_options(options: StepOptions | None, fields: dict) -> StepOptions:
+    """`options`, or a StepOptions built from its fields given one by one (ValueError when both are given)."""
+    if options is not None and fields:
+        raise ValueError(f"give options= or its fields ({sorted(fields)}), not both")
+    return options if options is not None else StepOptions(**fields)
 
 
 def _inputs_digest(prompts, ids, *options) -> bytes:
