@@ -273,6 +273,20 @@ def test_decode_cli_first_token_check_and_engines(exports, tmp_path):
     assert ref["first_token_check"] == "ok" and ref["tokens"] == tr["len-33"]["tokens"]
 
 
+def test_decode_summary_says_the_shipped_model_is_random(tmp_path):
+    """The shipped tiny checkpoint has random weights: the summary says its text is gibberish by design (also when
+    reached through a symlink); any other checkpoint gets no such note."""
+    from types import SimpleNamespace
+
+    from slope_jax.serve import decode_cli
+
+    link = tmp_path / "tiny"
+    link.symlink_to(SHIPPED)
+    for path, noted in ((SHIPPED, True), (str(link), True), (str(tmp_path), False)):
+        text = decode_cli._summary([], 0.0, SimpleNamespace(checkpoint=path, engine="transformers", dtype="float32"))
+        assert ("random weights" in text and "gibberish by design" in text) == noted, (path, text)
+
+
 _NO_JAX_LOAD = r"""
 import importlib.abc, sys
 class Block(importlib.abc.MetaPathFinder):

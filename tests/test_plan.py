@@ -3,6 +3,7 @@ planner's answers, calibration, and that `slope_jax.plan` imports without JAX.""
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -13,7 +14,7 @@ from conftest import CONFIG_A, CONFIG_B, REPO
 
 from slope_jax.model import gpt_oss as model
 from slope_jax.parallel.config import LayoutError, ParallelConfig
-from slope_jax.plan import calibrate, flops, hardware, search, verify
+from slope_jax.plan import calibrate, flops, hardware, report, search, verify
 from slope_jax.plan.model import predict
 from slope_jax.serve.engine import PrefillEngine
 
@@ -96,12 +97,13 @@ def test_infeasible_ask_gets_a_clear_answer():
 
 
 def test_cli_writes_json_and_png(tmp_path):
-    js, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    js, png = tmp_path / "new" / "plan.json", tmp_path / "plan.png"  # a directory that does not exist yet
     out = subprocess.run([sys.executable, "-m", "slope_jax.plan", "--model=gpt-oss-20b", "--hardware=h100",
                           "--hosts=1", "--devices_per_host=8", "--lengths=8192,32768", "--ttft_slo_ms=400",
                           f"--json={js}", f"--png={png}"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "chosen" in out.stdout or "no layout" in out.stdout
+    assert "columns:\n" + report.column_key() in out.stdout  # the tables' key is printed under them
     d = json.loads(js.read_text())
     for entry in d["lengths"]:
         for row in entry["layouts"]:
@@ -146,3 +148,46 @@ def test_goodput_model():
     assert 0 < r < 2.0  # below the service rate
     assert search.max_rate(0.5, 1, 2.0, 0.9) > r  # a looser SLO admits more load
     assert search.max_rate(0.5, 1, 1.0, 0.99) < r  # a higher percentile admits less
+
+
+def test_plan_figure_marks_the_choice_at_each_length(tmp_path):
+    """The figure marks and labels each length's chosen layout — also one that is not among the fastest at the
+    longest length — and labels a length where no layout meets the SLO; one unit (ms); the caption names model,
+    cluster, SLO and efficiency source. Checked on what `write_png` drew (its texts), not on pixels."""
+    from slope_jax.plan.__main__ import load_model
+
+    hw = hardware.load("mi250")
+    entries = search.plan(load_model("gpt-oss-120b"), hw, 32, 8, [32768, 102400], slo_ms=1000, percentile=0.9,
+                          with_expert=False)  # the EP layouts add nothing here but time
+    first, last = entries
+    fits_meets = [r for r in first["layouts"] if r["fits_memory"] and r["meets_slo"]]
+    best = max(fits_meets, key=lambda r: r["goodput_requests_per_s"])  # the rule, recomputed here
+    assert first["chosen"]["layout"] == best["layout"] and last["chosen"] is None  # one met length, one not
+    fastest_last = min((r for r in last["layouts"] if r["fits_memory"]), key=lambda r: r["ttft_ms"])
+    assert fastest_last["layout"] != best["layout"]  # the 32K choice is not the line a reader would take as best
+
+    png = tmp_path / "plan.png"
+    marks = report.write_png(str(png), entries, 1000, "t", report.caption("gpt-oss-120b", "4 hosts x 8 mi250",
+                                                                           1000, 0.9, hw.efficiency))
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    m0, m1 = marks["lengths"]
+    assert m0["chosen"] == m0["marked"] == best["layout"] and best["layout"] in marks["layouts"]
+    assert m0["bars"][0] == (best["layout"], best["goodput_requests_per_s"])  # the outlined bar is the choice
+    assert all(rate <= best["goodput_requests_per_s"] for _, rate in m0["bars"])
+    assert m1["chosen"] is None and m1["bars"] == []  # no empty bar group for a length that meets nothing
+    assert m1["marked"] == fastest_last["layout"] and fastest_last["layout"] in marks["layouts"]
+    assert m1["label"] == (f"none meets the SLO at 102400 tokens (fastest: {fastest_last['layout']}, "
+                           f"{fastest_last['ttft_ms']:.0f} ms)")
+    texts = "\n".join(marks["texts"])
+    assert f"chosen: {best['layout']}, {best['ttft_ms']:.0f} ms" in texts
+    assert texts.count("none meets the SLO at 102400 tokens") == 2  # at its point and in the goodput panel
+    assert "predicted TTFT (ms, log scale)" in texts and "SLO 1000 ms (p90)" in texts and "(s)" not in texts
+    for part in ("Model: gpt-oss-120b", "Cluster: 4 hosts x 8 mi250", "SLO: TTFT <= 1000 ms at p90",
+                 "arXiv:2312.12705"):
+        assert part in texts, part
+    # every column of the text table is explained in the key printed under the tables and in --help
+    head = report.table(first, hw.hbm_bytes).splitlines()[1]
+    assert re.split(r"\s{2,}", head.strip()) == [name for name, _ in report.COLUMNS]
+    from slope_jax.plan import __main__ as cli  # its docstring is what --help prints
+
+    assert report.column_key() in cli.__doc__ and "loaded ms" in cli.__doc__ and "design §" not in cli.__doc__

@@ -1,4 +1,5 @@
-"""SLO planner: which layout meets a TTFT SLO on a cluster, at what goodput (design §7).
+"""SLO planner: which layout meets a TTFT SLO on a cluster, at what goodput (cost model: slope_jax/plan/model.py;
+layout search and goodput: slope_jax/plan/search.py; both predict, nothing is measured).
 
     python -m slope_jax.plan --model=gpt-oss-120b --hardware=mi250 --hosts=4 --devices_per_host=8 \\
         --ttft_slo_ms=1000 --percentile=90 --lengths=32768,65536,102400 --json=plan.json --png=plan.png
@@ -7,9 +8,15 @@
 
 Plan: for every layout (pipeline × ring × ulysses, with and without expert parallelism) of hosts × devices_per_host
 devices, predicts TTFT, memory per device, bytes per link kind and goodput at each length; prints a table per length
-(layouts that fit memory), the chosen layout and why — or, when nothing meets the SLO, the best there is.
+(layouts that fit memory, fastest first), the chosen layout (the one with the highest goodput among those that fit
+memory and meet the SLO) and why — or, when nothing meets the SLO, the fastest there is. --png draws predicted TTFT
+(ms) per layout against length with the choice marked at each length (or "none meets the SLO"), and the goodput
+of the best layouts per length.
 Calibrate: fits a profile's efficiency factors to measured step times and writes the profile.
 Scenario: writes the gpt-oss-120b on 4 × 8 MI250 GCDs document (tables, plot, choice, TP8 cross-check).
+
+Table columns (per length):
+{columns}
 """
 
 from __future__ import annotations
@@ -19,6 +26,10 @@ import os
 
 from absl import app, flags, logging
 
+from slope_jax.plan import report
+
+# absl prints this module's docstring as --help: the table's column key is filled in from report.COLUMNS
+__doc__ = __doc__.replace("{columns}", report.column_key())  # noqa: A001
 FLAGS = flags.FLAGS
 
 
@@ -40,8 +51,9 @@ def _define_flags() -> None:
     flags.DEFINE_bool("expert_parallel", True, "Also consider expert-parallel layouts (EP = ring·ulysses).")
     flags.DEFINE_string("json", None, "Write the plan as JSON here (per length: every layout, feasible ones, "
                         "chosen).")
-    flags.DEFINE_string("png", None, "Write a plot here: predicted TTFT vs length per layout with the SLO line; "
-                        "goodput.")
+    flags.DEFINE_string("png", None, "Write a figure here: predicted TTFT (ms) vs length per layout with the SLO "
+                        "line and the chosen layout marked at each length (or 'none meets the SLO'); goodput of the "
+                        "best layouts per length; a caption naming model, cluster, SLO and efficiency source.")
     flags.DEFINE_string("measured", None, "calibrate: JSON of measured rows (benchmarks/plan_measure_cpu.py).")
     flags.DEFINE_string("out", None, "calibrate: profile JSON to write (default configs/hardware/<hardware>.json); "
                         "scenario: markdown path (default docs/scenario-gpt-oss-120b-mi250.md).")
@@ -90,7 +102,7 @@ def run_plan(cfg, hw, hosts, dph, lengths, slo_ms, pct, dtype=None, expert_paral
 
 
 def cmd_plan():
-    from slope_jax.plan import hardware, report
+    from slope_jax.plan import hardware
 
     cfg = load_model(FLAGS.model)
     hw = hardware.load(FLAGS.hardware)
@@ -101,6 +113,7 @@ def cmd_plan():
           f"{hw.efficiency.source or 'no source given'}\n")
     for e in entries:
         print(report.table(e, hw.hbm_bytes) + "\n")
+    print("columns:\n" + report.column_key() + "\n")
     result = {"model": FLAGS.model, "hardware": hw.to_dict(), "hosts": FLAGS.hosts,
               "devices_per_host": FLAGS.devices_per_host, "ttft_slo_ms": FLAGS.ttft_slo_ms,
               "percentile": _percentile(), "lengths": entries}
@@ -108,8 +121,10 @@ def cmd_plan():
         report.write_json(FLAGS.json, result)
         print(f"wrote {FLAGS.json}")
     if FLAGS.png:
-        report.write_png(FLAGS.png, entries, FLAGS.ttft_slo_ms, f"{FLAGS.model} on {FLAGS.hosts}x"
-                         f"{FLAGS.devices_per_host} {hw.name}")
+        cluster = f"{FLAGS.hosts} host(s) x {FLAGS.devices_per_host} {hw.name} ({hw.description})"
+        report.write_png(FLAGS.png, entries, FLAGS.ttft_slo_ms,
+                         f"{FLAGS.model} on {FLAGS.hosts} x {FLAGS.devices_per_host} {hw.name} (predicted)",
+                         report.caption(FLAGS.model, cluster, FLAGS.ttft_slo_ms, _percentile(), hw.efficiency))
         print(f"wrote {FLAGS.png}")
 
 

@@ -1,6 +1,6 @@
 """Fit a hardware profile's efficiency factors to measured step times.
 
-Model (design §7, `model.predict`): `time = F_matmul/(peak·e_mm) + F_attention/(peak·e_att) + communication
+Model (`model.predict`): `time = F_matmul/(peak·e_mm) + F_attention/(peak·e_att) + communication
 + overhead_s + layer_overhead_s · (layer slots executed)`, where e_att is `attention` for sharded steps and
 `attention_one_device` for one-device steps (`hardware.Efficiency`: different programs with differently shaped
 attention tiles). With `x = (1/e_mm, 1/e_att, 1/e_att1, overhead_s, layer_overhead_s)` this is linear in x; the fit

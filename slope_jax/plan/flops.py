@@ -4,9 +4,9 @@ the engine actually executes (tile padding, masked tiles, empty pipeline slots, 
 Model FLOPs (for MFU): per token and layer q/k/v `2·D·(N+2K)·H`, o `2·N·H·D`, router `2·D·E`, k experts
 `k·(2·D·2I + 2·I·D)`; attention `4·N·H` per visible (query, key) pair (QKᵀ and PV): `T(T+1)/2` pairs on full layers,
 `Σ_i min(i+1, W)` on sliding layers; head: final norm + unembedding of the last token only, `2·D·V`.
-gpt-oss-120b: 9.1 GFLOP/token of matmuls (design §8).
+gpt-oss-120b: 9.1 GFLOP/token of matmuls (`prefill(cfg, 1)["matmul"]`).
 
-Executed FLOPs per device (`per_device`) follow the engine's structure (design §2, `model/attention.py`,
+Executed FLOPs per device (`per_device`) follow the engine's structure (`model/attention.py`,
 `model/moe.py`, `parallel/pipeline.py`):
   * attention is blockwise: a (query tile × key tile) block costs `4·bq·bk·heads·H` whether or not every entry is
     visible; the key-tile range per query tile comes from the tokens' global positions exactly as `attention.attend`

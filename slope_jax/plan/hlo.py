@@ -1,7 +1,7 @@
 """Read a compiled XLA module's text (`compiled.as_text()`): how often each computation runs, its collectives and its
 matmul FLOPs, with loop trip counts applied (no JAX needed).
 
-XLA's own `cost_analysis()` counts a loop body once (design §6); here every computation is weighted by the product of
+XLA's own `cost_analysis()` counts a loop body once; here every computation is weighted by the product of
 the `known_trip_count`s of the `while` loops around it. Loops whose trip count is data-dependent (the attention
 key-tile range, MoE tiles per expert) are reported separately with their per-iteration FLOPs, keyed by the
 `op_name` scope of the loop, so that a caller can apply a trip count it knows.

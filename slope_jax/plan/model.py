@@ -1,4 +1,4 @@
-"""The cost model: FLOPs, bytes per link, memory and predicted TTFT of one prefill step (design §7).
+"""The cost model: FLOPs, bytes per link, memory and predicted TTFT of one prefill step.
 
 TTFT model (per compiled step of `M` requests, `P` stages of `S` slots, `M + P − 1` ticks):
   compute time of a part = its FLOPs / (peak × efficiency of its kind) — matmuls (projections, MoE, head) and
@@ -92,7 +92,7 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
             batch: int | None = None, dtype: str | None = None, devices_per_host: int = 8,
             tiles: flops.Tiles = flops.Tiles(), memory_limit_bytes: float | None = None,
             bucket: int | None = None) -> Prediction:
-    """Predict one prefill step of `batch` requests of `length` tokens on `parallel` (design §7; module docstring).
+    """Predict one prefill step of `batch` requests of `length` tokens on `parallel` (formulas: the module docstring).
 
     Args:
       cfg: the model. parallel: layout (EP degree `parallel.expert_degree(cfg)`, as the engine runs it).

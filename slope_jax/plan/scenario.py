@@ -21,9 +21,9 @@ PUBLISHED_TP8_S = 9.0  # the issue's cross-check figure for a one-host TP8 engin
 
 
 def _md_table(entry: dict, hbm_bytes: float) -> list[str]:
+    """One length's table, the columns of `report.COLUMNS` (the chosen layout in bold)."""
     rows = sorted((r for r in entry["layouts"] if r["fits_memory"]), key=lambda r: r["ttft_ms"])
-    out = ["| layout | TTFT ms (M=1) | step ms (M in flight) | GiB/device | a2a MB | ring MB | halo MB | pipe MB | "
-           "EP MB | goodput req/s | SLO |", "|" + "---|" * 11]
+    out = ["| " + " | ".join(name for name, _ in report.COLUMNS) + " |", "|" + "---|" * len(report.COLUMNS)]
     for r in rows:
         lb = r["link_bytes_per_device"]
         name = f"**{r['layout']}**" if entry["chosen"] and r["layout"] == entry["chosen"]["layout"] else r["layout"]
@@ -31,7 +31,8 @@ def _md_table(entry: dict, hbm_bytes: float) -> list[str]:
                    f"{r['memory_bytes_per_device'] / 2**30:.1f} | {lb['ulysses_all_to_all'] / 1e6:.0f} | "
                    f"{lb['ring_ppermute'] / 1e6:.0f} | {lb['halo_ppermute'] / 1e6:.0f} | "
                    f"{lb['pipeline_handoff'] / 1e6:.0f} | {lb['ep_dispatch'] / 1e6:.0f} | "
-                   f"{r['goodput_requests_per_s']:.3g} | {'meets' if r['meets_slo'] else 'misses'} |")
+                   f"{r['goodput_requests_per_s']:.3g} | {r['goodput_tokens_per_s']:.3g} | "
+                   f"{'meets' if r['meets_slo'] else 'misses'} |")
     missing = [r["layout"] for r in entry["layouts"] if not r["fits_memory"]]
     if missing:
         out.append("")
@@ -47,7 +48,10 @@ def write(path: str) -> None:
     entries = search.plan(cfg, hw, n_dev, DPH, LENGTHS, slo_ms=SLO_MS, percentile=PCT)
     tp = [predict_tensor_parallel(cfg, 8, n, hw) for n in LENGTHS]
     png = os.path.splitext(path)[0] + ".png"
-    report.write_png(png, entries, SLO_MS, f"gpt-oss-120b on {HOSTS} x {DPH} MI250 GCDs (predicted)", tp=tp)
+    report.write_png(png, entries, SLO_MS, f"gpt-oss-120b prefill on {HOSTS} hosts x {DPH} MI250 GCDs (predicted)",
+                     report.caption("gpt-oss-120b (configs/gpt-oss-120b.json)",
+                                    f"{HOSTS} hosts x {DPH} {hw.name} GCDs, profile configs/hardware/mi250.json",
+                                    SLO_MS, PCT, hw.efficiency), tp=tp)
     peak = hw.peak("bfloat16")
     eff = hw.efficiency
     params = memory.param_bytes(cfg, 2, 1)
@@ -87,6 +91,14 @@ def write(path: str) -> None:
         at_eff = ((f["matmul"] + f["head"]) / eff.matmul + f["attention"] / eff.attention) / (n_dev * peak)
         w(f"| {n} | {f['total'] / 1e15:.2f} | {floor * 1e3:.0f} ms | {at_eff * 1e3:.0f} ms |")
     w("")
+    w("## Layouts per length")
+    w("")
+    w("One table per length, every layout that fits memory, fastest first; the figure at the end marks the choice at "
+      "each length. Columns (the same as `python -m slope_jax.plan`'s tables):")
+    w("")
+    for name, text in report.COLUMNS:
+        w(f"- **{name}**: {text}")
+    w("")
     for e in entries:
         w(f"## {e['length']} tokens")
         w("")
@@ -94,7 +106,12 @@ def write(path: str) -> None:
         w("")
         w(f"**Choice**: {e['chosen']['layout'] + ' — ' if e['chosen'] else ''}{e['reason']}.")
         w("")
-    w(f"![predicted TTFT per layout and goodput]({os.path.basename(png)})")
+    w(f"![predicted TTFT per layout with the choice marked at each length, and goodput]({os.path.basename(png)})")
+    w("")
+    w("*Figure*: left, predicted TTFT (ms, log scale) per layout against context length, with the SLO line and the "
+      "one-host TP8 engine for comparison; a star marks the chosen layout at each length, a red X the fastest layout "
+      "where none meets the SLO. Right, goodput of the best layouts per length, the chosen one outlined. The "
+      "caption names model, cluster, SLO and the efficiency source.")
     w("")
     w("## One-host TP8 engine, for comparison")
     w("")
@@ -104,18 +121,19 @@ def write(path: str) -> None:
     w("| context | predicted TTFT | compute | all-reduce | floor (FLOPs / 8 peaks) |")
     w("|---|---|---|---|---|")
     for x in tp:
-        w(f"| {x['length']} | {x['ttft_ms'] / 1e3:.2f} s | {x['compute_ms'] / 1e3:.2f} s | "
-          f"{x['communication_ms'] / 1e3:.2f} s | {x['floor_ms'] / 1e3:.2f} s |")
+        w(f"| {x['length']} | {x['ttft_ms']:.0f} ms | {x['compute_ms']:.0f} ms | "
+          f"{x['communication_ms']:.0f} ms | {x['floor_ms']:.0f} ms |")
     last = tp[-1]
     implied = last["compute_ms"] / 1e3 * eff.matmul / max(PUBLISHED_TP8_S - last["communication_ms"] / 1e3, 1e-9)
     w("")
-    w(f"Cross-check: the issue cites ~{PUBLISHED_TP8_S:g} s published for such an engine at 100K; the model "
-      f"predicts {last['ttft_ms'] / 1e3:.1f} s. Holding the all-reduce time, {PUBLISHED_TP8_S:g} s would mean an "
+    w(f"Cross-check: the issue cites ~{PUBLISHED_TP8_S * 1e3:.0f} ms published for such an engine at 100K; the "
+      f"model predicts {last['ttft_ms']:.0f} ms. Holding the all-reduce time, {PUBLISHED_TP8_S * 1e3:.0f} ms would "
+      "mean an "
       f"effective efficiency of ~{implied:.2f} instead of {eff.matmul:.2f}: the cited training MFU is "
       + ("optimistic for that engine's prefill" if last["ttft_ms"] / 1e3 < PUBLISHED_TP8_S else "pessimistic")
       + ", so the predictions above are more likely low than high.")
     w("")
-    w("## The 1.0 s goal at 100K")
+    w(f"## The {SLO_MS:g} ms goal at {LENGTHS[-1]} tokens")
     w("")
     final = entries[-1]
     if final["chosen"]:
@@ -128,7 +146,8 @@ def write(path: str) -> None:
         need_dev = ideal * n_dev / (SLO_MS / 1e3)
         w(f"Not met at the cited efficiency. Even a perfect split of the model FLOPs over {n_dev} GCDs at "
           f"{eff.matmul:.2f} of peak takes {ideal * 1e3:.0f} ms; the best layout here, "
-          f"{best['layout'] if best else '-'}, is predicted at {best['ttft_ms']:.0f} ms. What would reach 1.0 s:")
+          f"{best['layout'] if best else '-'}, is predicted at {best['ttft_ms']:.0f} ms. What would reach "
+          f"{SLO_MS:g} ms:")
         w("")
         w(f"- **More compute**: ≥ {need_dev:.0f} GCDs at perfect scaling ({-(-need_dev // DPH):.0f} hosts), or an "
           f"efficiency of ≥ {eff.matmul * ideal / (SLO_MS / 1e3):.2f} of peak on 32 GCDs (FlashAttention-2 reports "
@@ -177,11 +196,11 @@ def write(path: str) -> None:
       "imbalance (later chunks attend to more keys). Communication is not included here; the tables above "
       "include it.")
     w("")
-    w("| C | ticks | TTFT s | ideal s | fill s | imbalance s | vs C = 1 |")
+    w("| C | ticks | TTFT ms | ideal ms | fill ms | imbalance ms | vs C = 1 |")
     w("|---|---|---|---|---|---|---|")
     for row in seq_chunks.table(cfg, LENGTHS[-1], pipeline=4, flops_per_s=peak * eff.matmul):
-        w(f"| {row['chunks']} | {row['ticks']} | {row['ttft_s']:.3f} | {row['ideal_s']:.3f} | {row['fill_s']:.3f} | "
-          f"{row['imbalance_s']:.3f} | {row['speedup']:.2f}× |")
+        w(f"| {row['chunks']} | {row['ticks']} | {row['ttft_s'] * 1e3:.0f} | {row['ideal_s'] * 1e3:.0f} | "
+          f"{row['fill_s'] * 1e3:.0f} | {row['imbalance_s'] * 1e3:.0f} | {row['speedup']:.2f}× |")
     w("")
     w("## Assumptions behind every figure")
     w("")

@@ -1,5 +1,5 @@
 """Layout search for a TTFT SLO: enumerate the layouts of a cluster, predict each, keep those that fit memory and
-meet the SLO, pick the one with the best goodput (design §7).
+meet the SLO, pick the one with the best goodput.
 
 Goodput model (stated approximation, checked by the scheduler's Poisson simulation): requests arrive as a Poisson
 stream of rate λ; the server runs steps of up to `M` requests (M = 1, or the pipeline's in-flight count), each taking

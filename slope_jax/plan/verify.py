@@ -1,4 +1,4 @@
-"""Check the cost model against what XLA compiles (design §6): FLOPs per device, collective bytes per device and
+"""Check the cost model against what XLA compiles: FLOPs per device, collective bytes per device and
 argument + temporary memory per device, for one engine layout and prompt length. Imports JAX (inside functions):
 used by tests/test_plan.py and benchmarks/plan_vs_xla.py, never by the planner itself.
 

@@ -7,6 +7,9 @@ cache to text with a decode engine that did not compute the prefill.
   # 2) continue every exported request for 24 tokens with Hugging Face transformers
   python -m slope_jax.decode --kv_dir=out/pd/kv --requests=launch/requests.jsonl --max_new_tokens=24
 
+The default --checkpoint, the shipped tiny model (checkpoints/tiny-gpt-oss), has random weights: its text is
+gibberish by design (the summary says so); first_token_check = ok is what shows prefill and decode agree.
+
 Engines: `transformers` (GptOssForCausalLM from --checkpoint, its cache built by `slope_jax.kv.to_transformers_cache`)
 or `reference` (slope_jax's own single-device JAX decoder, `slope_jax.kv.decode.Decoder`). Before decoding, the
 export's model record is checked against the engine's config (KVModelMismatch names the field).
@@ -38,6 +41,7 @@ from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SHIPPED_CHECKPOINT = os.path.join(_REPO, "checkpoints", "tiny-gpt-oss")  # random weights (make_checkpoint.py)
 
 def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
     """Define this command's flags on `fv` (the global FLAGS for the command line). Defined on call, not at import:
@@ -47,8 +51,9 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
     flags.DEFINE_string("kv_dir", None, "Directory of exports (<kv_dir>/<request id>/manifest.json), as written by "
                         "`python -m slope_jax.launch --kv_dir`.", **d)
     flags.DEFINE_list("ids", [], "Request ids to decode (default: every export in --kv_dir, sorted).", **d)
-    flags.DEFINE_string("checkpoint", os.path.join(_REPO, "checkpoints", "tiny-gpt-oss"), "HF checkpoint directory "
-                        "the decode engine loads (config.json, weights, tokenizer.json).", **d)
+    flags.DEFINE_string("checkpoint", SHIPPED_CHECKPOINT, "HF checkpoint directory the decode engine loads "
+                        "(config.json, weights, tokenizer.json). The default, the shipped tiny model, has random "
+                        "weights: its text is gibberish by design.", **d)
     flags.DEFINE_enum("engine", "transformers", ["transformers", "reference"], "Decode engine: Hugging Face "
                       "transformers GptOssForCausalLM, or slope_jax's JAX reference decoder.", **d)
     flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Decode engine weights, activations and KV cache "
@@ -251,6 +256,15 @@ def _engine(F):
     return ReferenceEngine(F.checkpoint, F.dtype, F.max_new_tokens, F.check_fingerprint)
 
 
+def random_weights_note(checkpoint: str) -> str | None:
+    """A one-line note when `checkpoint` is the shipped tiny model, whose weights are random, so that its gibberish
+    text is not taken for a fault; None for any other checkpoint."""
+    if os.path.realpath(checkpoint) != os.path.realpath(SHIPPED_CHECKPOINT):
+        return None
+    return ("note: checkpoints/tiny-gpt-oss has random weights (checkpoints/make_checkpoint.py), so its text is "
+            "gibberish by design; first_token_check = ok is what shows prefill and decode agree")
+
+
 def _summary(records: list[dict], wall_s: float, F) -> str:
     lines = [f"{'id':<20} {'prompt':>7} {'first':>6} {'check':>9} {'new':>4} {'ms':>8}  text / error"]
     for r in records:
@@ -264,6 +278,9 @@ def _summary(records: list[dict], wall_s: float, F) -> str:
     bad = [r for r in ok if r["first_token_check"] == "mismatch"]
     lines.append(f"{len(ok)} decoded, {len(records) - len(ok)} failed, {len(bad)} first-token mismatch(es); "
                  f"{sum(len(r['tokens']) for r in ok)} tokens in {wall_s:.1f} s (engine {F.engine}, {F.dtype})")
+    note = random_weights_note(F.checkpoint)
+    if note:
+        lines.append(note)
     return "\n".join(lines)
 
 
