@@ -255,7 +255,7 @@ def prefix_attention(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array,
                      window: int | jax.Array = attn_lib.NO_WINDOW) -> attn_lib.AttnState:
     """Partial attention (no sink) of the local queries over keys that stay where they are: the K/V of earlier
     sequence chunks that this stage stored, spread over the R·U devices of its `(ring, ulysses)` group
-    (sequence-pipelined prefill, `parallel.seq_pipeline`).
+    (sequence-pipelined prefill, `parallel.pipeline`).
 
     The queries travel, not the keys: (q, positions, state) go once round the R·U devices (`ppermute` d → d+1 over
     `(ring, ulysses)`); each device folds its own stored keys into the visiting state, and after R·U passes every

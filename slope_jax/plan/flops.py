@@ -118,21 +118,12 @@ Tiles = StepOptions
 
 
 def stage_slots(cfg: ModelConfig, pipeline: int) -> tuple[int, int]:
-    """(slots per stage S, stack entries per stage n) of the engine's stage split (`pipeline.plan_stages`): stages
-    of ⌈L/P⌉ or ⌊L/P⌋ consecutive layers in alternating sliding/full slots (a gap where kinds do not alternate)."""
-    L = cfg.num_hidden_layers
-    sizes = [L // pipeline + (1 if p < L % pipeline else 0) for p in range(pipeline)]
-    longest, start = 0, 0
-    for size in sizes:
-        slots = 0
-        for layer in range(start, start + size):
-            parity = 0 if cfg.is_sliding(layer) else 1
-            if slots % 2 != parity:
-                slots += 1
-            slots += 1
-        longest = max(longest, slots)
-        start += size
-    return longest + longest % 2, max(sizes)
+    """(slots per stage S, stack entries per stage n) of the engine's stage split (`parallel.stages.plan_stages`,
+    the one implementation)."""
+    from slope_jax.parallel import stages  # numpy only
+
+    plan = stages.plan_stages(cfg, pipeline)
+    return plan.slots_per_stage, plan.stack_per_stage
 
 
 def _attention_calls(cfg: ModelConfig, t: int, ring: int, ulysses: int, tiles: Tiles) -> dict[str, np.ndarray]:

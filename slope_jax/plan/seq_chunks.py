@@ -1,4 +1,4 @@
-"""Schedule math of sequence-pipelined prefill (`parallel.seq_pipeline`): predicted TTFT for (P, R, U, C). No JAX.
+"""Schedule math of sequence-pipelined prefill (`parallel.pipeline`): predicted TTFT for (P, R, U, C). No JAX.
 
 The compiled step is SPMD and lock-step: at tick k stage s runs chunk k − s, and a tick lasts as long as its slowest
 live stage. With per-chunk stage times `t[s][i]` (seconds) the critical path of one request is

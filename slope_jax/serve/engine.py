@@ -33,7 +33,7 @@ from slope_jax.model.config import ModelConfig
 from slope_jax.model.options import StepOptions
 from slope_jax.parallel import layout
 from slope_jax.parallel import pipeline as pipe_lib
-from slope_jax.parallel import seq_pipeline
+from slope_jax.parallel import sharding, stages
 from slope_jax.parallel.config import ParallelConfig
 from slope_jax.parallel.mesh import format_device_map, make_mesh
 from slope_jax.serve.requests import RequestError, check_request_id
@@ -103,17 +103,15 @@ class PrefillEngine:
         self.compile_ms: dict[tuple[int, int], float] = {}  # (bucket, prompts per step) -> XLA compile time, ms
         if parallel.num_devices == 1:
             self.mesh = None
-            self.plan = pipe_lib.StagePlan.single_stage(cfg.num_hidden_layers)
+            self.plan = stages.StagePlan.single_stage(cfg.num_hidden_layers)
             self.params = params if _placed else self._cast(params, devices[0])
             self._step = jax.jit(self._single_device_step)
         else:
             self.mesh = make_mesh(parallel, devices, allow_cross_host_ulysses=allow_cross_host_ulysses)
-            self.plan = pipe_lib.plan_stages(cfg, parallel.pipeline)
+            self.plan = stages.plan_stages(cfg, parallel.pipeline)
             self.params = params if _placed else self._place(params)
             log.info("engine: device -> (process, stage, ring, ulysses): %s", format_device_map(self.mesh))
-            build = (seq_pipeline.build_chunked_prefill_step if parallel.seq_chunks > 1
-                     else pipe_lib.build_prefill_step)
-            self._step = build(cfg, parallel, self.mesh, self.plan, self.dtype, self.options)
+            self._step = pipe_lib.build_prefill_step(cfg, parallel, self.mesh, self.plan, self.dtype, self.options)
         log.info("engine: layout pipeline=%d ring=%d ulysses=%d expert=%d seq_chunks=%d on %d device(s), dtype=%s, "
                  "%d empty slot(s), options %s", parallel.pipeline, parallel.ring, parallel.ulysses,
                  parallel.expert_degree(cfg), parallel.seq_chunks, parallel.num_devices, self.dtype.name,
@@ -146,19 +144,11 @@ class PrefillEngine:
         else:
             mesh = make_mesh(parallel, devices,
                              allow_cross_host_ulysses=kwargs.get("allow_cross_host_ulysses", False))
-            plan = pipe_lib.plan_stages(cfg, parallel.pipeline)
-            shardings = cls._shardings(cfg, dtype, mesh, plan, parallel)
-            params = ckpt_lib.load_params(ck, dtype, shardings=shardings, stack_layers=plan.flat,
-                                          vocab_rows=pipe_lib.vocab_rows(cfg, parallel.pipeline), progress=progress)
+            plan = stages.plan_stages(cfg, parallel.pipeline)
+            params = ckpt_lib.load_params(ck, dtype, shardings=sharding.param_shardings(cfg, parallel, dtype, mesh),
+                                          stack_layers=plan.flat, vocab_rows=stages.vocab_rows(cfg, parallel),
+                                          progress=progress)
         return cls(cfg, params, parallel, dtype, devices=devices, _placed=True, **kwargs)
-
-    @staticmethod
-    def _shardings(cfg, dtype, mesh, plan, parallel: ParallelConfig):
-        """NamedSharding per parameter: layers and vocabulary rows over `pipeline`, expert weights over
-        `(ring, ulysses)` when expert parallelism is on."""
-        specs = pipe_lib.param_partition_specs(cfg, dtype, plan.pipeline * plan.stack_per_stage,
-                                               pipe_lib.vocab_rows(cfg, plan.pipeline), parallel.expert_degree(cfg))
-        return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 
     def _cast(self, params, device):
         specs = model_lib.param_specs(self.cfg, self.dtype)
@@ -169,9 +159,9 @@ class PrefillEngine:
         """Host params `[L, …]` → device params: each stage's stack `[n, …]` (`plan.flat` order), sharded over the
         mesh."""
         entries = np.asarray(self.plan.flat)
-        rows = pipe_lib.vocab_rows(self.cfg, self.parallel.pipeline)
-        specs = model_lib.param_specs(self.cfg, self.dtype, num_layers=len(entries), vocab_rows=rows)
-        shardings = self._shardings(self.cfg, self.dtype, self.mesh, self.plan, self.parallel)
+        specs = sharding.stacked_param_specs(self.cfg, self.parallel, self.dtype)
+        rows = stages.vocab_rows(self.cfg, self.parallel)
+        shardings = sharding.param_shardings(self.cfg, self.parallel, self.dtype, self.mesh)
 
         def put(path, a, spec, sh):
             a = np.asarray(a)

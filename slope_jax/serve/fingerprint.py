@@ -1,7 +1,7 @@
 """Start-up fingerprint: every process of a run must compile the same step and feed it the same weights.
 
 A fingerprint is a flat dict of everything that shapes the compiled step or its inputs: package versions, the
-layout, dtype, tiles, export flags and the checkpoint (its config and a sampled content hash of its weight files).
+layout, dtype, every `StepOptions` field (tiles, attention / MoE implementations), export flags and the checkpoint (its config and a sampled content hash of its weight files).
 The processes exchange fingerprints at start-up (`slope_jax.serve.distributed.preflight`) and `compare` names every
 field on which they differ, so a run with, say, `--dtype` given to one process only fails at once with that name
 instead of hanging in the first collective or computing with mixed programs. No JAX needed.

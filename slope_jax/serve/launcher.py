@@ -432,8 +432,8 @@ def _serve():
         parallel, reason = slo.auto_layout(cfg, hardware, jax.device_count(), jax.local_device_count(), lengths,
                                            FLAGS.ttft_slo_ms, FLAGS.slo_percentile / 100)
         if FLAGS["seq_chunks"].present:  # an explicit --seq_chunks overrides the planner's choice
-            parallel = dataclasses.replace(parallel, seq_chunks=FLAGS.seq_chunks)
-        parallel = dataclasses.replace(parallel, microbatches=FLAGS.microbatches)
+            parallel = parallel.replace(seq_chunks=FLAGS.seq_chunks)
+        parallel = parallel.replace(microbatches=FLAGS.microbatches)
         logging.info("--layout=auto on %d %s device(s), lengths %s, TTFT SLO %g ms: pipeline=%d ring=%d ulysses=%d "
                      "expert=%s seq_chunks=%d (%s)", jax.device_count(), hardware, lengths, FLAGS.ttft_slo_ms,
                      parallel.pipeline, parallel.ring, parallel.ulysses, parallel.expert, parallel.seq_chunks, reason)
