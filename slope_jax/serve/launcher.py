@@ -17,8 +17,10 @@ Request lines are described in `slope_jax.serve.requests`. One result line (stri
 line: an error record as soon as a bad line is read ({"id": id or null, "line": N, "error": ...}, plus
 "duplicate_of" for a reused id), a result when its batch finishes (id, line, first token (and its text with a
 tokenizer) and its logprob, top-k logits, num_tokens, bucket, TTFT = queue + compute, compile/export times in ms, KV
-path). A flag or layout mistake is one `slope_jax: error:` line and exit status 2; so is start-up with processes that
-disagree on anything that shapes the compiled step (the differing field is named).
+path, predicted_ttft_ms). Every record of a request with a TTFT SLO carries ttft_slo_ms and slo_met, and "late": true
+when it was served after it; a request refused by admission gets an error record with "rejected": true. A flag or
+layout mistake is one `slope_jax: error:` line and exit status 2; so is start-up with processes that disagree on
+anything that shapes the compiled step (the differing field is named).
 """
 
 

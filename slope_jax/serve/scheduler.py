@@ -58,7 +58,8 @@ run `engine.prefill` in a worker thread and keep calling `take_batch` while it r
 compute of finished batches (call `observe(lengths, measured_ms)`), so admission follows the machine's real speed.
 
 Metrics: `slo_stats(records, wall_s)` over result records (dicts with `num_tokens`, `ttft_ms`, optional
-`ttft_slo_ms`, and `error` for failed or rejected requests) gives `SLOStats`; `SLOStats.summary_line()` is one line
+`ttft_slo_ms`, and `error` for failed or rejected requests; a failed request that had an SLO must keep its
+`ttft_slo_ms`, so it counts as a miss) gives `SLOStats`; `SLOStats.summary_line()` is one line
 for the launcher's summary. Definitions as in DistServe (Zhong et al., OSDI 2024): SLO attainment = requests that
 carry an SLO and were served within it / all requests that carry an SLO (rejected and failed ones count as missed);
 goodput = prompt tokens per second of wall time of served requests that met their SLO (or had none).
@@ -79,7 +80,7 @@ SLO_POLICIES = ("reject", "serve_late", "none")
 _EPS_S = 1e-9  # clock resolution for "due" comparisons, so a wait of ~0 s cannot spin
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # identity: two requests are never "equal" (and `request` may hold arrays)
 class Pending:
     """One queued request.
 
@@ -251,6 +252,12 @@ class Scheduler:
             shapes.update([(t, self.per_step)] * bool(full) + [(t, rest)] * bool(rest))
         return shapes
 
+    def _compile_part_ms(self, batch: Sequence[Pending], compiled: set) -> float:
+        """Expected ms compiling the step shapes of `batch` not in `compiled`."""
+        if self.compile_ms is None:
+            return 0.0
+        return sum(float(self.compile_ms(shape)) for shape in self._shapes(batch) - compiled)
+
     def _cost_ms(self, batch: Sequence[Pending], compiled: set) -> tuple[float, set]:
         """Predicted ms of a batch (compute + compiling its shapes not in `compiled`) and the shapes it compiles."""
         ms = float(self.predict_ms([p.num_tokens for p in batch]))
@@ -273,13 +280,14 @@ class Scheduler:
         batch = [head]
         ms, new = self._cost_ms(batch, compiled)
         guard = self._keeps(head, start + ms / 1e3)  # the batch must end by then
-        overtaken = False
+        overtaken = 0
         for p in ordered[1:]:
-            if len(batch) >= self.batch_size or (overtaken and len(batch) % self.per_step == 0):
+            if (len(batch) >= self.batch_size or (overtaken and len(batch) % self.per_step == 0)
+                    or overtaken > self.batch_size):  # (a bound on the scan: a request rides past few others)
                 break
             if self._group(p.num_tokens) != key:
                 # p is overtaken by the rest of this batch: it starts only when the batch ends
-                overtaken = True
+                overtaken += 1
                 alone_ms = self._cost_ms([p], compiled | new)[0]
                 guard = min(guard, self._keeps(p, start + (ms + alone_ms) / 1e3) - alone_ms / 1e3)
                 continue
@@ -292,22 +300,26 @@ class Scheduler:
         return batch, ms, new
 
     def _plan(self, ordered: Sequence[Pending], start: float, head_only: bool = False):
-        """The queue as consecutive batches in service order: [(batch, finish_s, compute_ms)]."""
+        """The queue as consecutive batches in service order: [(batch, finish_s, compute_ms, compile_ms)], where
+        compute_ms includes compile_ms, the expected compilation of step shapes no earlier batch compiles."""
         plan, t, rest, compiled = [], start, list(ordered), set()
         while rest:
             batch, ms, new = self._form(rest, t, compiled)
             t += ms / 1e3
+            plan.append((batch, t, ms, self._compile_part_ms(batch, compiled)))
             compiled |= new
-            plan.append((batch, t, ms))
             if head_only:
                 break
-            taken = {id(p) for p in batch}
-            rest = [p for p in rest if id(p) not in taken]
+            if all(p is q for p, q in zip(batch, rest)):
+                rest = rest[len(batch):]  # the usual case: the batch is the front of the queue
+            else:
+                taken = {id(p) for p in batch}
+                rest = [p for p in rest if id(p) not in taken]
         return plan
 
     def _misses(self, plan) -> list[tuple[Pending, float]]:
         """(request, predicted finish) for each on-time-class request of the plan that would miss its deadline."""
-        return [(p, fin) for batch, fin, _ in plan for p in batch
+        return [(p, fin) for batch, fin, *_ in plan for p in batch
                 if p.deadline_s is not None and not p.late and fin > p.deadline_s + _EPS_S]
 
     def _admit(self, now: float) -> list[tuple[Pending, str]]:
@@ -339,30 +351,35 @@ class Scheduler:
             if not misses:
                 self._queue.append(p)
                 continue
-            own = next((fin for batch, fin, _ in trial if any(q is p for q in batch)))
+            k = next(i for i, entry in enumerate(trial) if any(q is p for q in entry[0]))  # p's batch
+            own, compiling = trial[k][1], sum(entry[3] for entry in trial[:k + 1])
             if self.slo_policy == "serve_late":
                 p.late = True
                 self._queue.append(p)
                 continue
-            rejected.append((p, _reason(p, own, start - now, len(misses) if own <= p.deadline_s + _EPS_S else 0)))
+            rejected.append((p, _reason(p, own, start - now, len(misses) if own <= p.deadline_s + _EPS_S else 0,
+                                        compiling_ms=compiling)))
         return rejected
 
 
 def _slack(plan) -> float:
     """Seconds the plan can be delayed before an on-time request misses its deadline (inf if none has one)."""
-    return min((p.deadline_s - fin for batch, fin, _ in plan for p in batch
+    return min((p.deadline_s - fin for batch, fin, *_ in plan for p in batch
                 if p.deadline_s is not None and not p.late), default=math.inf)
 
 
-def _reason(p: Pending, finish_s: float, busy_s: float, pushed: int = 0, note: str = "") -> str:
-    """The rejection message: predicted vs allowed TTFT in ms, and why."""
+def _reason(p: Pending, finish_s: float, busy_s: float, pushed: int = 0, note: str = "",
+            compiling_ms: float = 0.0) -> str:
+    """The rejection message: predicted vs allowed TTFT in ms, and why (incl. the compilation it would wait for)."""
     predicted = (finish_s - p.arrival_s) * 1e3
     if pushed:
         head = (f"rejected: predicted TTFT {predicted:.1f} ms is within the allowed {p.slo_ms:.1f} ms (ttft_slo_ms), "
                 f"but admitting it would make {pushed} admitted request(s) miss their deadline")
     else:
         head = f"rejected: predicted TTFT {predicted:.1f} ms exceeds the allowed {p.slo_ms:.1f} ms (ttft_slo_ms)"
-    return f"{head}; {note}{p.num_tokens} tokens, {busy_s * 1e3:.1f} ms of work in flight"
+    tail = (f"; {compiling_ms:.1f} ms of it compiling step shapes not compiled yet (--precompile warms them up "
+            "before traffic)") if compiling_ms > 0 else ""
+    return f"{head}; {note}{p.num_tokens} tokens, {busy_s * 1e3:.1f} ms of work in flight{tail}"
 
 
 def batch_predictor(step_ms: Callable[[int, int], float], bucket: Callable[[int], int], per_step: int = 1
