@@ -322,6 +322,8 @@ def test_main_job_replay_rejects_what_compilation_makes_late():
     prior = compile_prior_ms("cpu", loadavg=12.0, cpus=2)  # 8 s idle x 6 (load 12 on 2 cores)
     assert prior == pytest.approx(48_000.0, abs=1e-6)
     assert compile_prior_ms("cpu", loadavg=0.5, cpus=2) == pytest.approx(8_000.0, abs=1e-6)
+    # a warm persistent compilation cache: a hit is expected, not a full compile
+    assert compile_prior_ms("cpu", loadavg=12.0, cpus=2, cache_warm=True) == pytest.approx(4_800.0, abs=1e-6)
     lengths = {"gettysburg": 40, "genesis": 35, "tale": 30, "corpus-600": 600, "corpus-1400": 1400}
     slos = {"gettysburg": 30_000, "genesis": 30_000, "tale": 30_000, "corpus-600": 60_000, "corpus-1400": None}
 

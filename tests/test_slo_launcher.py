@@ -97,3 +97,18 @@ def test_summary_keeps_whole_errors_and_counts_the_records():
     assert last[0].startswith("6 records: 3 ok (1 SLO met, 1 late), 1 rejected, 2 failed; 120 prompt tokens")
     # attainment counts every record with an SLO, the failed one as a miss
     assert last[1].startswith("SLO attainment 25.0% (1/4);") and "served 3, late 1, rejected 1, failed 2" in last[1]
+
+
+def test_persistent_cache_warm_reads_jax_config(tmp_path):
+    import jax
+
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "absent"))
+        assert not slo.persistent_cache_warm()
+        (tmp_path / "absent").mkdir()
+        assert not slo.persistent_cache_warm()  # empty: cold
+        (tmp_path / "absent" / "entry").write_bytes(b"x")
+        assert slo.persistent_cache_warm()
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
