@@ -57,8 +57,8 @@ kv_config=$(printf '{"kv_connector":"SlopeJaxConnector","kv_connector_module_pat
   `'"kv_role":"kv_consumer","kv_connector_extra_config":{"kv_dir":"%s"}}' "$kv_dir")
 # shellcheck disable=SC2086
 VLLM_CPU_ATTN_SPLIT_KV=0 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} \
-  "$vpy" -m vllm.entrypoints.openai.api_server --model "$ckpt" --host 127.0.0.1 --port "$decode_port" --served-model-name "$name" --dtype float32 \
-  --no-enable-prefix-caching --enable-prompt-tokens-details --kv-transfer-config "$kv_config" ${VLLM_FLAGS:-} \
+  "$vpy" -m vllm.entrypoints.openai.api_server --model "$ckpt" --host 127.0.0.1 --port "$decode_port" \
+  --served-model-name "$name" --dtype float32 --no-enable-prefix-caching --enable-prompt-tokens-details --kv-transfer-config "$kv_config" ${VLLM_FLAGS:-} \
   >"$log_dir/decode.log" 2>&1 &
 pids+=("$!")
 
