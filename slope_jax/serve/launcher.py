@@ -7,6 +7,10 @@ requests and writes results; every process computes its share of each prefill an
   # requests on stdin (no --requests): each batch leaves at most --batch_wait_ms after its first request arrives
   echo '{"id": "a", "text": "Hello"}' | slope-jax --cpu_devices=1
 
+  # a prefill endpoint for prefill/decode serving: OpenAI-style POST /v1/completions on 127.0.0.1:8100, answered
+  # with the first token and the kv_transfer_params a vLLM decode server reads (slope_jax.serve.http; launch/pd_vllm.sh)
+  slope-jax --cpu_devices=8 --ring=2 --ulysses=4 --http_port=8100 --kv_dir=out/kv
+
   # two processes x 4 CPU devices on this machine (launch/local.sh does this)
   python -m slope_jax.launch --num_processes=2 --process_id=0 --coordinator_address=127.0.0.1:23456 \
       --cpu_devices=4 --ring=2 --ulysses=4 --requests=reqs.jsonl --results=out/results.jsonl --kv_dir=out/kv &
