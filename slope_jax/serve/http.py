@@ -7,7 +7,8 @@ r"""The prefill endpoint of a prefill/decode (P/D) deployment: an OpenAI-style c
            ttft_ms / queue_ms / compute_ms / compile_ms / export_ms / predicted_ttft_ms (the scheduler's cost model)
            and `kv_transfer_params` for the decode side's connector (`slope_jax.kv.vllm_connector`):
            {"slope_jax_kv_path": absolute export directory, "slope_jax_first_token": int, "num_tokens": int,
-            "token_ids_sha256": `slope_jax.kv.format.token_hash(ids)`}.
+            "token_ids_sha256": `slope_jax.kv.format.token_hash(ids)`}. The path is process 0's: the decode
+           server must see the same filesystem (one machine, or --kv_dir on a shared one).
       400: the request breaks a rule; `error.param` names the field and `error.message` the rule (the launcher's
            request boundary, `slope_jax.serve.requests`, unchanged: same checks, same messages).
       404: `model` is not the served model.  409: the request id's export exists (the launcher's --overwrite).
@@ -91,10 +92,11 @@ class Validated:
 
 
 def _param_of(message: str) -> str:
-    """The HTTP field a boundary message is about (the boundary names its own fields in quotes)."""
+    """The HTTP field a boundary message is about. The id's format is checked before the boundary runs, so the
+    boundary can only fault the prompt, `ttft_slo_ms` (named in quotes) or a duplicate id."""
     if "'ttft_slo_ms'" in message:
         return "ttft_slo_ms"
-    if ": id " in message or "duplicate id" in message:
+    if "duplicate id" in message:
         return "request_id"
     return "prompt"
 
