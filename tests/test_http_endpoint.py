@@ -181,7 +181,7 @@ def test_proxy_flow_stream_and_errors():
         await proxy.start_server()
         try:
             request = {"prompt": "hi", "max_tokens": 16, "temperature": 0, "stream_options": {"x": 1},
-                       "ttft_slo_ms": 500}
+                       "ttft_slo_ms": 500, "logprobs": 20}
             r = await proxy.post("/v1/completions", json=request, headers={"X-Request-Id": "req-1"})
             assert r.status == 200 and (await r.json()) == {"choices": [{"text": "abc"}]}
             assert r.headers["X-Slope-Jax-First-Token"] == "42" and r.headers["X-Slope-Jax-TTFT-ms"] == "12.5"
@@ -190,7 +190,7 @@ def test_proxy_flow_stream_and_errors():
                               "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
             d_body, d_id = seen["decode"][-1]
             assert d_body == {"prompt": "hi", "max_tokens": 16, "temperature": 0, "stream_options": {"x": 1},
-                              "kv_transfer_params": params}
+                              "logprobs": 20, "kv_transfer_params": params}
             assert p_id == d_id == "req-1"
             r = await proxy.post("/v1/completions", json={**request, "stream": True})
             assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")

@@ -32,11 +32,14 @@ flags.DEFINE_string("decode_url", "http://127.0.0.1:8200", "Base URL of the `vll
                     "with --kv-transfer-config naming SlopeJaxConnector).")
 flags.DEFINE_float("timeout_s", 3600.0, "Longest a request may take end to end (prefill queue included).")
 
-_NOT_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
+# what only the decode server acts on: sent to the prefill, these would constrain it for nothing (e.g. `logprobs`
+# beyond the prefill's --top_k)
+_NOT_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens", "logprobs")
 
 
 def prefill_body(body: dict) -> dict:
-    """The body sent to the prefill server: the client's, for one token, not streamed, asking for a remote decode."""
+    """The body sent to the prefill server: the client's (less the decode-only fields in `_NOT_FOR_PREFILL`), for one
+    token, not streamed, asking for a remote decode."""
     out = {k: v for k, v in body.items() if k not in _NOT_FOR_PREFILL}
     out.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
     if "max_completion_tokens" in out:
