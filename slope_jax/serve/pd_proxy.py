@@ -8,12 +8,13 @@ or as one JSON body, exactly as the decode server sent it.
 
 The flow is vLLM's own disaggregated-serving proxy's (vllm tests/v1/kv_connector/nixl_integration/toy_proxy_server.py):
 the client's body goes to the prefill server with max_tokens=1, stream=false and kv_transfer_params
-{"do_remote_decode": true} (less what only decoding uses: logprobs, stream_options, min_tokens); the prefill's `kv_transfer_params` (the export's path, first token, token count and token
-hash) replace the client's in the otherwise unchanged body sent to the decode server. Both get the same X-Request-Id
-(the client's, else a new one), which names the KV export. A prefill error (4xx naming the field, 503 SLO rejection,
-...) is relayed to the client unchanged, and nothing is sent to the decode server. Answer headers add
-X-Slope-Jax-First-Token and X-Slope-Jax-TTFT-ms (the prefill's). `GET /health` is 200 when both servers answer theirs;
-`GET /v1/models` is the decode server's.
+{"do_remote_decode": true} (less what only decoding uses: logprobs, stream_options, min_tokens); the prefill's
+`kv_transfer_params` (the export's path, first token, token count and token hash) replace the client's in the
+otherwise unchanged body sent to the decode server. Both get the same X-Request-Id (the client's, else a new one),
+which names the KV export. A prefill error (4xx naming the field, 503 SLO rejection, ...) is relayed to the client
+unchanged, and nothing is sent to the decode server. Answer headers add X-Slope-Jax-First-Token and
+X-Slope-Jax-TTFT-ms (the prefill's). `GET /health` is 200 when both servers answer theirs; `GET /v1/models` is the
+decode server's.
 """
 
 from __future__ import annotations
