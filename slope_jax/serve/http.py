@@ -30,6 +30,9 @@ shape decoding (`temperature`, `top_p`, `seed`, `stop`, ... see `_DECODE_ONLY`) 
 prefill's own first token is always greedy (argmax), and the decode engine recomputes the last prompt position and
 samples its first token itself. Any other field is a 400 naming it.
 
+Library: aiohttp, server and client in one well-kept package (the proxy uses both). vLLM itself serves with FastAPI
+on uvicorn, and its P/D example proxies use httpx or aiohttp; the wire format is what matters, and it is OpenAI's.
+
 Threads: aiohttp serves on its own event loop thread; the handler validates the body (no engine needed), queues one
 request line `{"id", "tokens", "ttft_slo_ms"}` with its arrival time for the launcher's loop (`get`, the
 `batching.LineReader` contract), and waits for the record the loop emits for that id (`deliver`), which becomes the
