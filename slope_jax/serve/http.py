@@ -21,7 +21,8 @@ Body fields. `prompt`: a non-empty string (tokenized with the checkpoint's token
 special-token strings such as "<|endoftext|>" become the control token, nothing is prepended), a non-empty list of
 token ids, or a list holding exactly one of those. `max_tokens` / `max_completion_tokens`: absent or 1 — this
 server produces the first token only; the decode server makes the rest (`slope_jax.serve.pd_proxy` sends the same
-request there). `logprobs`: null or 0..--top_k top log-probabilities of the first position. `ttft_slo_ms`: finite
+request there). `logprobs`: null or 0..--top_k top log-probabilities of the first position (OpenAI's legacy
+shape; `top_logprobs` keys are token ids as strings: distinct tokens can decode to the same text). `ttft_slo_ms`: finite
 number > 0 (default --ttft_slo_ms). `request_id` (or header X-Request-Id): names the KV export directory, the
 boundary's id rule, unique within the run; default "cmpl-<32 hex>". `model`: absent or the served name
 (--http_model_name). `stream`, `echo`: absent or false; `n`, `best_of`: absent or 1. `kv_transfer_params`: the P/D
