@@ -7,6 +7,10 @@ requests and writes results; every process computes its share of each prefill an
   # requests on stdin (no --requests): each batch leaves at most --batch_wait_ms after its first request arrives
   echo '{"id": "a", "text": "Hello"}' | slope-jax --cpu_devices=1
 
+  # a prefill endpoint for prefill/decode serving: OpenAI-style POST /v1/completions on 127.0.0.1:8100, answered
+  # with the first token and the kv_transfer_params a vLLM decode server reads (slope_jax.serve.http; launch/pd_vllm.sh)
+  slope-jax --cpu_devices=8 --ring=2 --ulysses=4 --http_port=8100 --kv_dir=out/kv
+
   # two processes x 4 CPU devices on this machine (launch/local.sh does this)
   python -m slope_jax.launch --num_processes=2 --process_id=0 --coordinator_address=127.0.0.1:23456 \
       --cpu_devices=4 --ring=2 --ulysses=4 --requests=reqs.jsonl --results=out/results.jsonl --kv_dir=out/kv &
@@ -111,6 +115,15 @@ flags.DEFINE_enum("moe_impl", "auto", ["auto", "ragged", "loop"], "MoE grouped e
                   "experts on CPU and, measured, on H200).")
 flags.DEFINE_list("precompile", [], "Prompt lengths whose buckets are compiled before the first request is read "
                   "(e.g. 1024,4096,16384), so early requests do not wait for compilation.")
+flags.DEFINE_integer("http_port", None, "Serve prefill requests over HTTP on this port instead of reading "
+                     "--requests (process 0; needs --kv_dir): an OpenAI-style POST /v1/completions (prompt as text "
+                     "or token ids, max_tokens 1) answered with the first token, TTFT fields and the "
+                     "kv_transfer_params a vLLM decode server's SlopeJaxConnector reads; GET /health, /v1/models. "
+                     "Same request rules, SLO scheduler and result records as --requests; runs until SIGTERM. "
+                     "See slope_jax.serve.http. 0 = any free port.")
+flags.DEFINE_string("http_host", "127.0.0.1", "--http_port: the address to listen on (0.0.0.0: every interface).")
+flags.DEFINE_string("http_model_name", None, "--http_port: the model name clients give in \"model\" (default: the "
+                    "--checkpoint directory's name).")
 flags.DEFINE_bool("summary", True, "Print a one-screen summary at the end (process 0, to stderr).")
 
 
@@ -170,6 +183,13 @@ def _check_flags() -> None:
             raise FlagError(f"--precompile: {x!r} is not a positive prompt length")
     if not os.path.isdir(FLAGS.checkpoint):
         raise FlagError(f"--checkpoint={FLAGS.checkpoint}: no such directory")
+    if FLAGS.http_port is not None:
+        if not 0 <= FLAGS.http_port <= 65535:
+            raise FlagError(f"--http_port={FLAGS.http_port}: must be in 0..65535")
+        if FLAGS["requests"].present:
+            raise FlagError("--http_port and --requests are exclusive: requests come over HTTP")
+        if FLAGS.kv_dir is None:
+            raise FlagError("--http_port needs --kv_dir: the decode server reads each request's export")
     if FLAGS.process_id == 0 and FLAGS.requests != "-" and not os.path.exists(FLAGS.requests):
         raise FlagError(f"--requests={FLAGS.requests}: no such file")
 
@@ -439,7 +459,9 @@ def _serve():
             from tokenizers import Tokenizer
 
             tokenizer = Tokenizer.from_file(tok_path)
-        if FLAGS.requests == "-":
+        if FLAGS.http_port is not None:
+            src = None
+        elif FLAGS.requests == "-":
             logging.info("reading requests from stdin, one JSON object per line (end of input ends the run)")
             src = sys.stdin.buffer
         else:
@@ -463,6 +485,7 @@ def _serve():
             records.append(rec)
             out.write(text + "\n")
             out.flush()
+            source.deliver(rec)  # an HTTP request waits for its record
 
         def parse_line(raw, arrival):
             lineno[0] += 1
@@ -494,7 +517,21 @@ def _serve():
         scheduler = Scheduler(predict_ms, batch_size=FLAGS.batch_size, batch_wait_ms=FLAGS.batch_wait_ms,
                               order=FLAGS.order, slo_policy=FLAGS.slo_policy, default_slo_ms=FLAGS.ttft_slo_ms,
                               bucket=engine.bucket, per_step=predict_ms.per_step, compile_ms=predict_ms.compile_ms)
-        intake = _Intake(LineReader(src), scheduler, parse_line, emit)
+        if src is None:
+            from slope_jax.serve.http import HttpIntake
+
+            name = FLAGS.http_model_name or os.path.basename(os.path.normpath(FLAGS.checkpoint))
+            source = HttpIntake(FLAGS.http_host, FLAGS.http_port, vocab_size=cfg.vocab_size, max_tokens=max_tokens,
+                                model_name=name,
+                                tokenizer_path=tok_path if tokenizer is not None else None, top_k=FLAGS.top_k,
+                                kv_dir=FLAGS.kv_dir, overwrite=FLAGS.overwrite)
+            try:
+                source.start()
+            except OSError as e:
+                raise FlagError(f"--http_host={FLAGS.http_host} --http_port={FLAGS.http_port}: cannot listen ({e})")
+        else:
+            source = LineReader(src)
+        intake = _Intake(source, scheduler, parse_line, emit)
     while True:
         payload = None
         if me == 0:
