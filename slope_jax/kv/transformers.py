@@ -63,7 +63,7 @@ def to_transformers_cache(path: str | os.PathLike, config, *, num_tokens: int | 
     import transformers
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
-    path = os.fspath(path)
+    path = kvfmt.resolve(os.fspath(path))  # one version of the export for the manifest check and the tensors
     model = config if isinstance(config, torch.nn.Module) else None
     cfg = compat.model_config(config)
     manifest = kvfmt.read_manifest(path)
