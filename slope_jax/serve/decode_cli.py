@@ -101,6 +101,9 @@ class TransformersEngine:
         self.torch = torch
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             checkpoint, dtype=getattr(torch, dtype), attn_implementation="eager").eval()
+        from slope_jax.kv.transformers import lowest_index_ties
+
+        lowest_index_ties(self.model)  # route exact router ties as the prefill did (lower expert index wins)
         self.cfg = compat.model_config(self.model)
         self.check_fingerprint = check_fingerprint
         import inspect
