@@ -458,3 +458,39 @@ def test_concurrent_overwrites_publish_whole_exports(tmp_path):
     # what remains: the pointer, its version, superseded versions within their grace period; no staging debris
     left = [n for n in os.listdir(kv_dir) if n != "same"]
     assert all(n.startswith(".v-") for n in left), left
+
+
+def _stage(kv_dir, rid, nonce, counter, value):
+    """A complete staged export of CONFIG_A (n = 13 tokens, every K = value, V = −value) via the format's writer."""
+    n = 13
+    segs = []
+    for layer in range(CONFIG_A.num_hidden_layers):
+        a, b = kv.kept_range(n, CONFIG_A.layer_types[layer], CONFIG_A.sliding_window, False)
+        k = np.full((b - a, CONFIG_A.num_key_value_heads, CONFIG_A.head_dim), value, np.float32)
+        segs.append((layer, a, b, k, -k))
+    staging = kv.staging_dir(str(kv_dir), rid, nonce, counter)
+    name, records = kv.write_shard_file(staging, 0, segs)
+    kv.write_manifest(staging, request_id=rid, token_ids=np.full(n, value, np.int32), cfg=CONFIG_A, dtype="float32",
+                      full=False, segments=records, files=[name], run_nonce=nonce)
+    return staging
+
+
+def test_publish_without_overwrite_loser_and_version_2_exports(tmp_path):
+    """Without overwrite the second publisher of an id gets ExportExistsError (KVExistsError) and leaves nothing
+    behind; a version-2 export (a plain directory) is read, and replaced by a pointer on overwrite."""
+    import shutil
+
+    n1, n2 = kv.new_run_nonce(), kv.new_run_nonce()
+    path = kv.publish(str(tmp_path), "a", _stage(tmp_path, "a", n1, 0, 1.0), overwrite=False)
+    with pytest.raises(kv.KVExistsError, match="already exists"):
+        kv.publish(str(tmp_path), "a", _stage(tmp_path, "a", n2, 0, 2.0), overwrite=False)
+    assert sorted(os.listdir(tmp_path)) == sorted(["a", os.readlink(path)])  # the loser's version is gone
+    assert float(kv.load(path, CONFIG_A)[0].k.flat[0]) == 1.0
+    # a version-2 export: the id is the directory itself
+    shutil.copytree(kv.resolve(path), tmp_path / "old")
+    m = json.load(open(tmp_path / "old" / "manifest.json"))
+    m.update(request_id="old", version=2)
+    json.dump(m, open(tmp_path / "old" / "manifest.json", "w"))
+    assert float(kv.load(str(tmp_path / "old"), CONFIG_A)[1].k.flat[0]) == 1.0
+    kv.publish(str(tmp_path), "old", _stage(tmp_path, "old", n2, 1, 3.0), overwrite=True)
+    assert os.path.islink(tmp_path / "old") and float(kv.load(str(tmp_path / "old"))[1].k.flat[0]) == 3.0

@@ -108,9 +108,16 @@ def test_fingerprint_compare_names_each_differing_field(checkpoints, tmp_path):
     copy = shutil.copytree(checkpoints["A"]["mxfp4"], tmp_path / "copy")
     a, b, c = (fingerprint.checkpoint_fingerprint(p) for p in (checkpoints["A"]["mxfp4"], other, copy))
     assert a == c  # content, not path
-    # no weight byte is read before loading: equal shapes give equal fingerprints; the bytes are compared in full
-    # after loading (test_two_processes_with_different_weight_bytes_refuse_to_start)
-    assert a["checkpoint.tensors"] == b["checkpoint.tensors"]
+    # no weight byte is read before loading: a copy with one weight byte changed has the same fingerprint; the bytes
+    # are compared in full after loading (test_two_processes_with_different_weight_bytes_refuse_to_start)
+    changed = shutil.copytree(checkpoints["A"]["mxfp4"], tmp_path / "changed")
+    from safetensors import safe_open
+
+    shard = sorted(f for f in os.listdir(changed) if f.endswith(".safetensors"))[0]
+    with safe_open(os.path.join(changed, shard), "numpy") as h:
+        name = sorted(h.keys())[0]
+    _flip_one_weight_byte(os.path.join(changed, shard), name)
+    assert fingerprint.checkpoint_fingerprint(str(changed)) == a
     # converted (orbax) directories: identified by their marker, which carries the source's content digest
     from slope_jax.checkpoints import orbax_store
 

@@ -33,6 +33,10 @@ _SAMPLES = 16  # blocks hashed per weight file, evenly spaced (plus the safetens
 _BLOCK = 1 << 16
 
 
+class ContentChangedError(ValueError):
+    """One process read different bytes for one stored slice at two times: the checkpoint changed while loading."""
+
+
 class ReadDigests:
     """XXH3-64 digests of the bytes one process read for its parameters: stored slice label → 16 hex digits.
 
@@ -49,8 +53,8 @@ class ReadDigests:
         self._lock = threading.Lock()
 
     def add(self, label: str, data) -> None:
-        """Hash `data` (a numpy array or any C-contiguous buffer, as read) under `label`. Raises ValueError if this
-        process already read different bytes under the same label (the file changed while loading)."""
+        """Hash `data` (a numpy array or any C-contiguous buffer, as read) under `label`. Raises ContentChangedError
+        if this process already read different bytes under the same label (the file changed while loading)."""
         t0 = time.perf_counter()
         if hasattr(data, "dtype"):  # numpy (also ml_dtypes bfloat16, which the buffer protocol cannot export)
             import numpy as np
@@ -63,15 +67,8 @@ class ReadDigests:
             self.seconds += time.perf_counter() - t0
             old = self.digests.setdefault(label, d)
         if old != d:
-            raise ValueError(f"{label}: read twice with different contents ({old} then {d}): the checkpoint "
+            raise ContentChangedError(f"{label}: read twice with different contents ({old} then {d}): the checkpoint "
                              "changed while it was being loaded")
-
-    def update(self, other: "ReadDigests") -> None:
-        for label, d in other.digests.items():
-            with self._lock:
-                self.digests.setdefault(label, d)
-        self.nbytes += other.nbytes
-        self.seconds += other.seconds
 
 
 def slice_label(name: str, index=None, shape=None) -> str:

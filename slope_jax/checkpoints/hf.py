@@ -56,6 +56,13 @@ class WeightsDisagreeError(CheckpointError):
     """Processes of one run read different bytes for the same stored tensor slice (names tensors and processes)."""
 
 
+def _hash(reads: digest_lib.ReadDigests, label: str, data) -> None:
+    try:
+        reads.add(label, data)
+    except digest_lib.ContentChangedError as e:
+        raise CheckpointError(str(e)) from e
+
+
 class _HashedHandle:
     """A safetensors handle whose every read goes into `reads` (`digest.ReadDigests`) as it is read: `get_tensor`
     under the tensor's name, `get_slice(name)[index]` under `name[index]` (a whole-tensor slice under the name)."""
@@ -65,7 +72,7 @@ class _HashedHandle:
 
     def get_tensor(self, name: str):
         t = self._h.get_tensor(name)
-        self._reads.add(name, t)
+        _hash(self._reads, name, t)
         return t
 
     def get_slice(self, name: str):
@@ -78,7 +85,7 @@ class _HashedSlice:
 
     def __getitem__(self, index):
         t = self._sl[index]
-        self._reads.add(digest_lib.slice_label(self._name, index, tuple(self._sl.get_shape())), t)
+        _hash(self._reads, digest_lib.slice_label(self._name, index, tuple(self._sl.get_shape())), t)
         return t
 
     def __getattr__(self, attr):

@@ -361,10 +361,13 @@ def _restore_family(reader: _StoreReader, name: str, spec: model_lib.ParamSpec, 
                 nbytes += block[:rows].nbytes
                 filled.append((digest.slice_label(name, src, stores[name].shape), block[:rows]))
         blocks[key] = block
-    for w in writes:
+    for w, (label, view) in zip(writes, filled):  # one filled view per write
         w.result()
-    for label, view in filled:  # hashed from the block just filled: the bytes as read, no second read
-        reads.add(label, view)
+        # hashed from the block just filled (the bytes as read, no second read), while later reads are in flight
+        try:
+            reads.add(label, view)
+        except digest.ContentChangedError as e:
+            raise CheckpointError(f"{reader.directory}: {e}") from e
     return host_lib.place(spec.shape, sharding, blocks), nbytes
 
 

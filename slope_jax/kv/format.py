@@ -265,12 +265,16 @@ def publish(kv_dir: str, request_id: str, staging: str, *, overwrite: bool) -> s
     created (without overwrite: atomically, only if the id does not exist) or replaced by `rename(2)` (with
     overwrite), so a reader sees the old export or the new one, whatever other writers do at the same time.
     Then `collect` removes superseded versions and dead debris of this id. Raises ExportExistsError if the id exists
-    and `overwrite` is False (the staged version is removed); OSError only for a failing file system."""
+    and `overwrite` is False (the staging directory is removed); OSError only for a failing file system."""
     final = os.path.join(kv_dir, request_id)
-    check_target(kv_dir, request_id, overwrite)
     nonce, counter, rid = _parts(staging)
     if rid != request_id:
         raise ValueError(f"staging directory {staging!r} is for request {rid!r}, not {request_id!r}")
+    try:
+        check_target(kv_dir, request_id, overwrite)
+    except ExportExistsError:
+        shutil.rmtree(staging, ignore_errors=True)  # this writer's own, complete but not to be published
+        raise
     version_name = f".v-{nonce}-{counter}.{request_id}"
     version = os.path.join(kv_dir, version_name)
     os.rename(staging, version)
