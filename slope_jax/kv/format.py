@@ -1,11 +1,12 @@
 """KV cache export for a decode engine (prefill/decode disaggregation), and its reader.
 
-An export is one directory per request, published whole:
+An export is one directory per request, published whole (`<request_id>` is a link to an immutable version
+directory, see Publication below; readers use `<kv_dir>/<request_id>` and resolve it once):
 
     <kv_dir>/<request_id>/kv-p<process>.safetensors   one per process that holds a piece: the K/V it computed
     <kv_dir>/<request_id>/manifest.json                lists exactly those files with their size and SHA-256
 
-Format `slope_jax.kv` version 2 (readable without JAX: numpy + safetensors + JSON; bfloat16 tensors come back as
+Format `slope_jax.kv` version 3 (readable without JAX: numpy + safetensors + JSON; bfloat16 tensors come back as
 `ml_dtypes.bfloat16` numpy arrays — other readers `import ml_dtypes` so numpy knows the dtype — or as
 `torch.bfloat16` through `load(path, framework="pt")`):
 - every tensor's axis order is **declared** in the manifest (`axes`: token, kv_head, head_dim); a reader must not
