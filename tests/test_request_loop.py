@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from conftest import REPO, SHIPPED, launcher_env
 from request_fuzz import MALFORMED, MAX_TOKENS, VALID_IN_MALFORMED
@@ -238,8 +239,9 @@ def _flip_one_weight_byte(path: str, tensor: str) -> None:
 
 def test_two_processes_with_different_weight_bytes_refuse_to_start(tmp_path):
     """Two copies of the checkpoint that differ in one byte of one tensor (same config, same headers, so the
-    start-up fingerprint agrees): both processes refuse to start within 30 s naming the tensor and the processes;
-    byte-identical copies start (and exit 0 on empty input)."""
+    start-up fingerprint agrees): both processes refuse to start within 30 s naming the tensor and the processes.
+    Every tensor is hashed as read, byte-identical copies read identical digests, the changed copy differs in
+    exactly the changed tensor."""
     tensor = "model.layers.3.self_attn.o_proj.weight"
     copies = {name: str(shutil.copytree(SHIPPED, tmp_path / name)) for name in ("a", "b", "c")}
     _flip_one_weight_byte(os.path.join(copies["c"], "model.safetensors"), tensor)
@@ -254,10 +256,25 @@ def test_two_processes_with_different_weight_bytes_refuse_to_start(tmp_path):
         assert p.returncode == 2 and len(lines) == 1, err[-2000:]
         assert "processes read different weights" in lines[0] and f"tensor {tensor}" in lines[0], lines
         assert "process 0 read" in lines[0] and "process 1 read" in lines[0] and "Traceback" not in err, lines
-    procs = _pair([f"--checkpoint={copies['a']}", *common], [f"--checkpoint={copies['b']}", *common], _free_port())
-    for pid, p in procs.items():
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err[-2000:]
+    # byte-identical copies read identical digests (every other 2-process test starts from one checkpoint through
+    # the same comparison); the changed copy differs in exactly that tensor
+    from slope_jax.checkpoints import digest, hf
+
+    reads = {}
+    for name, path in copies.items():
+        reads[name] = digest.ReadDigests()
+        hf.load_params(hf.open_checkpoint(path), "float32", progress=False, reads=reads[name])
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(SHIPPED, "model.safetensors"), "numpy") as h:
+        stored = {n: h.get_slice(n) for n in h.keys()}
+        size = {"U8": 1, "BF16": 2, "F16": 2, "F32": 4}
+        data_bytes = sum(int(np.prod(sl.get_shape())) * size[sl.get_dtype()] for sl in stored.values())
+    assert {label.split("[")[0] for label in reads["a"].digests} == set(stored)  # every tensor hashed as read
+    assert reads["a"].nbytes >= data_bytes
+    assert digest.compare_reads({0: reads["a"].digests, 1: reads["b"].digests}) == []
+    problems = digest.compare_reads({0: reads["a"].digests, 1: reads["c"].digests})
+    assert len(problems) == 1 and problems[0].startswith(f"tensor {tensor}: process 0 read"), problems
 
 
 def test_layout_mistake_in_two_processes_is_reported_as_is():
