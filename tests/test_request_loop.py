@@ -289,18 +289,23 @@ def test_layout_mistake_in_two_processes_is_reported_as_is():
         assert "Traceback" not in err and "died" not in err, err[-2000:]
 
 
+def _read_until(proc, text: str, deadline: float) -> str:
+    """Reads proc's stderr until `text` appears. Raw os.read on the descriptor, not readline: a buffered readline can
+    pull the awaited line into Python's buffer together with the one before it, after which select() never fires."""
+    seen, fd = "", proc.stderr.fileno()
+    while text not in seen:
+        assert time.time() < deadline and proc.poll() is None, seen[-2000:]
+        if select.select([fd], [], [], 1.0)[0]:
+            seen += os.read(fd, 1 << 16).decode(errors="replace")
+    return seen
+
+
 def test_sigterm_while_waiting_ends_both_processes_promptly():
     """Process 0 waits on stdin (kept open), process 1 waits in the batch broadcast: SIGTERM to process 1 ends it at
     once (status 143), and process 0 stops naming it."""
     procs = _pair(["--cpu_devices=4"], ["--cpu_devices=4"], _free_port(), extra=["--ring=2", "--ulysses=4"],
                   stdin=subprocess.PIPE)
-    deadline = time.time() + 240
-    seen = ""
-    while "reading requests from stdin" not in seen:  # absl logs to stderr
-        assert time.time() < deadline and procs[0].poll() is None, seen[-2000:]
-        ready, _, _ = select.select([procs[0].stderr], [], [], 1.0)
-        if ready:
-            seen += procs[0].stderr.readline()
+    _read_until(procs[0], "reading requests from stdin", time.time() + 240)  # absl logs to stderr
     time.sleep(1.0)  # let process 1 reach the broadcast
     procs[1].send_signal(signal.SIGTERM)
     t0 = time.time()
@@ -320,12 +325,7 @@ def test_first_request_is_not_held_back_for_a_later_one():
                           f"--batch_wait_ms={wait_ms}", "--batch_size=8"], cwd=REPO, env=launcher_env(),
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 240
-        log = ""
-        while "reading requests from stdin" not in log:
-            assert time.time() < deadline and p.poll() is None, log[-2000:]
-            if select.select([p.stderr], [], [], 1.0)[0]:
-                log += p.stderr.readline()
+        _read_until(p, "reading requests from stdin", time.time() + 240)
         p.stdin.write(json.dumps({"id": "first", "tokens": [5, 6, 7, 8]}) + "\n")
         p.stdin.flush()
         assert select.select([p.stdout], [], [], 60)[0], "no result for the first request"
