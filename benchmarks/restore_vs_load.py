@@ -128,15 +128,16 @@ def _child(kind: str, layout: list[str]) -> dict:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as Ps
 
-    from slope_jax.checkpoints import hf, orbax_store
+    from slope_jax.checkpoints import digest, hf, orbax_store
     from slope_jax.parallel import stages
     from slope_jax.parallel.config import ParallelConfig
 
     par = ParallelConfig(*(int(x) for x in layout))
     orbax_dir = FLAGS.orbax_dir or FLAGS.checkpoint.rstrip("/") + "-orbax"
+    reads = digest.ReadDigests()  # the loaders' own full-content digest (every byte hashed as read): its cost
     t0 = time.perf_counter()
     if kind == "orbax":
-        cfg, params, pl = orbax_store.restore(orbax_dir, par, FLAGS.dtype)
+        cfg, params, pl = orbax_store.restore(orbax_dir, par, FLAGS.dtype, reads=reads)
     elif kind == "hf":
         ck = hf.open_checkpoint(FLAGS.checkpoint)
         cfg = ck.config
@@ -144,7 +145,7 @@ def _child(kind: str, layout: list[str]) -> dict:
         shardings = jax.tree.map(lambda s: NamedSharding(pl.mesh, s), orbax_store._unflatten(pl.pspecs),
                                  is_leaf=lambda x: isinstance(x, Ps))
         params = hf.load_params(ck, FLAGS.dtype, shardings=shardings, stack_layers=pl.plan.flat,
-                                vocab_rows=stages.vocab_rows(cfg, par), progress=False)
+                                vocab_rows=stages.vocab_rows(cfg, par), progress=False, reads=reads)
     else:
         if os.path.exists(orbax_dir):
             shutil.rmtree(orbax_dir)
@@ -154,7 +155,8 @@ def _child(kind: str, layout: list[str]) -> dict:
     seconds = time.perf_counter() - t0
     ru = resource.getrusage(resource.RUSAGE_SELF)
     out = {"seconds": seconds, "peak_rss_mib": _rss_mib(), "cpu_user_s": ru.ru_utime, "cpu_sys_s": ru.ru_stime,
-           "minor_faults": ru.ru_minflt,
+           "minor_faults": ru.ru_minflt, "read_digest_seconds": reads.seconds, "read_digest_bytes": reads.nbytes,
+           "read_digest_share": reads.seconds / seconds,
            "device_bytes": sum(s.data.nbytes for a in jax.tree.leaves(params) for s in a.addressable_shards),
            "host_buffers_bytes": sum({s.data.unsafe_buffer_pointer(): s.data.nbytes for a in jax.tree.leaves(params)
                                       for s in a.addressable_shards}.values())}
@@ -201,7 +203,10 @@ def _run_child(kind: str, layout: list[str], digests: bool = True) -> dict:
     out["process_seconds"] = time.perf_counter() - t0
     print(f"  {kind:7s} layout {','.join(layout):6s}: {out['seconds']:7.2f} s, peak RSS {out['peak_rss_mib']:8.0f} MiB"
           + (f", cpu user {out['cpu_user_s']:.1f} s sys {out['cpu_sys_s']:.1f} s, minor faults {out['minor_faults']}"
-             if "cpu_sys_s" in out else ""), flush=True)
+             if "cpu_sys_s" in out else "")
+          + (f", weight digest {out['read_digest_seconds']:.2f} s = {100 * out['read_digest_share']:.1f} % of the "
+             f"load ({out['read_digest_bytes'] / 2**30:.2f} GiB hashed)" if "read_digest_share" in out else ""),
+          flush=True)
     return out
 
 

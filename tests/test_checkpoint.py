@@ -316,10 +316,33 @@ def test_convert_cli_and_refusals(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 2 and "already holds a converted checkpoint" in r.stderr, r.stderr[-2000:]
 
-    cfg, params, _ = orbax_store.restore(out)
+    from slope_jax.checkpoints import digest
+
+    reads = digest.ReadDigests()
+    cfg, params, _ = orbax_store.restore(out, reads=reads)
     want = load_checkpoint(SHIPPED, "bfloat16", progress=False)[1]
     for (k, g), (_, w) in zip(_flat(params), _flat(want)):
         np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=k)
+    # full-content digests of a converted directory: every restored byte is hashed from its host block; a copy
+    # reads the same digests, a copy with one stored byte changed differs in exactly the array holding it
+    assert reads.nbytes == sum(g.nbytes for _, g in _flat(params))
+    import shutil
+
+    copies = {n: shutil.copytree(out, tmp_path / n) for n in ("same", "changed")}
+    data = [os.path.join(d, f) for d, _, fs in os.walk(copies["changed"] / "params") for f in fs if "/d" in d]
+    big = max(data, key=os.path.getsize)
+    with open(big, "r+b") as f:
+        f.seek(os.path.getsize(big) // 2)
+        byte = f.read(1)[0]
+        f.seek(os.path.getsize(big) // 2)
+        f.write(bytes([byte ^ 1]))
+    got = {}
+    for n, path in copies.items():
+        got[n] = digest.ReadDigests()
+        orbax_store.restore(str(path), reads=got[n])
+    assert digest.compare_reads({0: reads.digests, 1: got["same"].digests}) == []
+    problems = digest.compare_reads({0: reads.digests, 1: got["changed"].digests})
+    assert len(problems) == 1 and "process 0 read" in problems[0] and "process 1 read" in problems[0], problems
 
     marker = os.path.join(out, orbax_store.MARKER)
     meta = json.load(open(marker))

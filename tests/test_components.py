@@ -209,6 +209,37 @@ def test_router_topk_then_softmax():
     assert float(np.asarray(weights).sum()) == pytest.approx(1.0, abs=1e-6)
 
 
+def test_router_exact_ties_lower_expert_wins_and_transformers_routes_alike():
+    """Exact ties in the router logits: slope_jax's router picks the lower expert index (prefill, the reference
+    decoder and expert parallelism all use `moe.route`); transformers' GptOss router patched by
+    `kv.transformers.lowest_index_ties` (as `slope_jax.decode --engine=transformers` does) routes every token to the
+    same experts in the same order with the same weights (float32, rtol 1e-6)."""
+    import torch
+    from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    from slope_jax.kv.transformers import lowest_index_ties
+
+    rng = np.random.default_rng(7)
+    for e, k in ((32, 4), (6, 2), (128, 4)):
+        # router weight = identity, bias 0: token t's logits are exactly levels[t] (few distinct values per row:
+        # many exact ties, also across the k-th place; row 0 ties every expert)
+        levels = rng.integers(0, 3, size=(64, e)).astype(np.float32)
+        levels[0] = 0.0
+        weights, ids = (np.asarray(x) for x in moe.route(jnp.asarray(levels), jnp.eye(e), jnp.zeros(e), k))
+        for row, picked in zip(levels, ids):  # the rule: by value, then by lower index
+            assert picked.tolist() == sorted(range(e), key=lambda i: (-row[i], i))[:k]
+        mlp = GptOssMLP(GptOssConfig(hidden_size=e, num_local_experts=e, num_experts_per_tok=k,
+                                     intermediate_size=8)).eval()
+        assert lowest_index_ties(mlp) == 1
+        with torch.no_grad():
+            mlp.router.weight.copy_(torch.eye(e))
+            mlp.router.bias.zero_()
+            _, scores, idx = mlp.router(torch.from_numpy(levels))
+        np.testing.assert_array_equal(idx.numpy(), ids)
+        np.testing.assert_allclose(scores.numpy(), weights, rtol=1e-6)
+
+
 @pytest.mark.parametrize("gate,up,expected", [(3.0, 3.0, 11.9277), (10.0, -10.0, -41.9997), (0.5, 0.0, 0.35039),
                                               (-10.0, 0.0, -4.05e-7)])
 def test_swiglu_clamp_boundaries(gate, up, expected):

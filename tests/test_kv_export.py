@@ -229,10 +229,11 @@ def _export_state(path, expected):
 
 
 @pytest.mark.parametrize("point,after", [("shard_written", "old"), ("manifest_written", "old"),
-                                         ("old_moved_aside", "none"), ("new_in_place", "new")])
+                                         ("version_ready", "old"), ("pointer_replaced", "new")])
 def test_crash_during_overwrite_leaves_old_new_or_none(point, after, reference_engines, tmp_path, monkeypatch):
     """Re-export an existing id (overwrite=True) and crash at each commit point: the export under the id is the
-    complete old one, the complete new one, or none; the next export of that id removes the leftovers."""
+    complete old one or the complete new one (format 3: a pointer replaced by rename(2)); the next export of that id
+    removes the leftovers."""
     from slope_jax.kv import format as kvfmt
 
     eng = reference_engines["A"]
@@ -249,10 +250,12 @@ def test_crash_during_overwrite_leaves_old_new_or_none(point, after, reference_e
         eng.prefill([new_p], str(tmp_path), ids=["x"], overwrite=True)
     monkeypatch.setattr(kvfmt, "_crash_point", None)
     assert _export_state(tmp_path / "x", {"old": (old_p, old), "new": (new_p, new)}) == after
-    assert any(n.startswith((".tmp-", ".old-")) for n in os.listdir(tmp_path))  # the crash left debris
+    assert len(os.listdir(tmp_path)) > 3  # the crash left debris (or a superseded version) beside ref, x, x's version
+    monkeypatch.setattr(kvfmt, "GC_GRACE_S", 0.0)  # superseded versions are kept for readers this long
     eng.prefill([new_p], str(tmp_path), ids=["x"], overwrite=True)
     assert _export_state(tmp_path / "x", {"new": (new_p, new)}) == "new"
-    assert sorted(os.listdir(tmp_path)) == ["ref", "x"]  # leftovers cleaned up
+    version = os.readlink(tmp_path / "x")
+    assert sorted(os.listdir(tmp_path)) == sorted(["ref", "x", version])  # leftovers cleaned up
 
 
 def test_existing_export_is_refused_or_replaced_whole(reference_engines, tmp_path):
@@ -271,6 +274,7 @@ def test_existing_export_is_refused_or_replaced_whole(reference_engines, tmp_pat
     m = kv.read_manifest(str(tmp_path / "y"))
     assert m["token_ids_sha256"] == kv.token_hash(b) and m["files"] == ["kv-p0.safetensors"]
     assert sorted(os.listdir(tmp_path / "y")) == ["kv-p0.safetensors", "manifest.json"]
+    assert os.path.islink(tmp_path / "y") and os.readlink(tmp_path / "y").startswith(".v-")  # format 3: a pointer
     kv.load(str(tmp_path / "y"), CONFIG_A)
 
 
@@ -361,3 +365,132 @@ def test_duplicate_ids_and_text_requests():
     assert r.tokens.tolist() == tok.encode("It was the best of times").ids and r.ttft_slo_ms is None
     with pytest.raises(RequestError, match="duplicate id 't'"):
         req_lib.parse('{"id": "t", "tokens": [1]}', 2, vocab_size=1024, max_tokens=100, seen_ids=seen)
+
+
+# ------------------------------------------------------------------------------------------------ concurrency
+_RACE_WRITER = r"""
+import sys, time
+import numpy as np
+from slope_jax import kv
+kv_dir, seed, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+cfg = kv.model_config(sys.argv[4])
+nonce, raw = kv.new_run_nonce(), 0
+for i in range(rounds):
+    n = 3 + (7 * seed + i) % 29  # every export its own length and values: a mixed read cannot go unnoticed
+    tokens = np.full(n, 100 * seed + i, np.int32)
+    segs = []
+    for layer in range(cfg.num_hidden_layers):
+        a, b = kv.kept_range(n, cfg.layer_types[layer], cfg.sliding_window, False)
+        k = np.full((b - a, cfg.num_key_value_heads, cfg.head_dim), 100 * seed + i, np.float32)
+        segs.append((layer, a, b, k, -k))
+    staging = kv.staging_dir(kv_dir, "same", nonce, i)
+    try:
+        name, records = kv.write_shard_file(staging, 0, segs)
+        kv.write_manifest(staging, request_id="same", token_ids=tokens, cfg=cfg, dtype="float32", full=False,
+                          segments=records, files=[name], run_nonce=nonce)
+        kv.publish(kv_dir, "same", staging, overwrite=True)
+    except Exception as e:
+        raw += 1
+        print("RAW", type(e).__name__, e, flush=True)
+print("WRITER_DONE raw", raw, flush=True)
+"""
+
+_RACE_READER = r"""
+import os, sys, time
+import numpy as np
+from slope_jax import kv
+kv_dir, stop = sys.argv[1], sys.argv[2]
+path = os.path.join(kv_dir, "same")
+loads = partial = raw = 0
+while not os.path.exists(stop):
+    if not os.path.lexists(path):
+        continue  # before the first publication: no export, nothing to read
+    try:
+        cache = kv.load(path)
+        m = kv.read_manifest(path)
+    except kv.KVFormatError as e:
+        partial += 1
+        print("PARTIAL", e, flush=True)
+        continue
+    except Exception as e:
+        raw += 1
+        print("RAW", type(e).__name__, e, flush=True)
+        continue
+    values = {float(lk.k.flat[0]) for lk in cache.values() if lk.k.size}
+    values |= {-float(lk.v.flat[0]) for lk in cache.values() if lk.v.size}
+    if len(values) != 1 or any(not np.all(lk.k == lk.k.flat[0]) for lk in cache.values() if lk.k.size):
+        partial += 1  # tensors of two exports in one read
+        print("MIXED", values, flush=True)
+    loads += 1
+print("READER_DONE loads", loads, "partial", partial, "raw", raw, flush=True)
+"""
+
+
+def test_concurrent_overwrites_publish_whole_exports(tmp_path):
+    """Two writer processes each overwrite one id 40 times while a reader process loads it in a loop: no writer
+    gets a raw error, the reader never sees a partial or mixed export, and the final export is valid."""
+    import re
+    import subprocess
+    import sys
+
+    from conftest import REPO, SHIPPED
+
+    env = dict(os.environ, PYTHONPATH=REPO)
+    kv_dir, stop = str(tmp_path / "kv"), str(tmp_path / "stop")
+    os.makedirs(kv_dir)
+    reader = subprocess.Popen([sys.executable, "-c", _RACE_READER, kv_dir, stop], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    writers = [subprocess.Popen([sys.executable, "-c", _RACE_WRITER, kv_dir, str(seed), "40", SHIPPED], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for seed in (1, 2)]
+    outs = [w.communicate(timeout=300)[0] for w in writers]
+    open(stop, "w").close()
+    read_out = reader.communicate(timeout=120)[0]
+    for w, out in zip(writers, outs):
+        assert w.returncode == 0 and "WRITER_DONE raw 0" in out, out[-3000:]
+    m = re.search(r"READER_DONE loads (\d+) partial (\d+) raw (\d+)", read_out)
+    assert reader.returncode == 0 and m, read_out[-3000:]
+    loads, partial, raw = map(int, m.groups())
+    assert partial == 0 and raw == 0 and loads > 0, read_out[-3000:]
+    cfg = kv.model_config(SHIPPED)
+    final = kv.load(os.path.join(kv_dir, "same"), cfg)
+    assert sorted(final) == list(range(cfg.num_hidden_layers))
+    assert kv.read_manifest(os.path.join(kv_dir, "same"))["request_id"] == "same"
+    # what remains: the pointer, its version, superseded versions within their grace period; no staging debris
+    left = [n for n in os.listdir(kv_dir) if n != "same"]
+    assert all(n.startswith(".v-") for n in left), left
+
+
+def _stage(kv_dir, rid, nonce, counter, value):
+    """A complete staged export of CONFIG_A (n = 13 tokens, every K = value, V = −value) via the format's writer."""
+    n = 13
+    segs = []
+    for layer in range(CONFIG_A.num_hidden_layers):
+        a, b = kv.kept_range(n, CONFIG_A.layer_types[layer], CONFIG_A.sliding_window, False)
+        k = np.full((b - a, CONFIG_A.num_key_value_heads, CONFIG_A.head_dim), value, np.float32)
+        segs.append((layer, a, b, k, -k))
+    staging = kv.staging_dir(str(kv_dir), rid, nonce, counter)
+    name, records = kv.write_shard_file(staging, 0, segs)
+    kv.write_manifest(staging, request_id=rid, token_ids=np.full(n, value, np.int32), cfg=CONFIG_A, dtype="float32",
+                      full=False, segments=records, files=[name], run_nonce=nonce)
+    return staging
+
+
+def test_publish_without_overwrite_loser_and_version_2_exports(tmp_path):
+    """Without overwrite the second publisher of an id gets ExportExistsError (KVExistsError) and leaves nothing
+    behind; a version-2 export (a plain directory) is read, and replaced by a pointer on overwrite."""
+    import shutil
+
+    n1, n2 = kv.new_run_nonce(), kv.new_run_nonce()
+    path = kv.publish(str(tmp_path), "a", _stage(tmp_path, "a", n1, 0, 1.0), overwrite=False)
+    with pytest.raises(kv.KVExistsError, match="already exists"):
+        kv.publish(str(tmp_path), "a", _stage(tmp_path, "a", n2, 0, 2.0), overwrite=False)
+    assert sorted(os.listdir(tmp_path)) == sorted(["a", os.readlink(path)])  # the loser's version is gone
+    assert float(kv.load(path, CONFIG_A)[0].k.flat[0]) == 1.0
+    # a version-2 export: the id is the directory itself
+    shutil.copytree(kv.resolve(path), tmp_path / "old")
+    m = json.load(open(tmp_path / "old" / "manifest.json"))
+    m.update(request_id="old", version=2)
+    json.dump(m, open(tmp_path / "old" / "manifest.json", "w"))
+    assert float(kv.load(str(tmp_path / "old"), CONFIG_A)[1].k.flat[0]) == 1.0
+    kv.publish(str(tmp_path), "old", _stage(tmp_path, "old", n2, 1, 3.0), overwrite=True)
+    assert os.path.islink(tmp_path / "old") and float(kv.load(str(tmp_path / "old"))[1].k.flat[0]) == 3.0

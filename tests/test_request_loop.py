@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from conftest import REPO, SHIPPED, launcher_env
 from request_fuzz import MALFORMED, MAX_TOKENS, VALID_IN_MALFORMED
@@ -94,7 +95,7 @@ def test_launcher_scheduler_waits_at_most_batch_wait_after_the_first_request():
 
 
 def test_fingerprint_compare_names_each_differing_field(checkpoints, tmp_path):
-    base = {"dtype": "bfloat16", "ring": 2, "q_tile": 256, "kv_export": True, "checkpoint.weights": "aa"}
+    base = {"dtype": "bfloat16", "ring": 2, "q_tile": 256, "kv_export": True, "checkpoint.tensors": "aa"}
     same = fingerprint.compare({0: base, 1: dict(base), 2: dict(base)})
     assert same == []
     fps = {0: base, 1: dict(base, q_tile=128, kv_export=False), 2: dict(base, q_tile=128)}
@@ -107,7 +108,17 @@ def test_fingerprint_compare_names_each_differing_field(checkpoints, tmp_path):
     writer.write_hf(other, CONFIG_A, writer.random_params(CONFIG_A, seed=1234), experts="mxfp4", num_shards=3)
     copy = shutil.copytree(checkpoints["A"]["mxfp4"], tmp_path / "copy")
     a, b, c = (fingerprint.checkpoint_fingerprint(p) for p in (checkpoints["A"]["mxfp4"], other, copy))
-    assert a["checkpoint.weights"] != b["checkpoint.weights"] and a == c  # content, not path
+    assert a == c  # content, not path
+    # no weight byte is read before loading: a copy with one weight byte changed has the same fingerprint; the bytes
+    # are compared in full after loading (test_two_processes_with_different_weight_bytes_refuse_to_start)
+    changed = shutil.copytree(checkpoints["A"]["mxfp4"], tmp_path / "changed")
+    from safetensors import safe_open
+
+    shard = sorted(f for f in os.listdir(changed) if f.endswith(".safetensors"))[0]
+    with safe_open(os.path.join(changed, shard), "numpy") as h:
+        name = sorted(h.keys())[0]
+    _flip_one_weight_byte(os.path.join(changed, shard), name)
+    assert fingerprint.checkpoint_fingerprint(str(changed)) == a
     # converted (orbax) directories: identified by their marker, which carries the source's content digest
     from slope_jax.checkpoints import orbax_store
 
@@ -117,9 +128,9 @@ def test_fingerprint_compare_names_each_differing_field(checkpoints, tmp_path):
         orbax_store.convert(src, conv[name], progress=False)
     oa, ob = (fingerprint.checkpoint_fingerprint(conv[k]) for k in ("a", "other"))
     ocopy = fingerprint.checkpoint_fingerprint(shutil.copytree(conv["a"], tmp_path / "ob-copy"))
-    assert oa["checkpoint.weights"] != ob["checkpoint.weights"]  # equal shapes, other weights
+    assert oa["checkpoint.tensors"] != ob["checkpoint.tensors"]  # equal shapes, other weights: other source id
     assert oa == ocopy and oa["checkpoint.config"] == ob["checkpoint.config"]
-    assert oa["checkpoint.weights"] != a["checkpoint.weights"]  # a converted directory is not its source
+    assert oa["checkpoint.tensors"] != a["checkpoint.tensors"]  # a converted directory is not its source
 
 
 class _FlakyEngine:
@@ -211,6 +222,61 @@ def test_two_processes_that_differ_fail_fast_naming_the_field():
             assert "Traceback" not in err
 
 
+def _flip_one_weight_byte(path: str, tensor: str) -> None:
+    """Change one byte in the middle of `tensor`'s data in a safetensors file (the lowest bit of a bf16 mantissa:
+    same header, same size, a slightly different weight)."""
+    import struct
+
+    with open(path, "r+b") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        lo, hi = json.loads(f.read(n))[tensor]["data_offsets"]
+        at = 8 + n + (lo + hi) // 2
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 1]))
+
+
+def test_two_processes_with_different_weight_bytes_refuse_to_start(tmp_path):
+    """Two copies of the checkpoint that differ in one byte of one tensor (same config, same headers, so the
+    start-up fingerprint agrees): both processes refuse to start within 30 s naming the tensor and the processes.
+    Every tensor is hashed as read, byte-identical copies read identical digests, the changed copy differs in
+    exactly the changed tensor."""
+    tensor = "model.layers.3.self_attn.o_proj.weight"
+    copies = {name: str(shutil.copytree(SHIPPED, tmp_path / name)) for name in ("a", "b", "c")}
+    _flip_one_weight_byte(os.path.join(copies["c"], "model.safetensors"), tensor)
+    common = ["--cpu_devices=4", "--ring=2", "--ulysses=4", "--dtype=float32"]
+    t0 = time.time()
+    procs = _pair([f"--checkpoint={copies['a']}", *common], [f"--checkpoint={copies['c']}", *common], _free_port())
+    outs = {pid: p.communicate(timeout=120) for pid, p in procs.items()}
+    assert time.time() - t0 < 30  # at load time, before any compile
+    for pid, p in procs.items():
+        err = outs[pid][1]
+        lines = [x for x in err.splitlines() if x.startswith("slope_jax: error:")]
+        assert p.returncode == 2 and len(lines) == 1, err[-2000:]
+        assert "processes read different weights" in lines[0] and f"tensor {tensor}" in lines[0], lines
+        assert "process 0 read" in lines[0] and "process 1 read" in lines[0] and "Traceback" not in err, lines
+    # byte-identical copies read identical digests (every other 2-process test starts from one checkpoint through
+    # the same comparison); the changed copy differs in exactly that tensor
+    from slope_jax.checkpoints import digest, hf
+
+    reads = {}
+    for name, path in copies.items():
+        reads[name] = digest.ReadDigests()
+        hf.load_params(hf.open_checkpoint(path), "float32", progress=False, reads=reads[name])
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(SHIPPED, "model.safetensors"), "numpy") as h:
+        stored = {n: h.get_slice(n) for n in h.keys()}
+        size = {"U8": 1, "BF16": 2, "F16": 2, "F32": 4}
+        data_bytes = sum(int(np.prod(sl.get_shape())) * size[sl.get_dtype()] for sl in stored.values())
+    assert {label.split("[")[0] for label in reads["a"].digests} == set(stored)  # every tensor hashed as read
+    assert reads["a"].nbytes >= data_bytes
+    assert digest.compare_reads({0: reads["a"].digests, 1: reads["b"].digests}) == []
+    problems = digest.compare_reads({0: reads["a"].digests, 1: reads["c"].digests})
+    assert len(problems) == 1 and problems[0].startswith(f"tensor {tensor}: process 0 read"), problems
+
+
 def test_layout_mistake_in_two_processes_is_reported_as_is():
     procs = _pair(["--cpu_devices=4", "--ring=2", "--ulysses=2"], ["--cpu_devices=4", "--ring=2", "--ulysses=2"],
                   _free_port())
@@ -223,18 +289,23 @@ def test_layout_mistake_in_two_processes_is_reported_as_is():
         assert "Traceback" not in err and "died" not in err, err[-2000:]
 
 
+def _read_until(proc, text: str, deadline: float) -> str:
+    """Reads proc's stderr until `text` appears. Raw os.read on the descriptor, not readline: a buffered readline can
+    pull the awaited line into Python's buffer together with the one before it, after which select() never fires."""
+    seen, fd = "", proc.stderr.fileno()
+    while text not in seen:
+        assert time.time() < deadline and proc.poll() is None, seen[-2000:]
+        if select.select([fd], [], [], 1.0)[0]:
+            seen += os.read(fd, 1 << 16).decode(errors="replace")
+    return seen
+
+
 def test_sigterm_while_waiting_ends_both_processes_promptly():
     """Process 0 waits on stdin (kept open), process 1 waits in the batch broadcast: SIGTERM to process 1 ends it at
     once (status 143), and process 0 stops naming it."""
     procs = _pair(["--cpu_devices=4"], ["--cpu_devices=4"], _free_port(), extra=["--ring=2", "--ulysses=4"],
                   stdin=subprocess.PIPE)
-    deadline = time.time() + 240
-    seen = ""
-    while "reading requests from stdin" not in seen:  # absl logs to stderr
-        assert time.time() < deadline and procs[0].poll() is None, seen[-2000:]
-        ready, _, _ = select.select([procs[0].stderr], [], [], 1.0)
-        if ready:
-            seen += procs[0].stderr.readline()
+    _read_until(procs[0], "reading requests from stdin", time.time() + 240)  # absl logs to stderr
     time.sleep(1.0)  # let process 1 reach the broadcast
     procs[1].send_signal(signal.SIGTERM)
     t0 = time.time()
@@ -254,12 +325,7 @@ def test_first_request_is_not_held_back_for_a_later_one():
                           f"--batch_wait_ms={wait_ms}", "--batch_size=8"], cwd=REPO, env=launcher_env(),
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 240
-        log = ""
-        while "reading requests from stdin" not in log:
-            assert time.time() < deadline and p.poll() is None, log[-2000:]
-            if select.select([p.stderr], [], [], 1.0)[0]:
-                log += p.stderr.readline()
+        _read_until(p, "reading requests from stdin", time.time() + 240)
         p.stdin.write(json.dumps({"id": "first", "tokens": [5, 6, 7, 8]}) + "\n")
         p.stdin.flush()
         assert select.select([p.stdout], [], [], 60)[0], "no result for the first request"

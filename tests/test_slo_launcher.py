@@ -20,6 +20,9 @@ from slope_jax.serve import slo
 def test_auto_layout_admission_and_slo_summary(tmp_path):
     reqs = tmp_path / "reqs.jsonl"
     lines = [{"id": f"tight-{i}", "tokens": list(range(5, 45 + i)), "ttft_slo_ms": 0.5} for i in range(3)]
+    # 2 s is ample for the compute of 40 tokens (predicted in ms) but not for compiling their bucket first (the CPU
+    # profile's compile_s = 8 s, times the host's load): refused on arrival, as a first request of a cold bucket
+    lines.append({"id": "compile-bound", "tokens": list(range(5, 45)), "ttft_slo_ms": 2000})
     lines.append({"id": "loose", "tokens": list(range(5, 45)), "ttft_slo_ms": 1e7})
     reqs.write_text("".join(json.dumps(x) + "\n" for x in lines))
     res = tmp_path / "res.jsonl"
@@ -36,17 +39,26 @@ def test_auto_layout_admission_and_slo_summary(tmp_path):
     assert logged, r.stderr[-3000:]
     assert tuple(int(x) for x in logged.groups()) == (par.pipeline, par.ring, par.ulysses, par.seq_chunks)
     recs = {x["id"]: x for x in map(json.loads, res.read_text().splitlines())}
-    assert set(recs) == {"tight-0", "tight-1", "tight-2", "loose"}
+    assert set(recs) == {"tight-0", "tight-1", "tight-2", "compile-bound", "loose"}
     for i in range(3):  # a 0.5 ms SLO cannot be met by any prediction: rejected at admission, before any compute
         rec = recs[f"tight-{i}"]
         assert rec["rejected"] is True and rec["ttft_slo_ms"] == 0.5, rec
         assert re.search(r"rejected: predicted TTFT [0-9.]+ ms exceeds the allowed 0\.5 ms", rec["error"]), rec
+    bound = recs["compile-bound"]
+    assert bound["rejected"] is True and bound["slo_met"] is False, bound
+    predicted = float(re.search(r"predicted TTFT ([0-9.]+) ms exceeds the allowed 2000\.0 ms", bound["error"])[1])
+    assert predicted >= 8000.0, bound  # at least one idle compile (8 s), on top of the compute
+    assert "ms of it compiling step shapes not compiled yet" in bound["error"], bound
     loose = recs["loose"]
     assert "error" not in loose and loose["slo_met"] is True and loose["ttft_slo_ms"] == 1e7
     assert loose["predicted_ttft_ms"] > 0 and loose["ttft_ms"] > 0
-    # strict JSON only, and the SLO summary: 1 of the 4 requests with an SLO met it, 3 rejected
+    assert all(x.get("late", False) == ("error" not in x and x["slo_met"] is False) for x in recs.values())
+    # strict JSON only, and the SLO summary: 1 of the 5 requests with an SLO met it, 4 rejected
     assert "NaN" not in res.read_text() and "Infinity" not in res.read_text()
-    assert "SLO attainment 25.0% (1/4)" in r.stderr and "rejected 3" in r.stderr, r.stderr[-2000:]
+    assert "SLO attainment 20.0% (1/5)" in r.stderr and "rejected 4" in r.stderr, r.stderr[-2000:]
+    # the counts of the summary's last lines are the records', and each error is there whole (wrapped, not cut)
+    assert "5 records: 1 ok (1 SLO met, 0 late), 4 rejected, 0 failed;" in r.stderr, r.stderr[-2000:]
+    assert " ".join(recs["tight-2"]["error"].split()) in " ".join(r.stderr.split())
     assert re.search(r"TTFT p50/p90/p99 [0-9.]+/[0-9.]+/[0-9.]+ ms", r.stderr)
 
 
@@ -61,3 +73,42 @@ def test_hardware_profile_from_device_kind():
         assert "--hardware" in str(e) and "TPU v5 lite" in str(e)
     else:
         raise AssertionError("an unknown device kind must name --hardware")
+
+
+def test_summary_keeps_whole_errors_and_counts_the_records():
+    from slope_jax.serve.summary import format_summary
+
+    long_error = ("line 6 (invalid-token): prompt 0: token id 5000 at index 2 is outside the vocabulary [0, 1024); "
+                  "every token id must be below vocab_size (the checkpoint's config.json)")
+    served = {"num_tokens": 40, "first_token": 7, "ttft_ms": 1.0, "queue_ms": 0.5, "compile_ms": 0.0,
+              "compute_ms": 0.5, "export_ms": 0.0}
+    records = [{"id": "met", **served, "ttft_slo_ms": 2.0, "slo_met": True},
+               {"id": "late", **served, "ttft_slo_ms": 0.5, "slo_met": False, "late": True},
+               {"id": "free", **served},
+               {"id": "no", "line": 4, "error": "rejected: predicted TTFT 9.0 ms exceeds the allowed 1.0 ms",
+                "rejected": True, "ttft_slo_ms": 1.0, "slo_met": False},
+               {"id": "failed-with-slo", "line": 5, "error": "prefill failed: boom", "ttft_slo_ms": 1.0,
+                "slo_met": False},
+               {"id": "invalid-token", "line": 6, "error": long_error}]
+    text = format_summary(records, wall_s=2.0, width=60)
+    assert all(len(line) <= 60 for line in text.splitlines() if line.startswith("    "))  # wrapped errors
+    assert " ".join(long_error.split()) in " ".join(text.split())  # ... whole
+    last = text.splitlines()[-2:]
+    assert last[0].startswith("6 records: 3 ok (1 SLO met, 1 late), 1 rejected, 2 failed; 120 prompt tokens")
+    # attainment counts every record with an SLO, the failed one as a miss
+    assert last[1].startswith("SLO attainment 25.0% (1/4);") and "served 3, late 1, rejected 1, failed 2" in last[1]
+
+
+def test_persistent_cache_warm_reads_jax_config(tmp_path):
+    import jax
+
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "absent"))
+        assert not slo.persistent_cache_warm()
+        (tmp_path / "absent").mkdir()
+        assert not slo.persistent_cache_warm()  # empty: cold
+        (tmp_path / "absent" / "entry").write_bytes(b"x")
+        assert slo.persistent_cache_warm()
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)

@@ -150,7 +150,7 @@ print("ok")
 
 JAX_FREE = ["slope_jax", "slope_jax.kv", "slope_jax.kv.format", "slope_jax.plan", "slope_jax.plan.flops",
             "slope_jax.plan.traffic", "slope_jax.parallel.config", "slope_jax.parallel.stages", "slope_jax.model.config",
-            "slope_jax.model.options", "slope_jax.atomic"]
+            "slope_jax.model.options", "slope_jax.atomic", "slope_jax.serve.http", "slope_jax.serve.pd_proxy"]
 
 
 def test_jax_free_modules_import_without_jax():

@@ -11,6 +11,9 @@ Notable:
 - Reads are lazy and per tensor (safetensors memory-maps; `get_slice` reads only the rows asked for): each
   parameter is built with `jax.make_array_from_callback`, so a device — and a host — only reads the layers it holds,
   and host memory peaks at one device shard of one parameter family, not the checkpoint size.
+- Full-content agreement: every byte read goes through `_HashedHandle` into a `digest.ReadDigests` as it is read
+  (keyed by tensor name and the slice read); after the last parameter the processes compare the slices they share
+  and refuse to start naming the tensor and the processes (`host.disagreements`). No extra read, no sampling.
 - Expert weights: MXFP4 `_blocks`/`_scales` (released layout, kept packed), or unquantized HF `gate_up_proj
   [E, D, 2I]` / `down_proj [E, I, D]` (transposed to our (out, in) orientation — a square down_proj cannot be
   recognised from its shape, spec §3.1, so the layout is decided by the tensor names).
@@ -23,6 +26,7 @@ import json
 import logging
 import math
 import os
+import time
 from typing import Callable, Iterable
 
 import jax
@@ -31,6 +35,7 @@ from safetensors import SafetensorError, safe_open
 
 from slope_jax.checkpoints.tree import flatten as _flatten
 from slope_jax.checkpoints.tree import unflatten as _unflatten
+from slope_jax.checkpoints import digest as digest_lib
 from slope_jax.checkpoints import host as host_lib
 from slope_jax.checkpoints import names as names_lib
 from slope_jax.model import gpt_oss as model_lib
@@ -45,6 +50,55 @@ _CHUNK_BYTES = 128 << 20  # rows of the embedding tables are read in chunks of t
 
 class CheckpointError(ValueError):
     """The checkpoint on disk does not match what the config declares, or cannot be read."""
+
+
+class WeightsDisagreeError(CheckpointError):
+    """Processes of one run read different bytes for the same stored tensor slice (names tensors and processes)."""
+
+
+def _hash(reads: digest_lib.ReadDigests, label: str, data) -> None:
+    try:
+        reads.add(label, data)
+    except digest_lib.ContentChangedError as e:
+        raise CheckpointError(str(e)) from e
+
+
+class _HashedHandle:
+    """A safetensors handle whose every read goes into `reads` (`digest.ReadDigests`) as it is read: `get_tensor`
+    under the tensor's name, `get_slice(name)[index]` under `name[index]` (a whole-tensor slice under the name)."""
+
+    def __init__(self, handle, reads: digest_lib.ReadDigests):
+        self._h, self._reads = handle, reads
+
+    def get_tensor(self, name: str):
+        t = self._h.get_tensor(name)
+        _hash(self._reads, name, t)
+        return t
+
+    def get_slice(self, name: str):
+        return _HashedSlice(self._h.get_slice(name), name, self._reads)
+
+
+class _HashedSlice:
+    def __init__(self, sl, name: str, reads: digest_lib.ReadDigests):
+        self._sl, self._name, self._reads = sl, name, reads
+
+    def __getitem__(self, index):
+        t = self._sl[index]
+        _hash(self._reads, digest_lib.slice_label(self._name, index, tuple(self._sl.get_shape())), t)
+        return t
+
+    def __getattr__(self, attr):
+        return getattr(self._sl, attr)
+
+
+def check_agreement(reads: digest_lib.ReadDigests, path: str) -> None:
+    """All processes compare the digests of the stored slices they share (a collective: every process calls it,
+    after loading, before the first step). Raises WeightsDisagreeError naming each differing tensor and the
+    processes; a no-op in a one-process run."""
+    problems = host_lib.disagreements(reads)
+    if problems:
+        raise WeightsDisagreeError(host_lib.refusal(problems, path))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -284,7 +338,7 @@ def _check_names_shapes(source: TensorSource, table: list[TensorEntry], cfg_path
 
 def load_params(ckpt: CheckpointDir, dtype="bfloat16", *, shardings: dict | None = None,
                 stack_layers: Iterable[int] | None = None, vocab_rows: int | None = None,
-                progress: bool = True) -> dict:
+                progress: bool = True, reads: digest_lib.ReadDigests | None = None) -> dict:
     """Read the parameters into device arrays.
 
     Args:
@@ -297,8 +351,12 @@ def load_params(ckpt: CheckpointDir, dtype="bfloat16", *, shardings: dict | None
         weights); default 0..L−1.
       vocab_rows: rows of the embedding/unembedding tables (≥ V; rows past V are zeros); default V.
       progress: show a tqdm bar over parameter families.
+      reads: collects the digest of every byte read (default: a fresh `digest.ReadDigests`); after loading, the
+        processes compare them (`check_agreement`; every process of a multi-process run must call `load_params`).
     Returns:
       The parameter pytree of `model.param_specs` with `layers` stacked in `stack_layers` order.
+    Raises:
+      WeightsDisagreeError if two processes read different bytes for one stored slice.
     """
     from tqdm.auto import tqdm
 
@@ -310,6 +368,8 @@ def load_params(ckpt: CheckpointDir, dtype="bfloat16", *, shardings: dict | None
         by_param.setdefault(e.param, {})[e.layer] = e
     flat_shard = _flatten(shardings) if shardings is not None else {}
     default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    reads = digest_lib.ReadDigests() if reads is None else reads
+    t_load = time.perf_counter()
     out = {}
     for pname, spec in tqdm(specs.items(), desc="loading weights", unit="tensor", disable=not progress,
                             leave=False):
@@ -318,7 +378,7 @@ def load_params(ckpt: CheckpointDir, dtype="bfloat16", *, shardings: dict | None
 
         def read_one(entry: TensorEntry, rows: tuple[int, int] | None = None,
                      experts: tuple[int, int] | None = None) -> np.ndarray:
-            h = ckpt.source.handle(entry.name)
+            h = _HashedHandle(ckpt.source.handle(entry.name), reads)  # every byte hashed as it is read
             if experts is not None:  # only these experts (leading axis) of a per-layer expert tensor
                 return entry.read(h, entry.name, experts=experts)
             return h.get_slice(entry.name)[rows[0]:rows[1]] if rows else entry.read(h, entry.name)
@@ -358,6 +418,9 @@ def load_params(ckpt: CheckpointDir, dtype="bfloat16", *, shardings: dict | None
         # replicas of a shard (ring/ulysses devices of a stage) share one read and one aligned host block
         out[pname] = host_lib.place(spec.shape, sharding, shard)
         log.debug("loaded %s %s %s", pname, spec.shape, spec.dtype)
+    log.info("read %.1f MiB of %s in %.1f s; hashing it took %.2f s", reads.nbytes / 2**20, ckpt.path,
+             time.perf_counter() - t_load, reads.seconds)
+    check_agreement(reads, ckpt.path)
     return _unflatten(out)
 
 

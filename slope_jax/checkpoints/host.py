@@ -69,3 +69,38 @@ def place(shape: tuple[int, ...], sharding: jax.sharding.Sharding,
         return cache[key]
 
     return jax.make_array_from_callback(shape, sharding, cb)
+
+
+def allgather_bytes(blob: bytes) -> list[bytes]:
+    """Every process's `blob`, in process order (an all-gather of lengths, then of the zero-padded bytes through
+    `multihost_utils.process_allgather`). Every process must call it. One process: `[blob]`."""
+    if jax.process_count() == 1:
+        return [blob]
+    from jax.experimental import multihost_utils
+
+    sizes = np.asarray(multihost_utils.process_allgather(np.asarray([len(blob)], np.int32))).reshape(-1)
+    buf = np.zeros(max(1, int(sizes.max())), np.uint8)
+    buf[:len(blob)] = np.frombuffer(blob, np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(buf)).reshape(len(sizes), -1)
+    return [bytes(every[i, :int(n)]) for i, n in enumerate(sizes)]
+
+
+def disagreements(reads) -> list[str]:
+    """Compare this process's `digest.ReadDigests` with every other process's (all-gathered: every process must call
+    it, after loading, before the first step): the stored slices read with different contents by different
+    processes, one line each (`digest.compare_reads`); empty when they agree or in a one-process run."""
+    import json
+
+    from slope_jax.checkpoints import digest
+
+    if jax.process_count() == 1:
+        return []
+    every = allgather_bytes(json.dumps(reads.digests, sort_keys=True).encode())
+    return digest.compare_reads({pid: json.loads(b) for pid, b in enumerate(every)})
+
+
+def refusal(problems: list[str], path: str) -> str:
+    """The start-up error for `disagreements`: names each tensor (at most 5) and the processes."""
+    more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+    return (f"processes read different weights from {path} (every process must load a byte-identical copy of the "
+            "checkpoint; compare or re-copy the files): " + " | ".join(problems[:5]) + more)

@@ -165,9 +165,14 @@ def fingerprint(cfg: ModelConfig, dtype, source_id: str = "") -> str:
 
 
 def _source_id(ckpt) -> str:
-    """Identity of an HF/original checkpoint: its sampled content digest (`checkpoints.digest`; names, sizes and
-    sampled bytes of every weight file), so conversions of two checkpoints of equal shapes but other weights differ."""
-    return digest.checkpoint_digest(ckpt.path)["checkpoint.weights"]
+    """Identity of an HF/original checkpoint for the marker: its tensor directory and a sampled content hash of every
+    weight file (`digest.file_digest`), so conversions of two checkpoints of equal shapes but other weights get other
+    fingerprints. A name, not a check: processes restoring a directory compare the bytes they read in full
+    (`restore`), never this."""
+    h = hashlib.sha256(digest.checkpoint_digest(ckpt.path)["checkpoint.tensors"].encode())
+    for fname in sorted(set(ckpt.source.file_of.values())):
+        h.update(f"{fname}:{digest.file_digest(os.path.join(ckpt.path, fname))}".encode())
+    return h.hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -293,8 +298,12 @@ class _StoreReader:
         return {name: f.result() for name, f in futures.items()}
 
 
-def _restore_family(reader: _StoreReader, name: str, spec: model_lib.ParamSpec, pl: Placement) -> tuple:
+def _restore_family(reader: _StoreReader, name: str, spec: model_lib.ParamSpec, pl: Placement,
+                    reads: digest.ReadDigests) -> tuple:
     """One parameter family placed for `pl`: `(jax.Array, bytes this process read)`.
+
+    Every stored slice read is hashed into `reads` from its host block once TensorStore has filled it (the bytes as
+    read — after the cast, if one was asked for; no second read), labelled `<stored name>[<slice>]`.
 
     Every distinct shard among this process's devices gets one aligned host block (`checkpoints.host`); the stored
     slices it holds are copied into it by TensorStore directly (all reads of the family in flight at once, cast to
@@ -328,6 +337,7 @@ def _restore_family(reader: _StoreReader, name: str, spec: model_lib.ParamSpec, 
         return store if store.dtype.numpy_dtype == spec.dtype else ts.cast(store, spec.dtype)
 
     blocks, writes, nbytes = {}, [], 0
+    filled = []  # (label of the stored slice, the host view it was read into)
     for key, index in shards.items():
         block = host_lib.aligned_zeros(tuple(b - a for a, b in key), spec.dtype)
         dst = ts.array(block, copy=False, write=True)
@@ -337,22 +347,31 @@ def _restore_family(reader: _StoreReader, name: str, spec: model_lib.ParamSpec, 
                 if flat[r] >= 0:
                     writes.append(dst[r - lo].write(source(stores[flat[r]])[index[1:]]))
                     nbytes += block[r - lo].nbytes
+                    filled.append((digest.slice_label(f"{name}/{flat[r]}", index[1:], spec.shape[1:]), block[r - lo]))
         elif not vocab:
             writes.append(dst.write(source(stores[name])[index]))
             nbytes += block.nbytes
+            filled.append((digest.slice_label(name, index, spec.shape), block))
         else:
             rows = min(hi, stores[name].shape[0]) - lo
             if rows > 0:
-                writes.append(dst[:rows].write(source(stores[name])[(slice(lo, lo + rows), *index[1:])]))
+                src = (slice(lo, lo + rows), *index[1:])
+                writes.append(dst[:rows].write(source(stores[name])[src]))
                 nbytes += block[:rows].nbytes
+                filled.append((digest.slice_label(name, src, stores[name].shape), block[:rows]))
         blocks[key] = block
-    for w in writes:
+    for w, (label, view) in zip(writes, filled):  # one filled view per write
         w.result()
+        # hashed from the block just filled (the bytes as read, no second read), while later reads are in flight
+        try:
+            reads.add(label, view)
+        except digest.ContentChangedError as e:
+            raise CheckpointError(f"{reader.directory}: {e}") from e
     return host_lib.place(spec.shape, sharding, blocks), nbytes
 
 
 def restore(path, parallel: ParallelConfig = ParallelConfig(), dtype=None, *, devices=None,
-            progress: bool = False) -> tuple[ModelConfig, dict, Placement]:
+            progress: bool = False, reads: digest.ReadDigests | None = None) -> tuple[ModelConfig, dict, Placement]:
     """Restore a converted directory into `parallel`'s layout (any layout valid for the model).
 
     Args:
@@ -360,11 +379,13 @@ def restore(path, parallel: ParallelConfig = ParallelConfig(), dtype=None, *, de
       parallel: the target layout (may differ from the saved one: shards are re-cut by orbax on read).
       dtype: float parameter dtype (default: the dtype it was converted in); norms/sinks stay float32, MXFP4 uint8.
       progress: show a tqdm bar over parameter families.
+      reads: collects the digest of every stored slice read (default: a fresh `digest.ReadDigests`); after the
+        restore the processes compare them (`hf.check_agreement`; every process must call `restore`).
     Returns:
       `(cfg, params, placement)`: params stacked in `placement.plan.flat` order and sharded as the engine expects.
     Raises:
       CheckpointError when the directory is incomplete or does not match the model declaration; LayoutError for a
-      layout the model cannot take.
+      layout the model cannot take; WeightsDisagreeError if two processes read different bytes for a stored slice.
     """
     path = os.path.abspath(os.fspath(path))
     meta = read_marker(path)
@@ -381,14 +402,18 @@ def restore(path, parallel: ParallelConfig = ParallelConfig(), dtype=None, *, de
     reader = _StoreReader(os.path.join(path, PARAMS_DIR))
     from tqdm.auto import tqdm
 
+    reads = digest.ReadDigests() if reads is None else reads
     out, total = {}, 0
     for name, spec in tqdm(pl.specs.items(), desc="restoring weights", unit="tensor", disable=not progress,
                            leave=False):  # one family at a time: host staging memory peaks at one family
-        out[name], n = _restore_family(reader, name, spec, pl)
+        out[name], n = _restore_family(reader, name, spec, pl, reads)
         total += n
-    log.info("restored %s into pipeline=%d ring=%d ulysses=%d in %.1f s (%.1f MiB of local shards read; "
-             "fingerprint %s)", path, parallel.pipeline, parallel.ring, parallel.ulysses, time.perf_counter() - t0,
-             total / 2**20, meta["fingerprint"])
+    log.info("restored %s into pipeline=%d ring=%d ulysses=%d in %.1f s (%.1f MiB of local shards read, hashing "
+             "%.2f s; fingerprint %s)", path, parallel.pipeline, parallel.ring, parallel.ulysses,
+             time.perf_counter() - t0, total / 2**20, reads.seconds, meta["fingerprint"])
+    from slope_jax.checkpoints import hf
+
+    hf.check_agreement(reads, path)
     return cfg, _unflatten(out), pl
 
 

@@ -14,17 +14,21 @@ from slope_jax.kv.format import (
                                  AXES,
                                  FORMAT,
                                  MANIFEST,
+                                 READ_VERSIONS,
                                  VERSION,
                                  ExportExistsError,
+                                 KVExistsError,
                                  KVFormatError,
                                  LayerKV,
                                  check_target,
-                                 clean_stale,
+                                 collect,
+                                 export_id,
                                  kept_range,
                                  load,
                                  new_run_nonce,
                                  publish,
                                  read_manifest,
+                                 resolve,
                                  runs,
                                  segment_name,
                                  staging_dir,
@@ -34,9 +38,10 @@ from slope_jax.kv.format import (
                                  write_shard_file,
 )
 
-__all__ = ["AXES", "FORMAT", "MANIFEST", "VERSION", "ExportExistsError", "KVFormatError", "KVModelMismatch", "LayerKV",
-           "check_model", "check_target", "clean_stale", "kept_range", "load", "model_config", "new_run_nonce",
-           "publish", "read_manifest", "runs", "segment_name", "staging_dir", "to_transformers_cache", "token_hash",
+__all__ = ["AXES", "FORMAT", "MANIFEST", "READ_VERSIONS", "VERSION", "ExportExistsError", "KVExistsError",
+           "KVFormatError", "KVModelMismatch", "LayerKV", "check_model", "check_target", "collect",
+           "export_id", "kept_range", "load", "model_config", "new_run_nonce", "publish", "read_manifest", "resolve",
+           "runs", "segment_name", "staging_dir", "to_transformers_cache", "token_hash",
            "verify_files", "write_manifest", "write_shard_file"]
 
 

@@ -1,11 +1,12 @@
 """KV cache export for a decode engine (prefill/decode disaggregation), and its reader.
 
-An export is one directory per request, published whole:
+An export is one directory per request, published whole (`<request_id>` is a link to an immutable version
+directory, see Publication below; readers use `<kv_dir>/<request_id>` and resolve it once):
 
     <kv_dir>/<request_id>/kv-p<process>.safetensors   one per process that holds a piece: the K/V it computed
     <kv_dir>/<request_id>/manifest.json                lists exactly those files with their size and SHA-256
 
-Format `slope_jax.kv` version 2 (readable without JAX: numpy + safetensors + JSON; bfloat16 tensors come back as
+Format `slope_jax.kv` version 3 (readable without JAX: numpy + safetensors + JSON; bfloat16 tensors come back as
 `ml_dtypes.bfloat16` numpy arrays — other readers `import ml_dtypes` so numpy knows the dtype — or as
 `torch.bfloat16` through `load(path, framework="pt")`):
 - every tensor's axis order is **declared** in the manifest (`axes`: token, kv_head, head_dim); a reader must not
@@ -19,15 +20,28 @@ Format `slope_jax.kv` version 2 (readable without JAX: numpy + safetensors + JSO
   what the KV belongs to; `run_nonce` names the engine run that wrote it; `checksums` gives every file's size and
   SHA-256.
 
-Atomicity (nothing stale or mixed is ever readable). An export is built in a fresh directory
-`<kv_dir>/.tmp-<run nonce>-<counter>.<request_id>` (every process derives the same name: the run nonce is agreed
-once at engine start, the counter advances identically on every process). Each process writes its file there (and
-a digest sidecar); after a barrier, process 0 checks the digests, writes the manifest, and publishes:
-`publish` renames an existing export aside (`.old-…`), renames the new one into place, then deletes the old one.
-A crash at any point leaves the complete old export, the complete new one, or none under `<kv_dir>/<request_id>`
-(never a mix: a directory is only ever renamed in whole, and files of an older run cannot enter a fresh
-directory). Leftover `.tmp-`/`.old-` directories are ignored by readers (ids never start with '.') and removed by
-the next export of that id. Re-exporting an existing id needs `overwrite=True`; otherwise `ExportExistsError`.
+Publication (format version 3; nothing partial, stale or mixed is ever readable, also under concurrent writers and
+readers). `<kv_dir>/<request_id>` is a **pointer**: a symbolic link to an immutable version directory
+`<kv_dir>/.v-<run nonce>-<counter>.<request_id>` that holds the files above.
+- An export is built in a fresh staging directory `<kv_dir>/.tmp-<run nonce>-<counter>.<request_id>` (every process
+  derives the same name: the run nonce is agreed once at engine start, the counter advances identically on every
+  process). Each process writes its file there (and a digest sidecar); after a barrier, process 0 checks the
+  digests and writes the manifest.
+- `publish` renames the complete staging directory to its version name (a name no other export ever uses), then
+  points `<request_id>` at it in one atomic step: `symlink` (fails if the id exists: `ExportExistsError`) without
+  overwrite; with overwrite a new link replaces the old one by `rename(2)`. Two writers racing on one id both
+  succeed with overwrite (the last rename wins; each version is complete), or one gets `ExportExistsError`.
+- Readers (`resolve`, `read_manifest`, `load`) resolve the pointer once and read only that version. Versions are
+  never modified or renamed after publication, only deleted; a read that fails because its version was deleted
+  meanwhile (a superseded version is garbage-collected) starts over at the current version, so a reader sees a
+  complete export or, before the first publication, none.
+- Garbage collection (`collect`, run by each publication of that id): versions that are not the current target
+  and were last touched more than `GC_GRACE_S` ago (a superseded version is touched when the pointer leaves it),
+  staging/link debris of the same run with a lower counter (a crashed or failed export: a run exports
+  sequentially), and debris of other runs older than `STALE_S`. Another writer's live staging directory is never
+  removed. A crash at any point leaves the old export, the new one, or (first publication) none.
+- Version 2 exports (`<request_id>` a plain directory) are still read; the first overwrite moves one aside.
+Re-exporting an existing id needs `overwrite=True`; otherwise `ExportExistsError`.
 """
 
 from __future__ import annotations
@@ -39,6 +53,7 @@ import os
 import re
 import secrets
 import shutil
+import time
 from typing import Iterable
 
 import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy, so bf16 exports load as numpy arrays
@@ -47,7 +62,8 @@ import numpy as np
 from slope_jax.atomic import atomic_json, atomic_write
 
 FORMAT = "slope_jax.kv"
-VERSION = 2
+VERSION = 3  # 3: `<request_id>` is a pointer (symlink) to an immutable version directory; the manifest is as in 2
+READ_VERSIONS = (2, 3)
 AXES = ["token", "kv_head", "head_dim"]
 MANIFEST = "manifest.json"
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -55,11 +71,16 @@ POLICIES = ("last_window", "full")
 DTYPES = ("float32", "bfloat16", "float16")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _NONCE = re.compile(r"^[0-9a-f]{16}$")
-_STAGING = re.compile(r"^\.(tmp|old)-([0-9a-f]{16})-(\d+)\.(.+)$")  # .tmp-<run nonce>-<counter>.<request id>
+# .tmp- (staging), .v- (published version), .lnk- (pointer being placed), .old- (a v2 export set aside):
+# .<kind>-<run nonce>-<counter>.<request id>
+_STAGING = re.compile(r"^\.(tmp|v|lnk|old)-([0-9a-f]{16})-(\d+)\.(.+)$")
+GC_GRACE_S = 60.0  # a superseded version is kept this long after the pointer left it (readers that resolved it)
+STALE_S = 3600.0  # staging debris of another run is removed after this long (its writer crashed, or is stuck)
+_READ_ATTEMPTS = 8  # a read restarts at the current version when its version was collected meanwhile
 _DIGEST_SUFFIX = ".digest.json"
 
 # Test-only crash injection: called with the name of each commit point ("shard_written", "manifest_written",
-# "old_moved_aside", "new_in_place"); a test replaces it with a function that raises or exits there.
+# "version_ready", "pointer_replaced"); a test replaces it with a function that raises or exits there.
 _crash_point = None
 
 
@@ -85,6 +106,9 @@ class KVFormatError(ValueError):
 
 class ExportExistsError(FileExistsError):
     """An export of this request id already exists and `overwrite` was not given."""
+
+
+KVExistsError = ExportExistsError  # the name used in issue reports and other connectors
 
 
 def new_run_nonce() -> str:
@@ -227,43 +251,146 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def publish(kv_dir: str, request_id: str, staging: str, *, overwrite: bool) -> str:
-    """Move a complete staging directory (manifest written) to `<kv_dir>/<request_id>` and return that path.
+def _parts(staging: str) -> tuple[str, str, str]:
+    """(run nonce, counter, request id) of a staging directory name `.tmp-<nonce>-<counter>.<id>`."""
+    m = _STAGING.match(os.path.basename(os.path.normpath(staging)))
+    if m is None or m.group(1) != "tmp":
+        raise ValueError(f"{staging!r}: not a staging directory made by staging_dir()")
+    return m.group(2), m.group(3), m.group(4)
 
-    An existing export is renamed aside first and deleted only after the new one is in place, so a crash leaves
-    the old export, the new one, or none — never a mix. Then stale staging directories of this id (earlier
-    crashes) are removed. Raises ExportExistsError if the target exists and `overwrite` is False."""
+
+def publish(kv_dir: str, request_id: str, staging: str, *, overwrite: bool) -> str:
+    """Publish a complete staging directory (manifest written) as `<kv_dir>/<request_id>` and return that path.
+
+    The staging directory becomes the immutable version `.v-<nonce>-<counter>.<request_id>`; the id's pointer is then
+    created (without overwrite: atomically, only if the id does not exist) or replaced by `rename(2)` (with
+    overwrite), so a reader sees the old export or the new one, whatever other writers do at the same time.
+    Then `collect` removes superseded versions and dead debris of this id. Raises ExportExistsError if the id exists
+    and `overwrite` is False (the staging directory is removed); OSError only for a failing file system."""
     final = os.path.join(kv_dir, request_id)
-    check_target(kv_dir, request_id, overwrite)
-    old = None
-    if os.path.lexists(final):
-        old = os.path.join(kv_dir, ".old-" + os.path.basename(staging)[len(".tmp-"):])
-        os.rename(final, old)
-        _reached("old_moved_aside")
-    os.rename(staging, final)
+    nonce, counter, rid = _parts(staging)
+    if rid != request_id:
+        raise ValueError(f"staging directory {staging!r} is for request {rid!r}, not {request_id!r}")
+    try:
+        check_target(kv_dir, request_id, overwrite)
+    except ExportExistsError:
+        shutil.rmtree(staging, ignore_errors=True)  # this writer's own, complete but not to be published
+        raise
+    version_name = f".v-{nonce}-{counter}.{request_id}"
+    version = os.path.join(kv_dir, version_name)
+    os.rename(staging, version)
+    _reached("version_ready")
+    if not overwrite:
+        try:
+            os.symlink(version_name, final)  # atomic create-if-absent
+        except FileExistsError:
+            shutil.rmtree(version, ignore_errors=True)
+            raise ExportExistsError(f"KV export {final!r} already exists (published by another writer meanwhile): "
+                                    "pass overwrite=True (launcher: --overwrite) to replace it, or use a new id")
+    else:
+        link = os.path.join(kv_dir, f".lnk-{nonce}-{counter}.{request_id}")
+        os.symlink(version_name, link)
+        previous = None
+        for _ in range(_READ_ATTEMPTS):
+            try:
+                previous = os.readlink(final)
+            except FileNotFoundError:
+                previous = None
+            except OSError:  # a version-2 export: a plain directory, which rename(2) cannot replace by a link
+                try:
+                    os.rename(final, os.path.join(kv_dir, f".old-{nonce}-{counter}.{request_id}"))
+                except FileNotFoundError:
+                    pass  # another writer moved it first
+            try:
+                os.replace(link, final)
+                break
+            except (IsADirectoryError, NotADirectoryError, FileExistsError):
+                continue  # a version-2 directory appeared or is being moved: move it aside and retry
+        else:
+            raise ExportExistsError(f"KV export {final!r}: could not replace the existing directory")
+        if previous is not None:  # start the superseded version's grace period now
+            try:
+                os.utime(os.path.join(kv_dir, previous))
+            except OSError:
+                pass
     _fsync_dir(kv_dir)
-    _reached("new_in_place")
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    clean_stale(kv_dir, request_id)
+    _reached("pointer_replaced")
+    collect(kv_dir, request_id)
     return final
 
 
-def clean_stale(kv_dir: str, request_id: str, keep: str | None = None) -> list[str]:
-    """Remove staging (`.tmp-…`) and set-aside (`.old-…`) directories of `request_id` under `kv_dir` except `keep`;
-    returns the removed paths."""
-    removed = []
+def collect(kv_dir: str, request_id: str, *, now: float | None = None) -> list[str]:
+    """Garbage-collect `request_id` under `kv_dir` (see the module docstring): superseded versions older than
+    `GC_GRACE_S`, debris of the current run's earlier exports and of other runs older than `STALE_S`. Never the
+    current version nor another writer's live staging directory. Returns the removed paths."""
+    removed: list[str] = []
     try:
         names = os.listdir(kv_dir)
     except FileNotFoundError:
         return removed
-    for name in names:
-        m = _STAGING.match(name)
+    now = time.time() if now is None else now
+    try:
+        current = os.readlink(os.path.join(kv_dir, request_id))
+    except OSError:
+        current = None
+    mine = [m for m in map(_STAGING.match, names) if m and m.group(4) == request_id]
+    newest = {}  # run nonce -> its highest published counter: that run's lower unpublished counters are dead
+    for m in mine:
+        if m.group(1) == "v":
+            newest[m.group(2)] = max(newest.get(m.group(2), -1), int(m.group(3)))
+    for m in mine:
+        name = m.group(0)
         path = os.path.join(kv_dir, name)
-        if m and m.group(4) == request_id and (keep is None or os.path.abspath(path) != os.path.abspath(keep)):
-            shutil.rmtree(path, ignore_errors=True)
+        if name == current:
+            continue
+        try:
+            age = now - os.lstat(path).st_mtime
+        except FileNotFoundError:
+            continue
+        if m.group(1) in ("v", "old"):
+            dead = age > GC_GRACE_S
+        else:  # staging or a link being placed: dead if its run went on to a later export, or long abandoned
+            dead = int(m.group(3)) < newest.get(m.group(2), -1) or age > STALE_S
+        if dead:
+            if os.path.islink(path) or not os.path.isdir(path):
+                try:
+                    os.remove(path)
+                except FileNotFoundError:
+                    continue
+            else:
+                shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
+
+
+def export_id(path: str) -> str:
+    """The request id an export path names: its base name, or the id part of a version directory's name."""
+    base = os.path.basename(os.path.normpath(os.fspath(path)))
+    m = _STAGING.match(base)
+    return m.group(4) if m and m.group(1) == "v" else base
+
+
+def resolve(path: str) -> str:
+    """The immutable directory an export path stands for now: the version `<kv_dir>/<request_id>` points to (a
+    version-2 export or a version directory: itself). Resolve once and read only there, so every file read belongs
+    to one export. Raises KVFormatError if the path does not exist (or points at a collected version)."""
+    path = os.fspath(path)
+    target = os.path.realpath(path)
+    if not os.path.isdir(target):
+        raise KVFormatError(f"{path}: no such export (no {MANIFEST}: an unfinished or failed export is never valid)")
+    return target
+
+
+def _retrying(path: str, read):
+    """`read(version_dir)` on the version `path` resolves to; if it fails while the pointer moved on (its version was
+    superseded and collected during the read), again on the current version."""
+    for attempt in range(_READ_ATTEMPTS):
+        target = resolve(path)
+        try:
+            return read(target)
+        except Exception:  # noqa: BLE001 - KVFormatError, OSError or safetensors' own error for a vanished file
+            if attempt + 1 == _READ_ATTEMPTS or os.path.realpath(os.fspath(path)) == target:
+                raise  # the pointer still names this version: a real fault of the export, not a race
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -281,7 +408,12 @@ def read_manifest(path: str, cfg=None) -> dict:
     declared layout, identity fields, model section, every layer's kind (vs `model.layer_types`), kept token range
     (vs `num_tokens`, `sliding_window` and `sliding_policy`), segments tiling that range, and `files` vs
     `checksums` vs the files the segments name. With `cfg` (a ModelConfig) the model fingerprint, layer types and
-    shapes must also match it. Raises KVFormatError naming the field."""
+    shapes must also match it. `path` is `<kv_dir>/<request_id>` (resolved once, `resolve`) or a version directory.
+    Raises KVFormatError naming the field."""
+    return _retrying(path, lambda target: _read_manifest(target, export_id(path), cfg))
+
+
+def _read_manifest(path: str, request_id: str, cfg=None) -> dict:
     mpath = os.path.join(path, MANIFEST)
     if not os.path.exists(mpath):
         raise KVFormatError(f"{path}: no {MANIFEST} (an unfinished or failed export is never valid)")
@@ -292,9 +424,9 @@ def read_manifest(path: str, cfg=None) -> dict:
         raise KVFormatError(f"{mpath}: not valid JSON ({e})") from e
     if not isinstance(m, dict):
         raise KVFormatError(f"{mpath}: expected a JSON object, got {type(m).__name__}")
-    if m.get("format") != FORMAT or m.get("version") != VERSION:
+    if m.get("format") != FORMAT or m.get("version") not in READ_VERSIONS:
         raise KVFormatError(f"{mpath}: format {m.get('format')!r} version {m.get('version')!r}, expected "
-                            f"{FORMAT!r} version {VERSION}")
+                            f"{FORMAT!r} version {' or '.join(map(str, READ_VERSIONS))}")
     axes = m.get("axes")
     if axes != {"k": AXES, "v": AXES, "positions": ["token"]}:
         raise KVFormatError(f"{mpath}: axes: undeclared or unknown layout axes={axes!r}; this reader knows "
@@ -302,17 +434,16 @@ def read_manifest(path: str, cfg=None) -> dict:
     if m.get("rope_applied") is not True or m.get("token_order") != "natural":
         raise KVFormatError(f"{mpath}: rope_applied={m.get('rope_applied')!r}, token_order={m.get('token_order')!r}; "
                             "expected post-RoPE K in natural token order")
-    _check_identity(path, m)
+    _check_identity(path, m, request_id)
     model = _check_model(path, m.get("model"), cfg)
     _check_layers(path, m, model)
     return m
 
 
-def _check_identity(path: str, m: dict) -> None:
+def _check_identity(path: str, m: dict, request_id: str) -> None:
     rid = m.get("request_id")
-    if not isinstance(rid, str) or rid != os.path.basename(os.path.normpath(path)):
-        _fail(path, "request_id", f"{rid!r} does not name this export directory "
-              f"{os.path.basename(os.path.normpath(path))!r}")
+    if not isinstance(rid, str) or rid != request_id:
+        _fail(path, "request_id", f"{rid!r} does not name this export {request_id!r}")
     if not _is_int(m.get("num_tokens"), 1):
         _fail(path, "num_tokens", f"{m.get('num_tokens')!r} is not a positive integer")
     if not isinstance(m.get("token_ids_sha256"), str) or not _HEX64.match(m["token_ids_sha256"]):
@@ -433,15 +564,22 @@ def load(path: str, cfg=None, *, verify: bool = True, framework: str = "numpy") 
       cfg: optional ModelConfig the export must belong to (fingerprint, layer types, shapes).
       verify: check every file's SHA-256 (sizes are always checked).
       framework: "numpy" (bfloat16 as `ml_dtypes.bfloat16`) or "pt" (torch tensors, `torch.bfloat16`).
+    `path` is `<kv_dir>/<request_id>`: the pointer is resolved once (`resolve`) and every file is read from that one
+    version, so a concurrent overwrite gives this reader the old export or the new one, whole.
     Raises:
       KVFormatError (naming the field) for a missing manifest or file, an inconsistent manifest (`read_manifest`),
       a size or hash mismatch, a tensor whose shape, dtype or positions disagree with the manifest.
     """
-    from safetensors import safe_open
-
     if framework not in ("numpy", "pt"):
         raise ValueError(f"framework={framework!r}: expected 'numpy' or 'pt'")
-    m = read_manifest(path, cfg)
+    rid = export_id(path)
+    return _retrying(path, lambda target: _load(target, rid, cfg, verify, framework))
+
+
+def _load(path: str, request_id: str, cfg, verify: bool, framework: str) -> dict:
+    from safetensors import safe_open
+
+    m = _read_manifest(path, request_id, cfg)
     verify_files(path, m, hashes=verify)
     kh, hd = m["model"]["num_key_value_heads"], m["model"]["head_dim"]
     handles = {name: safe_open(os.path.join(path, name), framework=framework) for name in m["files"]}

@@ -63,7 +63,7 @@ def to_transformers_cache(path: str | os.PathLike, config, *, num_tokens: int | 
     import transformers
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
-    path = os.fspath(path)
+    path = kvfmt.resolve(os.fspath(path))  # one version of the export for the manifest check and the tensors
     model = config if isinstance(config, torch.nn.Module) else None
     cfg = compat.model_config(config)
     manifest = kvfmt.read_manifest(path)
@@ -133,3 +133,33 @@ def _torch(a: np.ndarray, dtype, device):
         x = torch.from_numpy(a)
     x = x.permute(1, 0, 2).unsqueeze(0).contiguous()
     return x.to(device=device if device is not None else "cpu", dtype=dtype if dtype is not None else x.dtype)
+
+
+def lowest_index_ties(model) -> int:
+    """Make every gpt-oss router of a transformers `model` break exact top-k ties as slope_jax does: among experts
+    with equal router logits the lower expert index wins (`moe.route`, `jax.lax.top_k`). transformers' router
+    (`GptOssTopKRouter`) uses `torch.topk`, whose order among equal values is unspecified (measured, torch 2.13 CPU:
+    logits of 32 experts equal to 0 pick experts [22, 21, 20, 23], slope_jax [0, 1, 2, 3]); a token with a tie
+    would route to other experts in decode than in prefill. The replacement is a stable descending sort, equal to
+    `torch.topk` wherever there is no tie. Patches the model's router instances in place (not the class); returns
+    how many."""
+    import types
+
+    n = 0
+    for module in model.modules():
+        if type(module).__name__ == "GptOssTopKRouter":
+            module.forward = types.MethodType(_router_forward_lowest_index_ties, module)
+            n += 1
+    return n
+
+
+def _router_forward_lowest_index_ties(self, hidden_states):
+    """`GptOssTopKRouter.forward` with the top-k taken from a stable descending sort (ties: lower index first)."""
+    import torch
+    import torch.nn.functional as F
+
+    router_logits = F.linear(hidden_states, self.weight, self.bias)  # [T, E]
+    order = torch.sort(router_logits, dim=-1, descending=True, stable=True)
+    top, ids = order.values[..., :self.top_k], order.indices[..., :self.top_k]
+    scores = torch.nn.functional.softmax(top, dim=1, dtype=top.dtype)
+    return router_logits, scores, ids

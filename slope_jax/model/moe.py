@@ -1,7 +1,10 @@
 """Mixture of experts: top-k router, interleaved clamped SwiGLU experts, exact dropless grouped compute (spec §2.4).
 
 Notable:
-- Router: top-k of the logits first, then softmax over those k (spec §2.4 step 2, pitfall 3); float32.
+- Router: top-k of the logits first, then softmax over those k (spec §2.4 step 2, pitfall 3); float32. Exact ties
+  go to the lower expert index (`jax.lax.top_k`'s documented order); every slope_jax path (prefill, expert
+  parallelism, the reference decoder) routes through `route`, and the transformers decode engine is patched to the
+  same rule (`kv.transformers.lowest_index_ties`: `torch.topk`'s tie order is unspecified).
 - SwiGLU: gate/up interleaved (`gu[0::2]`, `gu[1::2]`), gate clamped above only, up clamped both sides,
   `gate·σ(α·gate)·(up + 1)`; the down-projection bias is added before the routing weight (pitfalls 4-7).
 - Grouped compute: the T·k (token, expert) assignments are sorted by expert; each expert that was picked dequantizes
@@ -33,7 +36,9 @@ def route(h: jax.Array, w: jax.Array, b: jax.Array, k: int) -> tuple[jax.Array, 
     Args:
       h: `[T, D]` normed hidden states.  w: `[E, D]`.  b: `[E]`.  k: experts per token.
     Returns:
-      `(weights [T, k] float32 summing to 1 per token, expert ids [T, k] int32 in descending logit order)`.
+      `(weights [T, k] float32 summing to 1 per token, expert ids [T, k] int32 in descending logit order; among
+      equal logits the lower expert index first and only the lower ones kept — the tie rule decode engines must
+      share, see `kv.transformers.lowest_index_ties`)`.
     """
     logits = jnp.einsum("td,ed->te", h, w, preferred_element_type=jnp.float32) + b.astype(jnp.float32)
     top, ids = jax.lax.top_k(logits, k)

@@ -9,7 +9,9 @@ Profile fields (SI units):
   efficiency {matmul, attention: fraction of peak reached; attention_one_device: the attention's fraction of peak in
   the one-device program where it differs from the sharded program's (optional; absent = `attention`, the neutral
   value for every profile measured without that distinction); overhead_s per step; layer_overhead_s per executed
-  layer slot; source}, sources {field: citation}.
+  layer slot; source}, compile_s (optional: seconds XLA takes to compile one prefill step program on an idle host,
+  the serving loop's compile estimate before it has measured one; layers are scanned and tiles looped, so it barely
+  depends on depth or length), sources {field: citation}.
 `calibrate` fits `efficiency` from measured step times (`python -m slope_jax.plan calibrate`).
 """
 
@@ -69,6 +71,7 @@ class Hardware:
     efficiency: Efficiency
     shared_compute: bool = False
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
+    compile_s: float | None = None
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s of one device in `dtype` ("bfloat16" or "float32"). Raises HardwareError if unknown."""
@@ -97,6 +100,9 @@ class Hardware:
         for key in ("hbm_bytes", "hbm_bytes_per_s", "intra_host_bytes_per_s", "inter_host_bytes_per_s"):
             if not isinstance(d[key], (int, float)) or d[key] <= 0:
                 raise HardwareError(f"{source}: {key}={d[key]!r} must be a positive number")
+        compile_s = d.get("compile_s")
+        if compile_s is not None and (not isinstance(compile_s, (int, float)) or not compile_s >= 0):
+            raise HardwareError(f"{source}: compile_s={compile_s!r} must be a number >= 0")
         return cls(name=d["name"], description=d.get("description", ""),
                    peak_flops={k: float(v) for k, v in d["peak_flops"].items()}, hbm_bytes=float(d["hbm_bytes"]),
                    hbm_bytes_per_s=float(d["hbm_bytes_per_s"]),
@@ -107,7 +113,8 @@ class Hardware:
                                          str(eff.get("source", "")),
                                          None if eff.get("attention_one_device") is None
                                          else float(eff["attention_one_device"])),
-                   shared_compute=bool(d.get("shared_compute", False)), sources=dict(d.get("sources", {})))
+                   shared_compute=bool(d.get("shared_compute", False)), sources=dict(d.get("sources", {})),
+                   compile_s=None if compile_s is None else float(compile_s))
 
 
 def available() -> list[str]:

@@ -29,7 +29,7 @@ from slope_jax.plan import flops as flops_lib
 
 
 def stage_slots(cfg: ModelConfig, pipeline: int) -> tuple[int, int]:
-    """(sliding, full) slots every stage computes under `parallel.pipeline.plan_stages`' stated split (half each of
+    """(sliding, full) slots every stage computes under `parallel.stages.plan_stages`' stated split (half each of
     `flops.stage_slots`' slot count)."""
     slots, _ = flops_lib.stage_slots(cfg, pipeline)
     return slots // 2, slots // 2

@@ -3,6 +3,9 @@
 `LineReader` reads request lines on a thread and stamps each with `time.perf_counter()` the moment it arrives, so
 queue times are honest when requests trickle in over stdin or a pipe. The batching decision (bounded wait, order,
 admission) is `slope_jax.serve.scheduler.Scheduler`.
+
+A request source is anything with `get(timeout_s)` (as below) and `deliver(record)` (called with every result or
+error record the launcher emits): `LineReader` for --requests, `slope_jax.serve.http.HttpIntake` for --http_port.
 """
 
 from __future__ import annotations
@@ -34,3 +37,6 @@ class LineReader:
 
     def get(self, timeout_s: float | None):
         return self._queue.get(timeout=timeout_s) if timeout_s is None or timeout_s > 0 else self._queue.get_nowait()
+
+    def deliver(self, record: dict) -> None:
+        """Records go to the results file only: nobody waits on a line."""

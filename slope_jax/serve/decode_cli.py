@@ -106,6 +106,9 @@ class TransformersEngine:
         self.torch = torch
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             checkpoint, dtype=getattr(torch, dtype), attn_implementation="eager").eval()
+        from slope_jax.kv.transformers import lowest_index_ties
+
+        lowest_index_ties(self.model)  # route exact router ties as the prefill did (lower expert index wins)
         self.cfg = compat.model_config(self.model)
         self.check_fingerprint = check_fingerprint
         import inspect
@@ -147,6 +150,7 @@ class ReferenceEngine:
         from slope_jax import kv
         from slope_jax.kv import decode
 
+        path = kv.resolve(path)  # one version of the export for the manifest check and the tensors
         kv.check_model(kv.read_manifest(path), self.cfg, path, check_fingerprint=self.check_fingerprint)
         return decode.Decoder(self.cfg, self.params, kv.load(path), num_tokens, self.max_new_tokens).step
 
@@ -208,6 +212,7 @@ def decode_request(engine, path: str, *, max_new_tokens: int, temperature: float
     """
     from slope_jax import kv
 
+    path = kv.resolve(path)  # one version of the export throughout, whatever a concurrent overwrite does
     m = kv.read_manifest(path)
     rid, n = m.get("request_id", os.path.basename(path)), int(m["num_tokens"])
     kv.check_model(m, engine.cfg, path, check_fingerprint=engine.check_fingerprint)

@@ -1,10 +1,13 @@
 """Start-up fingerprint: every process of a run must compile the same step and feed it the same weights.
 
 A fingerprint is a flat dict of everything that shapes the compiled step or its inputs: package versions, the
-layout, dtype, every `StepOptions` field (tiles, attention / MoE implementations), export flags and the checkpoint (its config and a sampled content hash of its weight files).
-The processes exchange fingerprints at start-up (`slope_jax.serve.distributed.preflight`) and `compare` names every
-field on which they differ, so a run with, say, `--dtype` given to one process only fails at once with that name
-instead of hanging in the first collective or computing with mixed programs. No JAX needed.
+layout, dtype, every `StepOptions` field (tiles, attention / MoE implementations), export flags and the checkpoint
+(its config and its tensor directory: file names, sizes and safetensors headers, or a converted directory's marker;
+no weight bytes). The processes exchange fingerprints at
+start-up (`slope_jax.serve.distributed.preflight`) and `compare` names every field on which they differ, so a run
+with, say, `--dtype` given to one process only fails at once with that name instead of hanging in the first
+collective or computing with mixed programs. No JAX needed. The weight bytes are compared in full after loading,
+before the first step (`checkpoints.digest.ReadDigests`: every byte hashed as it is read, then all-gathered).
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ def _version(package: str) -> str:
 
 
 def checkpoint_fingerprint(path: str) -> dict[str, str]:
-    """The checkpoint's part of a fingerprint (`checkpoints.digest.checkpoint_digest`: sampled weight contents of an
-    HF/original checkpoint, or the marker of a converted directory)."""
+    """The checkpoint's part of a fingerprint (`checkpoints.digest.checkpoint_digest`: config and tensor directory of
+    an HF/original checkpoint, or the marker of a converted directory)."""
     return digest.checkpoint_digest(path)
 
 

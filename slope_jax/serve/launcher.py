@@ -7,6 +7,10 @@ requests and writes results; every process computes its share of each prefill an
   # requests on stdin (no --requests): each batch leaves at most --batch_wait_ms after its first request arrives
   echo '{"id": "a", "text": "Hello"}' | slope-jax --cpu_devices=1
 
+  # a prefill endpoint for prefill/decode serving: OpenAI-style POST /v1/completions on 127.0.0.1:8100, answered
+  # with the first token and the kv_transfer_params a vLLM decode server reads (slope_jax.serve.http; launch/pd_vllm.sh)
+  slope-jax --cpu_devices=8 --ring=2 --ulysses=4 --http_port=8100 --kv_dir=out/kv
+
   # two processes x 4 CPU devices on this machine (launch/local.sh does this)
   python -m slope_jax.launch --num_processes=2 --process_id=0 --coordinator_address=127.0.0.1:23456 \
       --cpu_devices=4 --ring=2 --ulysses=4 --requests=reqs.jsonl --results=out/results.jsonl --kv_dir=out/kv &
@@ -17,8 +21,10 @@ Request lines are described in `slope_jax.serve.requests`. One result line (stri
 line: an error record as soon as a bad line is read ({"id": id or null, "line": N, "error": ...}, plus
 "duplicate_of" for a reused id), a result when its batch finishes (id, line, first token (and its text with a
 tokenizer) and its logprob, top-k logits, num_tokens, bucket, TTFT = queue + compute, compile/export times in ms, KV
-path). A flag or layout mistake is one `slope_jax: error:` line and exit status 2; so is start-up with processes that
-disagree on anything that shapes the compiled step (the differing field is named).
+path, predicted_ttft_ms). Every record of a request with a TTFT SLO carries ttft_slo_ms and slo_met, and "late": true
+when it was served after it; a request refused by admission gets an error record with "rejected": true. A flag or
+layout mistake is one `slope_jax: error:` line and exit status 2; so is start-up with processes that disagree on
+anything that shapes the compiled step (the differing field is named).
 """
 
 
@@ -28,6 +34,7 @@ import dataclasses
 import json
 import os
 import queue
+import shutil
 import sys
 import time
 import traceback
@@ -73,13 +80,15 @@ flags.DEFINE_bool("overwrite", False, "Replace an existing export KV_DIR/<id>/ (
 flags.DEFINE_string("logits_dir", None, "Also save each request's last-position logits as LOGITS_DIR/<id>.npy "
                     "(float32), for verification.")
 flags.DEFINE_integer("top_k", 5, "Number of (token, logit) pairs per result.")
-flags.DEFINE_integer("batch_size", 8, "Most requests per batch (grouped by length bucket inside).")
+flags.DEFINE_integer("batch_size", 8, "Most requests per batch (a batch holds one length bucket; an urgent "
+                     "request leaves in a smaller batch rather than wait behind others).")
 flags.DEFINE_float("ttft_slo_ms", None, "Default TTFT SLO in ms for requests without their own \"ttft_slo_ms\" "
                    "(default: none). Deadline = arrival + SLO.")
 flags.DEFINE_enum("slo_policy", "reject", ["reject", "serve_late", "none"], "A request predicted to miss its "
-                  "deadline (queue ahead + its batch's predicted compute): reject = an error record at once naming "
-                  "predicted vs allowed ms; serve_late = serve it behind on-time requests and flag it \"late\"; "
-                  "none = no admission control.")
+                  "deadline (queue ahead + its batch's predicted compute + compiling step shapes not compiled yet): "
+                  "reject = an error record at once naming predicted vs allowed ms (\"rejected\": true); "
+                  "serve_late = serve it behind on-time requests; none = no admission control. A request served "
+                  "after its SLO has \"late\": true in its record.")
 flags.DEFINE_enum("order", "edf", ["edf", "fcfs"], "Service order: earliest deadline first, or arrival order.")
 flags.DEFINE_float("slo_percentile", 90.0, "--layout=auto: the TTFT percentile the SLO applies to (0-100).")
 flags.DEFINE_string("hardware", None, "Hardware profile the cost model predicts with (configs/hardware/NAME.json: "
@@ -107,6 +116,15 @@ for _field in dataclasses.fields(StepOptions):  # one flag per step option, same
         flags.DEFINE_integer(_field.name, _field.default, STEP_OPTION_HELP[_field.name])
 flags.DEFINE_list("precompile", [], "Prompt lengths whose buckets are compiled before the first request is read "
                   "(e.g. 1024,4096,16384), so early requests do not wait for compilation.")
+flags.DEFINE_integer("http_port", None, "Serve prefill requests over HTTP on this port instead of reading "
+                     "--requests (process 0; needs --kv_dir): an OpenAI-style POST /v1/completions (prompt as text "
+                     "or token ids, max_tokens 1) answered with the first token, TTFT fields and the "
+                     "kv_transfer_params a vLLM decode server's SlopeJaxConnector reads; GET /health, /v1/models. "
+                     "Same request rules, SLO scheduler and result records as --requests; runs until SIGTERM. "
+                     "See slope_jax.serve.http. 0 = any free port.")
+flags.DEFINE_string("http_host", "127.0.0.1", "--http_port: the address to listen on (0.0.0.0: every interface).")
+flags.DEFINE_string("http_model_name", None, "--http_port: the model name clients give in \"model\" (default: the "
+                    "--checkpoint directory's name).")
 flags.DEFINE_bool("summary", True, "Print a one-screen summary at the end (process 0, to stderr).")
 
 
@@ -169,6 +187,13 @@ def _check_flags() -> None:
             raise FlagError(f"--precompile: {x!r} is not a positive prompt length")
     if not os.path.isdir(FLAGS.checkpoint):
         raise FlagError(f"--checkpoint={FLAGS.checkpoint}: no such directory")
+    if FLAGS.http_port is not None:
+        if not 0 <= FLAGS.http_port <= 65535:
+            raise FlagError(f"--http_port={FLAGS.http_port}: must be in 0..65535")
+        if FLAGS["requests"].present:
+            raise FlagError("--http_port and --requests are exclusive: requests come over HTTP")
+        if FLAGS.kv_dir is None:
+            raise FlagError("--http_port needs --kv_dir: the decode server reads each request's export")
     if FLAGS.process_id == 0 and FLAGS.requests != "-" and not os.path.exists(FLAGS.requests):
         raise FlagError(f"--requests={FLAGS.requests}: no such file")
 
@@ -245,8 +270,8 @@ class _Intake:
             batch, rejected, wait_s = self.scheduler.take_batch(time.perf_counter(), self.closed)
             for item, reason in rejected:
                 req = item.request
-                self.emit({"id": req.id, "line": req.line, "error": f"line {req.line} ({req.id}): {reason}",
-                           "rejected": True, "ttft_slo_ms": _slo_ms(req), "num_tokens": item.num_tokens})
+                self.emit(_request_error(req, f"line {req.line} ({req.id}): {reason}", rejected=True,
+                                         num_tokens=item.num_tokens))
             if batch:
                 return batch
             if self.closed:
@@ -296,30 +321,6 @@ def _prefill_isolated(engine, prompts, ids, arrivals, **kwargs) -> list:
             outcomes[i] = out
         start += len(chunk)
     return outcomes
-
-
-def _summary(records, wall_s):
-    ok = [r for r in records if "error" not in r]
-    lines = [f"{'id':<24} {'tokens':>7} {'first':>7} {'TTFT ms':>9} {'queue':>8} {'(compile)':>9} {'compute':>8} "
-             f"{'export':>8}  status"]
-    for r in records[:40]:
-        if "error" in r:
-            name = r.get("id") or f"(line {r.get('line')})"
-            lines.append(f"{name:<24} {'':>7} {'':>7} {'':>9} {'':>8} {'':>9} {'':>8} {'':>8}  "
-                         f"error: {r['error'][:60]}")
-        else:
-            slo = "" if r.get("slo_met") is None else ("  SLO met" if r["slo_met"] else "  SLO missed")
-            lines.append(f"{r['id']:<24} {r['num_tokens']:>7} {r['first_token']:>7} {r['ttft_ms']:>9.1f} "
-                         f"{r['queue_ms']:>8.1f} {r['compile_ms']:>9.1f} {r['compute_ms']:>8.1f} "
-                         f"{r['export_ms']:>8.1f}  ok{slo}")
-    if len(records) > 40:
-        lines.append(f"... {len(records) - 40} more")
-    toks = sum(r["num_tokens"] for r in ok)
-    with_slo = [r for r in ok if r.get("slo_met") is not None]
-    lines.append(f"{len(ok)} ok, {len(records) - len(ok)} failed; {toks} prompt tokens in {wall_s:.1f} s "
-                 f"({toks / max(wall_s, 1e-9):.0f} tokens/s including compilation)"
-                 + (f"; SLO attainment {sum(r['slo_met'] for r in with_slo)}/{len(with_slo)}" if with_slo else ""))
-    return "\n".join(lines)
 
 
 def main(argv):
@@ -379,11 +380,22 @@ def _slo_ms(req) -> float | None:
     return req.ttft_slo_ms if req.ttft_slo_ms is not None else FLAGS.ttft_slo_ms
 
 
+def _request_error(req, message: str, **extra) -> dict:
+    """The error record of a parsed request (failed or rejected). A request with a TTFT SLO keeps it in its record
+    with `"slo_met": false`: SLO attainment counts it as a miss."""
+    rec = {"id": req.id, "line": req.line, "error": message, **extra}
+    slo_ms = _slo_ms(req)
+    if slo_ms is not None:
+        rec.update(ttft_slo_ms=round(slo_ms, 3), slo_met=False)
+    return rec
+
+
 def _result_record(req, res, engine, tokenizer, item=None) -> dict:
+    """A served request's record; `"late": true` exactly when it carries an SLO and its TTFT exceeded it."""
     import numpy as np
 
     if not np.all(np.isfinite(res.logits)):
-        return {"id": req.id, "line": req.line, "error": "the step produced non-finite logits (NaN/Inf); no result"}
+        return _request_error(req, "the step produced non-finite logits (NaN/Inf); no result")
     rec = {"id": req.id, "line": req.line, "first_token": res.first_token}
     if tokenizer is not None:
         rec["first_token_text"] = tokenizer.decode([res.first_token], skip_special_tokens=False)
@@ -398,8 +410,8 @@ def _result_record(req, res, engine, tokenizer, item=None) -> dict:
     if slo_ms is not None:
         rec["ttft_slo_ms"] = round(slo_ms, 3)
         rec["slo_met"] = res.ttft_ms <= slo_ms
-    if item is not None and item.late:
-        rec["late"] = True
+        if not rec["slo_met"]:
+            rec["late"] = True
     return rec
 
 
@@ -410,9 +422,9 @@ def _serve():
     from slope_jax import kv as kvfmt
     from slope_jax.checkpoints.orbax_store import model_config
     from slope_jax.parallel.config import ParallelConfig
-    from slope_jax.serve import requests, slo
+    from slope_jax.serve import requests, slo, summary
     from slope_jax.serve.batching import LineReader
-    from slope_jax.serve.scheduler import Scheduler, slo_stats
+    from slope_jax.serve.scheduler import Scheduler
     from slope_jax.serve.engine import PrefillEngine
 
     t_start = time.perf_counter()
@@ -455,7 +467,9 @@ def _serve():
             from tokenizers import Tokenizer
 
             tokenizer = Tokenizer.from_file(tok_path)
-        if FLAGS.requests == "-":
+        if FLAGS.http_port is not None:
+            src = None
+        elif FLAGS.requests == "-":
             logging.info("reading requests from stdin, one JSON object per line (end of input ends the run)")
             src = sys.stdin.buffer
         else:
@@ -473,11 +487,13 @@ def _serve():
             try:
                 text = json.dumps(rec, allow_nan=False)
             except ValueError:  # a non-finite number: never written as NaN/Infinity
-                rec = {"id": rec.get("id"), "line": rec.get("line"), "error": "result had non-finite numbers"}
+                rec = {"id": rec.get("id"), "line": rec.get("line"), "error": "result had non-finite numbers",
+                       **({"ttft_slo_ms": rec["ttft_slo_ms"], "slo_met": False} if "ttft_slo_ms" in rec else {})}
                 text = json.dumps(rec)
             records.append(rec)
             out.write(text + "\n")
             out.flush()
+            source.deliver(rec)  # an HTTP request waits for its record
 
         def parse_line(raw, arrival):
             lineno[0] += 1
@@ -496,19 +512,34 @@ def _serve():
                 try:
                     kvfmt.check_target(FLAGS.kv_dir, req.id, FLAGS.overwrite)
                 except kvfmt.ExportExistsError as e:
-                    emit({"id": req.id, "line": req.line, "error": f"line {req.line} ({req.id}): {e}"})
+                    emit(_request_error(req, f"line {req.line} ({req.id}): {e}"))
                     return []
             try:
                 engine.check_fits(req.tokens.size, budget)
             except Exception as e:  # noqa: BLE001 - RequestError, or a failure compiling its bucket: its own error
-                emit({"id": req.id, "line": req.line, "error": f"line {req.line} ({req.id}): {e}"})
+                emit(_request_error(req, f"line {req.line} ({req.id}): {e}"))
                 return []
             return [req]
 
         predict_ms = slo.batch_model(engine, hardware, FLAGS.dtype, jax.local_device_count())
         scheduler = Scheduler(predict_ms, batch_size=FLAGS.batch_size, batch_wait_ms=FLAGS.batch_wait_ms,
-                              order=FLAGS.order, slo_policy=FLAGS.slo_policy, default_slo_ms=FLAGS.ttft_slo_ms)
-        intake = _Intake(LineReader(src), scheduler, parse_line, emit)
+                              order=FLAGS.order, slo_policy=FLAGS.slo_policy, default_slo_ms=FLAGS.ttft_slo_ms,
+                              bucket=engine.bucket, per_step=predict_ms.per_step, compile_ms=predict_ms.compile_ms)
+        if src is None:
+            from slope_jax.serve.http import HttpIntake
+
+            name = FLAGS.http_model_name or os.path.basename(os.path.normpath(FLAGS.checkpoint))
+            source = HttpIntake(FLAGS.http_host, FLAGS.http_port, vocab_size=cfg.vocab_size, max_tokens=max_tokens,
+                                model_name=name,
+                                tokenizer_path=tok_path if tokenizer is not None else None, top_k=FLAGS.top_k,
+                                kv_dir=FLAGS.kv_dir, overwrite=FLAGS.overwrite)
+            try:
+                source.start()
+            except OSError as e:
+                raise FlagError(f"--http_host={FLAGS.http_host} --http_port={FLAGS.http_port}: cannot listen ({e})")
+        else:
+            source = LineReader(src)
+        intake = _Intake(source, scheduler, parse_line, emit)
     while True:
         payload = None
         if me == 0:
@@ -535,7 +566,7 @@ def _serve():
                 item = pending[rid]
                 req = item.request
                 if isinstance(res, str):
-                    emit({"id": rid, "line": req.line, "error": res})
+                    emit(_request_error(req, res))
                     continue
                 if FLAGS.logits_dir:
                     np.save(os.path.join(FLAGS.logits_dir, f"{rid}.npy"), res.logits)
@@ -545,7 +576,8 @@ def _serve():
             out.close()
         if FLAGS.summary:
             wall_s = time.perf_counter() - t_start
-            print(_summary(records, wall_s) + "\n" + slo_stats(records, wall_s).summary_line(), file=sys.stderr)
+            print(summary.format_summary(records, wall_s, shutil.get_terminal_size((120, 24)).columns),
+                  file=sys.stderr)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 

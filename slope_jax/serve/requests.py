@@ -97,26 +97,26 @@ def loads_strict(text: str):
 
 
 def parse(line: bytes | str, lineno: int, *, vocab_size: int, max_tokens: int, tokenizer=None,
-          seen_ids: set[str] | None = None, arrival: float | None = None) -> Request:
+          seen_ids: set[str] | None = None, arrival: float | None = None, label: str = "line") -> Request:
     """Validate one request line (raw bytes as read, or text). Raises LineError naming the line, the field and the
     rule; never any other exception. `seen_ids` (updated) makes ids unique; `arrival`: perf_counter() stamp of the
-    line's arrival (default: now)."""
+    line's arrival (default: now); `label`: what messages call the item ("line 3 (id): ..."; the HTTP endpoint says
+    "request")."""
     arrival = time.perf_counter() if arrival is None else arrival
     state = {"id": None, "dup": None}
     try:
-        return _parse(line, lineno, vocab_size, max_tokens, tokenizer, seen_ids, arrival, state)
+        return _parse(line, f"{label} {lineno}", lineno, vocab_size, max_tokens, tokenizer, seen_ids, arrival, state)
     except LineError:
         raise
     except RequestError as e:
         raise LineError(str(e), lineno, state["id"], state["dup"]) from e
     except Exception as e:  # noqa: BLE001 - the boundary is total: any failure is this line's error, never the run's
-        where = f"line {lineno}" + (f" ({state['id']})" if state["id"] else "")
+        where = f"{label} {lineno}" + (f" ({state['id']})" if state["id"] else "")
         raise LineError(f"{where}: could not process the request ({type(e).__name__}: {str(e)[:200]})", lineno,
                         state["id"], state["dup"]) from e
 
 
-def _parse(line, lineno, vocab_size, max_tokens, tokenizer, seen_ids, arrival, state) -> Request:
-    where = f"line {lineno}"
+def _parse(line, where, lineno, vocab_size, max_tokens, tokenizer, seen_ids, arrival, state) -> Request:
     if isinstance(line, (bytes, bytearray)):
         try:
             line = bytes(line).decode("utf-8")

@@ -3,27 +3,37 @@ and the SLO metrics of a run (attainment, goodput, TTFT percentiles). Pure Pytho
 
 Terms. A request's TTFT SLO `ttft_slo_ms` gives its deadline `arrival_s + ttft_slo_ms / 1000` (seconds on the
 `time.perf_counter()` clock). `predict_ms(lengths)` is the cost model of one batch: the engine's compute time in ms
-for prompts of these token counts (`slope_jax.plan.predict` per bucket, or a measured per-bucket fit). The
-scheduler treats every member of a batch as finishing when the whole batch does (conservative: the engine emits the
-first token of each bucket group as soon as that group's step ends).
+for prompts of these token counts (`slope_jax.plan.predict` per bucket, or a measured per-bucket fit). With
+`bucket` (token count -> compiled length) and `per_step` (prompts per engine step) the scheduler knows the step
+shapes `(bucket, prompts)` a batch runs, and with `compile_ms(shape)` (expected XLA compile ms of a shape, 0 once
+compiled) it adds the compilation of every shape the plan has not compiled before, once: the first batch of a new
+bucket pays it, later ones do not. The scheduler treats every member of a batch as finishing when the whole batch
+does (the launcher writes a batch's records when it ends).
 
 Policy (design.md §7, "the request loop uses the same model"):
   * Order: `order="edf"` serves the earliest deadline first; requests without an SLO come after all requests with
     one; ties (and requests without SLO) go first-come first-served. `order="fcfs"` serves in arrival order.
-  * Admission (`slo_policy="reject"`): the queue is planned as consecutive batches of `batch_size` in that order,
-    the first starting when the engine is free (`max(now, predicted end of the batch in flight)`). A new request is
-    admitted only if, with it in the plan, its predicted finish (queue ahead + its batch's compute) and that of
-    every request admitted before it meet their deadlines. Otherwise it is rejected at once, by the first
-    `take_batch` call after its `add`, with a reason naming the predicted and the allowed TTFT in ms. An admitted
-    request is dropped later only if work ahead ran longer than predicted so that it can no longer make its
-    deadline (the reason says so); serving it would spend compute that on-time requests need.
+  * Batches (the same former plans the queue and releases the head batch, so a request is admitted by the finish
+    of the batch it will actually be in). A batch holds requests of one bucket (the engine runs one bucket per
+    step anyway, so mixing buckets only delays the first tokens of the shorter prompts). It starts with the first
+    request in service order and takes the following ones of its bucket, up to `batch_size`; once a request of
+    another bucket lies between, a later one of the bucket is taken only into a free slot of the batch's last step
+    (it rides along without adding a step). A request is never added when that would make a member, or a request
+    it overtakes, miss a deadline it could still meet: an urgent short request leaves first and alone.
+  * Admission (`slo_policy="reject"`): the queue is planned as consecutive batches in that order, the first
+    starting when the engine is free (`max(now, predicted end of the batch in flight)`). A new request is
+    admitted only if, with it in the plan, its predicted finish (queue ahead + its batch's compute and compilation)
+    and that of every request admitted before it meet their deadlines. Otherwise it is rejected at once, by the
+    first `take_batch` call after its `add`, with a reason naming the predicted and the allowed TTFT in ms. An
+    admitted request is dropped later only if work ahead ran longer than predicted so that it can no longer make
+    its deadline (the reason says so); serving it would spend compute that on-time requests need.
     `slo_policy="serve_late"`: such a request is served instead, flagged `late=True`, and moved behind every
     request that can still meet its deadline (so one late request never makes others late).
     `slo_policy="none"`: no admission and no flags (the baseline: order + batching only).
-  * Release: the head batch (the first `batch_size` requests in order) is released when it is full, when the
-    stream is closed, when its oldest member has waited `batch_wait_ms`, or when waiting any longer would make a
-    planned request miss its deadline (its slack is used up). A request is never held back waiting for a later
-    one beyond `batch_wait_ms`. While a batch is in flight no batch is released; the call still admits/rejects.
+  * Release: the head batch is released when it holds `batch_size` requests, when the stream is closed, when its
+    oldest member has waited `batch_wait_ms`, or when waiting any longer would make a planned request miss its
+    deadline (its slack is used up). A request is never held back waiting for a later one beyond
+    `batch_wait_ms`. While a batch is in flight no batch is released; the call still admits/rejects.
   * `take_batch` marks the batch it returns as in flight with its predicted busy time; the loop calls
     `finished(now)` when the engine returns, so admission always counts the work ahead.
 
@@ -48,7 +58,8 @@ run `engine.prefill` in a worker thread and keep calling `take_batch` while it r
 compute of finished batches (call `observe(lengths, measured_ms)`), so admission follows the machine's real speed.
 
 Metrics: `slo_stats(records, wall_s)` over result records (dicts with `num_tokens`, `ttft_ms`, optional
-`ttft_slo_ms`, and `error` for failed or rejected requests) gives `SLOStats`; `SLOStats.summary_line()` is one line
+`ttft_slo_ms`, and `error` for failed or rejected requests; a failed request that had an SLO must keep its
+`ttft_slo_ms`, so it counts as a miss) gives `SLOStats`; `SLOStats.summary_line()` is one line
 for the launcher's summary. Definitions as in DistServe (Zhong et al., OSDI 2024): SLO attainment = requests that
 carry an SLO and were served within it / all requests that carry an SLO (rejected and failed ones count as missed);
 goodput = prompt tokens per second of wall time of served requests that met their SLO (or had none).
@@ -69,7 +80,7 @@ SLO_POLICIES = ("reject", "serve_late", "none")
 _EPS_S = 1e-9  # clock resolution for "due" comparisons, so a wait of ~0 s cannot spin
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # identity: two requests are never "equal" (and `request` may hold arrays)
 class Pending:
     """One queued request.
 
@@ -110,13 +121,20 @@ class Scheduler:
       order: "edf" (earliest deadline first) or "fcfs" (arrival order).
       slo_policy: "reject" (admission control), "serve_late" (serve and flag), or "none" (no admission).
       default_slo_ms: TTFT SLO for requests added without a deadline (None: they have none).
+      bucket: token count -> compiled length (`PrefillEngine.bucket`); a batch holds one bucket. None: every length
+        shares one bucket (batches then mix lengths; step shapes and compilation are not modelled).
+      per_step: prompts per engine step (`parallel.in_flight` on a mesh, 1 on one device; >= 1).
+      compile_ms: `compile_ms((bucket, prompts)) -> float`, the expected XLA compile time in ms of a step shape (0
+        when compiled); needs `bucket`. None: compilation is not charged.
     Raises:
       ValueError naming the argument and its allowed values.
     Thread safety: `add` may be called from a reader thread while the loop calls `take_batch`.
     """
 
     def __init__(self, predict_ms: Callable[[list[int]], float], *, batch_size: int, batch_wait_ms: float,
-                 order: str = "edf", slo_policy: str = "reject", default_slo_ms: float | None = None):
+                 order: str = "edf", slo_policy: str = "reject", default_slo_ms: float | None = None,
+                 bucket: Callable[[int], int] | None = None, per_step: int = 1,
+                 compile_ms: Callable[[tuple[int, int]], float] | None = None):
         if order not in ORDERS:
             raise ValueError(f"order={order!r}: must be one of {ORDERS}")
         if slo_policy not in SLO_POLICIES:
@@ -127,6 +145,11 @@ class Scheduler:
             raise ValueError(f"batch_wait_ms={batch_wait_ms}: must be a finite number >= 0")
         if default_slo_ms is not None and not (0 < default_slo_ms < math.inf):
             raise ValueError(f"default_slo_ms={default_slo_ms}: must be a finite number > 0 (or None)")
+        if int(per_step) < 1:
+            raise ValueError(f"per_step={per_step}: must be >= 1")
+        if compile_ms is not None and bucket is None:
+            raise ValueError("compile_ms needs bucket: compiled step shapes are (bucket, prompts)")
+        self.bucket, self.per_step, self.compile_ms = bucket, int(per_step), compile_ms
         self.predict_ms = predict_ms
         self.batch_size = int(batch_size)
         self.batch_wait_s = batch_wait_ms / 1e3
@@ -214,21 +237,89 @@ class Scheduler:
     def _start(self, now: float) -> float:
         return now if self._busy_until is None else max(now, self._busy_until)
 
+    def _group(self, n: int) -> int:
+        return 0 if self.bucket is None else int(self.bucket(int(n)))
+
+    def _shapes(self, batch: Sequence[Pending]) -> set[tuple[int, int]]:
+        """The step shapes (bucket, prompts) the engine runs for this batch: per bucket, steps of `per_step`."""
+        counts: dict[int, int] = {}
+        for p in batch:
+            t = self._group(p.num_tokens)
+            counts[t] = counts.get(t, 0) + 1
+        shapes = set()
+        for t, c in counts.items():
+            full, rest = divmod(c, self.per_step)
+            shapes.update([(t, self.per_step)] * bool(full) + [(t, rest)] * bool(rest))
+        return shapes
+
+    def _compile_part_ms(self, batch: Sequence[Pending], compiled: set) -> float:
+        """Expected ms compiling the step shapes of `batch` not in `compiled`."""
+        if self.compile_ms is None:
+            return 0.0
+        return sum(float(self.compile_ms(shape)) for shape in self._shapes(batch) - compiled)
+
+    def _cost_ms(self, batch: Sequence[Pending], compiled: set) -> tuple[float, set]:
+        """Predicted ms of a batch (compute + compiling its shapes not in `compiled`) and the shapes it compiles."""
+        ms = float(self.predict_ms([p.num_tokens for p in batch]))
+        if self.compile_ms is None:
+            return ms, set()
+        new = self._shapes(batch) - compiled
+        return ms + sum(float(self.compile_ms(shape)) for shape in new), new
+
+    def _keeps(self, p: Pending, finish_s: float) -> float:
+        """The latest finish of p's batch that keeps p's deadline, if p would make it at `finish_s`; else inf."""
+        if p.deadline_s is None or p.late or finish_s > p.deadline_s + _EPS_S:
+            return math.inf
+        return p.deadline_s
+
+    def _form(self, ordered: Sequence[Pending], start: float, compiled: set):
+        """The batch that leaves first from `ordered` at `start` (module docstring, "Batches"):
+        (batch, compute_ms, shapes it compiles)."""
+        head = ordered[0]
+        key = self._group(head.num_tokens)
+        batch = [head]
+        ms, new = self._cost_ms(batch, compiled)
+        guard = self._keeps(head, start + ms / 1e3)  # the batch must end by then
+        overtaken = 0
+        for p in ordered[1:]:
+            if (len(batch) >= self.batch_size or (overtaken and len(batch) % self.per_step == 0)
+                    or overtaken > self.batch_size):  # (a bound on the scan: a request rides past few others)
+                break
+            if self._group(p.num_tokens) != key:
+                # p is overtaken by the rest of this batch: it starts only when the batch ends
+                overtaken += 1
+                alone_ms = self._cost_ms([p], compiled | new)[0]
+                guard = min(guard, self._keeps(p, start + (ms + alone_ms) / 1e3) - alone_ms / 1e3)
+                continue
+            ms2, new2 = self._cost_ms(batch + [p], compiled)
+            if start + ms2 / 1e3 > guard + _EPS_S:
+                break  # it would make an earlier request miss: it leaves in a later batch
+            batch.append(p)
+            ms, new = ms2, new2
+            guard = min(guard, self._keeps(p, start + ms / 1e3))
+        return batch, ms, new
+
     def _plan(self, ordered: Sequence[Pending], start: float, head_only: bool = False):
-        """Consecutive batches of `batch_size` in service order: [(batch, finish_s, compute_ms)]."""
-        plan, t = [], start
-        for i in range(0, len(ordered), self.batch_size):
-            batch = list(ordered[i:i + self.batch_size])
-            ms = float(self.predict_ms([p.num_tokens for p in batch]))
+        """The queue as consecutive batches in service order: [(batch, finish_s, compute_ms, compile_ms)], where
+        compute_ms includes compile_ms, the expected compilation of step shapes no earlier batch compiles."""
+        plan, t, rest, compiled = [], start, list(ordered), set()
+        while rest:
+            batch, ms, new = self._form(rest, t, compiled)
             t += ms / 1e3
-            plan.append((batch, t, ms))
+            plan.append((batch, t, ms, self._compile_part_ms(batch, compiled)))
+            compiled |= new
             if head_only:
                 break
+            if all(p is q for p, q in zip(batch, rest)):
+                rest = rest[len(batch):]  # the usual case: the batch is the front of the queue
+            else:
+                taken = {id(p) for p in batch}
+                rest = [p for p in rest if id(p) not in taken]
         return plan
 
     def _misses(self, plan) -> list[tuple[Pending, float]]:
         """(request, predicted finish) for each on-time-class request of the plan that would miss its deadline."""
-        return [(p, fin) for batch, fin, _ in plan for p in batch
+        return [(p, fin) for batch, fin, *_ in plan for p in batch
                 if p.deadline_s is not None and not p.late and fin > p.deadline_s + _EPS_S]
 
     def _admit(self, now: float) -> list[tuple[Pending, str]]:
@@ -260,30 +351,35 @@ class Scheduler:
             if not misses:
                 self._queue.append(p)
                 continue
-            own = next((fin for batch, fin, _ in trial if any(q is p for q in batch)))
+            k = next(i for i, entry in enumerate(trial) if any(q is p for q in entry[0]))  # p's batch
+            own, compiling = trial[k][1], sum(entry[3] for entry in trial[:k + 1])
             if self.slo_policy == "serve_late":
                 p.late = True
                 self._queue.append(p)
                 continue
-            rejected.append((p, _reason(p, own, start - now, len(misses) if own <= p.deadline_s + _EPS_S else 0)))
+            rejected.append((p, _reason(p, own, start - now, len(misses) if own <= p.deadline_s + _EPS_S else 0,
+                                        compiling_ms=compiling)))
         return rejected
 
 
 def _slack(plan) -> float:
     """Seconds the plan can be delayed before an on-time request misses its deadline (inf if none has one)."""
-    return min((p.deadline_s - fin for batch, fin, _ in plan for p in batch
+    return min((p.deadline_s - fin for batch, fin, *_ in plan for p in batch
                 if p.deadline_s is not None and not p.late), default=math.inf)
 
 
-def _reason(p: Pending, finish_s: float, busy_s: float, pushed: int = 0, note: str = "") -> str:
-    """The rejection message: predicted vs allowed TTFT in ms, and why."""
+def _reason(p: Pending, finish_s: float, busy_s: float, pushed: int = 0, note: str = "",
+            compiling_ms: float = 0.0) -> str:
+    """The rejection message: predicted vs allowed TTFT in ms, and why (incl. the compilation it would wait for)."""
     predicted = (finish_s - p.arrival_s) * 1e3
     if pushed:
         head = (f"rejected: predicted TTFT {predicted:.1f} ms is within the allowed {p.slo_ms:.1f} ms (ttft_slo_ms), "
                 f"but admitting it would make {pushed} admitted request(s) miss their deadline")
     else:
         head = f"rejected: predicted TTFT {predicted:.1f} ms exceeds the allowed {p.slo_ms:.1f} ms (ttft_slo_ms)"
-    return f"{head}; {note}{p.num_tokens} tokens, {busy_s * 1e3:.1f} ms of work in flight"
+    tail = (f"; {compiling_ms:.1f} ms of it compiling step shapes not compiled yet (--precompile warms them up "
+            "before traffic)") if compiling_ms > 0 else ""
+    return f"{head}; {note}{p.num_tokens} tokens, {busy_s * 1e3:.1f} ms of work in flight{tail}"
 
 
 def batch_predictor(step_ms: Callable[[int, int], float], bucket: Callable[[int], int], per_step: int = 1

@@ -93,17 +93,19 @@ def capacity_rps(predict_ms: PredictMs, lengths: Sequence[int], batch_size: int,
 
 
 def simulate(trace: Sequence[TraceRequest], predict_ms: PredictMs, *, service_ms: PredictMs | None = None,
-             batch_size: int, batch_wait_ms: float, order: str = "edf", slo_policy: str = "reject") -> SimRun:
+             batch_size: int, batch_wait_ms: float, order: str = "edf", slo_policy: str = "reject",
+             bucket: Callable[[int], int] | None = None, per_step: int = 1) -> SimRun:
     """Replay `trace` through a `Scheduler(predict_ms, ...)` with batches taking `service_ms` (default: exactly the
-    prediction). Returns one record per request, in trace order:
-      served: id, num_tokens, ttft_ms, ttft_slo_ms, predicted_ttft_ms, late (serve_late flag);
+    prediction); `bucket` and `per_step` shape batches as `Scheduler`'s arguments do. Returns one record per request,
+    in trace order:
+      served: id, num_tokens, ttft_ms, ttft_slo_ms, predicted_ttft_ms, slo_met, late (true when it missed its SLO);
       rejected: id, num_tokens, ttft_slo_ms, error (the reason), rejected=True, rejected_after_ms (arrival → record),
         dropped (rejected after admission: work ahead overran its prediction).
     wall_s runs from 0 to the last record (the queue is drained after the last arrival).
     """
     service_ms = service_ms or predict_ms
     sched = Scheduler(predict_ms, batch_size=batch_size, batch_wait_ms=batch_wait_ms, order=order,
-                      slo_policy=slo_policy)
+                      slo_policy=slo_policy, bucket=bucket, per_step=per_step)
     trace = sorted(trace, key=lambda r: r.arrival_s)
     records: dict[str, dict] = {}
     i, now, wait_s = 0, 0.0, None
@@ -119,16 +121,18 @@ def simulate(trace: Sequence[TraceRequest], predict_ms: PredictMs, *, service_ms
             for p in in_flight:
                 rec = {"id": p.id, "num_tokens": p.num_tokens, "ttft_ms": (busy_end - p.arrival_s) * 1e3,
                        "ttft_slo_ms": p.request.ttft_slo_ms, "predicted_ttft_ms": p.predicted_ttft_ms}
-                if p.late:
-                    rec["late"] = True
+                if p.request.ttft_slo_ms is not None:
+                    rec["slo_met"] = rec["ttft_ms"] <= p.request.ttft_slo_ms
+                    if not rec["slo_met"]:
+                        rec["late"] = True
                 records[p.id] = rec
             in_flight, busy_end = [], math.inf
             sched.finished(now)
         batch, rejected, wait_s = sched.take_batch(now, closed=i == len(trace))
         for p, reason in rejected:
             records[p.id] = {"id": p.id, "num_tokens": p.num_tokens, "ttft_slo_ms": p.request.ttft_slo_ms,
-                             "error": reason, "rejected": True, "rejected_after_ms": (now - p.arrival_s) * 1e3,
-                             "dropped": p.dropped}
+                             "error": reason, "rejected": True, "slo_met": False,
+                             "rejected_after_ms": (now - p.arrival_s) * 1e3, "dropped": p.dropped}
         if batch:
             in_flight = batch
             busy_end = now + float(service_ms([p.num_tokens for p in batch])) / 1e3

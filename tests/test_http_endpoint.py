@@ -1,0 +1,356 @@
+"""The prefill endpoint (`slope-jax --http_port`, slope_jax.serve.http) and the P/D proxy (slope_jax.serve.pd_proxy),
+without vLLM: the request rules over HTTP (status and field per rule), the answer's logprobs against a float64
+log-softmax, the proxy's request flow against stand-in servers, and the launcher serving HTTP on two processes
+(first token and logprob against transformers in float32, the export on disk, 4xx/404/409/503 answers, concurrent
+requests routed by id)."""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+from conftest import REPO, SHIPPED, launcher_env
+
+from slope_jax.kv import format as kvfmt
+from slope_jax.serve import http, pd_proxy
+
+W = 32  # the shipped checkpoint's sliding window
+VOCAB = 1024
+TOP_K = 5
+COMMON = ["--dtype=float32", "--q_tile=32", "--kv_tile=32", "--moe_tile=32", "--heartbeat_timeout=10",
+          "--init_timeout=120"]
+
+# (body, HTTP status, the field the error names): every rule of the request boundary and of the endpoint
+MALFORMED = [
+    (b'{"prompt": [1, 2', 400, None),                                               # not JSON
+    (b'{"prompt": [1], "ttft_slo_ms": NaN}', 400, None),                            # strict JSON
+    (b'\xff{"prompt": [1]}', 400, None),                                            # not UTF-8
+    (b'[1, 2, 3]', 400, None),                                                      # not an object
+    (b'{"max_tokens": 1}', 400, "prompt"),                                          # prompt rules
+    (b'{"prompt": []}', 400, "prompt"),
+    (b'{"prompt": ""}', 400, "prompt"),
+    (b'{"prompt": 5}', 400, "prompt"),
+    (b'{"prompt": [1, 1024]}', 400, "prompt"),
+    (b'{"prompt": [-1]}', 400, "prompt"),
+    (b'{"prompt": [1, 2.5]}', 400, "prompt"),
+    (b'{"prompt": [true]}', 400, "prompt"),
+    (b'{"prompt": ["a", "b"]}', 400, "prompt"),
+    (b'{"prompt": [[1], [2]]}', 400, "prompt"),
+    (b'{"prompt": [1, 18446744073709551616]}', 400, "prompt"),
+    (b'{"prompt": "x \\ud800 y"}', 400, "prompt"),
+    (json.dumps({"prompt": [5] * 101}).encode(), 400, "prompt"),                   # over --max_tokens
+    (b'{"prompt": [1], "max_tokens": 16}', 400, "max_tokens"),                      # endpoint rules
+    (b'{"prompt": [1], "max_tokens": true}', 400, "max_tokens"),
+    (b'{"prompt": [1], "max_completion_tokens": 2}', 400, "max_completion_tokens"),
+    (b'{"prompt": [1], "stream": true}', 400, "stream"),
+    (b'{"prompt": [1], "echo": true}', 400, "echo"),
+    (b'{"prompt": [1], "n": 2}', 400, "n"),
+    (b'{"prompt": [1], "best_of": true}', 400, "best_of"),
+    (b'{"prompt": [1], "logprobs": 6}', 400, "logprobs"),
+    (b'{"prompt": [1], "logprobs": -1}', 400, "logprobs"),
+    (b'{"prompt": [1], "kv_transfer_params": [1]}', 400, "kv_transfer_params"),
+    (b'{"prompt": [1], "ttft_slo_ms": 0}', 400, "ttft_slo_ms"),
+    (b'{"prompt": [1], "ttft_slo_ms": "100"}', 400, "ttft_slo_ms"),
+    (b'{"prompt": [1], "ttft_slo_ms": 1e400}', 400, None),
+    (b'{"prompt": [1], "request_id": "../escape"}', 400, "request_id"),
+    (b'{"prompt": [1], "request_id": 17}', 400, "request_id"),
+    (b'{"prompt": [1], "request_id": "taken"}', 400, "request_id"),                # duplicate id
+    (b'{"prompt": [1], "guided_json": {}}', 400, "guided_json"),                    # unknown field
+    (b'{"prompt": [1], "model": "gpt-4"}', 404, "model"),
+    (b'{"prompt": [1], "model": 7}', 400, "model"),
+]
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(os.path.join(SHIPPED, "tokenizer.json"))
+
+
+def test_every_rule_is_a_4xx_naming_the_field(tmp_path):
+    tok, seen = _tokenizer(), {"taken"}
+    limits = dict(model_name="tiny", vocab_size=VOCAB, max_tokens=100, tokenizer=tok, seen_ids=seen, top_k=TOP_K,
+                  kv_dir=str(tmp_path), overwrite=False)
+    for number, (body, status, param) in enumerate(MALFORMED, 1):
+        with pytest.raises(http.HttpError) as e:
+            http.validate(body, {}, number, **limits)
+        assert (e.value.status, e.value.param) == (status, param), (body[:80], str(e.value))
+        assert str(e.value).startswith(f"request {number}"), str(e.value)
+        if param not in (None, "prompt", "request_id", "model"):
+            assert f"'{param}'" in str(e.value), str(e.value)  # the message names the field too
+    # valid forms: text (the boundary's tokenizer rule), ids, a one-prompt list; the id from X-Request-Id; the
+    # decode-only sampling fields are accepted
+    text = "It was the best <|endoftext|> of times"
+    for body, headers, tokens, rid in [
+            ({"prompt": text, "temperature": 0.7, "seed": 1}, {}, tok.encode(text).ids, None),
+            ({"prompt": [[3, 4, 5]], "max_tokens": 1, "logprobs": 2}, {"X-Request-Id": "hdr-1"}, [3, 4, 5], "hdr-1"),
+            ({"prompt": ["abc"], "request_id": "body-1", "ttft_slo_ms": 250}, {"X-Request-Id": "x"},
+             tok.encode("abc").ids, "body-1")]:
+        v = http.validate(json.dumps(body).encode(), headers, 99, **limits)
+        assert v.request.tokens.tolist() == tokens and (rid is None or v.id == rid)
+        assert json.loads(v.line) == {"id": v.id, "tokens": tokens, **({"ttft_slo_ms": 250.0} if rid == "body-1"
+                                                                        else {})}
+    assert tok.encode(text).ids.count(tok.token_to_id("<|endoftext|>")) == 1  # special tokens: the control token
+    # an id whose export exists: 409
+    (tmp_path / "exists").mkdir()
+    with pytest.raises(http.HttpError) as e:
+        http.validate(b'{"prompt": [1], "request_id": "exists"}', {}, 100, **limits)
+    assert e.value.status == 409 and "already exists" in str(e.value)
+
+
+def test_answer_logprobs_are_a_log_softmax_of_the_logits():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=VOCAB).astype(np.float32) * 3
+    order = np.argsort(-logits)[:TOP_K]
+    lse = np.log(np.exp(logits.astype(np.float64)).sum())
+    first = int(order[0])
+    record = {"id": "r", "line": 1, "first_token": first, "first_token_text": " x",
+              "logprob": round(float(logits[first] - lse), 6),
+              "top_k": [[int(t), round(float(logits[t]), 6)] for t in order], "num_tokens": 3, "ttft_ms": 5.0,
+              "queue_ms": 1.0, "compute_ms": 4.0, "compile_ms": 0.0, "export_ms": 1.0, "predicted_ttft_ms": 4.5,
+              "kv_path": "kv/r"}
+    tok = _tokenizer()
+    v = http.validate(b'{"prompt": [7, 8, 9], "logprobs": 3, "request_id": "r"}', {}, 1, model_name="m",
+                      vocab_size=VOCAB, max_tokens=100, tokenizer=tok, seen_ids=set(), top_k=TOP_K, kv_dir="kv",
+                      overwrite=False)
+    status, body = http.completion_body(record, v, "m")
+    assert status == 200
+    top = body["choices"][0]["logprobs"]["top_logprobs"][0]
+    assert list(top) == [str(t) for t in order[:3]]
+    for t, lp in top.items():  # 6-decimal rounding of logits and logprob: 2e-6 (float64 reference)
+        assert abs(lp - (logits[int(t)] - lse)) < 2e-6
+    assert body["choices"][0]["token_ids"] == [first] and body["choices"][0]["text"] == " x"
+    assert body["kv_transfer_params"] == {"slope_jax_kv_path": os.path.abspath("kv/r"), "slope_jax_first_token": first,
+                                          "num_tokens": 3, "token_ids_sha256": kvfmt.token_hash(np.array([7, 8, 9]))}
+    assert {k: body[k] for k in ("ttft_ms", "queue_ms", "compute_ms", "predicted_ttft_ms")} == {
+        "ttft_ms": 5.0, "queue_ms": 1.0, "compute_ms": 4.0, "predicted_ttft_ms": 4.5}
+    status, body = http.completion_body({"id": "r", "line": 4, "error": "line 4 (r): rejected: predicted TTFT 9.0 "
+                                         "ms exceeds the allowed 1.0 ms (ttft_slo_ms)", "rejected": True}, v, "m")
+    assert status == 503 and body["error"]["message"].startswith("request (r): rejected: predicted TTFT")
+
+
+# ---- the proxy, against stand-in prefill and decode servers ------------------------------------------------------
+def test_proxy_flow_stream_and_errors():
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    seen = {"prefill": [], "decode": []}
+    params = {"slope_jax_kv_path": "/kv/x", "slope_jax_first_token": 42, "num_tokens": 3, "token_ids_sha256": "ab"}
+
+    async def prefill(request):
+        body = await request.json()
+        seen["prefill"].append((body, request.headers["X-Request-Id"]))
+        if body["prompt"] == "bad":
+            return web.json_response(http.error_body(400, "request 1: 'prompt' is bad", "prompt"), status=400)
+        return web.json_response({"choices": [{"text": "a", "token_ids": [42]}], "kv_transfer_params": params,
+                                  "ttft_ms": 12.5})
+
+    async def decode(request):
+        body = await request.json()
+        seen["decode"].append((body, request.headers["X-Request-Id"]))
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"text": "abc"}]})
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for piece in ("a", "b", "c"):
+            await out.write(f"data: {json.dumps({'choices': [{'text': piece}]})}\n\n".encode())
+            await asyncio.sleep(0.01)
+        await out.write(b"data: [DONE]\n\n")
+        return out
+
+    async def backend_health(request):
+        return web.json_response({})
+
+    async def main():
+        backends = []
+        for handler in (prefill, decode):
+            a = web.Application()
+            a.router.add_post("/v1/completions", handler)
+            a.router.add_get("/health", backend_health)
+            server = TestServer(a)
+            await server.start_server()
+            backends.append(server)
+        proxy = TestClient(TestServer(pd_proxy.make_app(str(backends[0].make_url("")), str(backends[1].make_url("")))))
+        await proxy.start_server()
+        try:
+            request = {"prompt": "hi", "max_tokens": 16, "temperature": 0, "stream_options": {"x": 1},
+                       "ttft_slo_ms": 500, "logprobs": 20}
+            r = await proxy.post("/v1/completions", json=request, headers={"X-Request-Id": "req-1"})
+            assert r.status == 200 and (await r.json()) == {"choices": [{"text": "abc"}]}
+            assert r.headers["X-Slope-Jax-First-Token"] == "42" and r.headers["X-Slope-Jax-TTFT-ms"] == "12.5"
+            p_body, p_id = seen["prefill"][-1]
+            assert p_body == {"prompt": "hi", "max_tokens": 1, "temperature": 0, "ttft_slo_ms": 500, "stream": False,
+                              "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+            d_body, d_id = seen["decode"][-1]
+            assert d_body == {"prompt": "hi", "max_tokens": 16, "temperature": 0, "stream_options": {"x": 1},
+                              "logprobs": 20, "kv_transfer_params": params}
+            assert p_id == d_id == "req-1"
+            r = await proxy.post("/v1/completions", json={**request, "stream": True})
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+            events = [line for line in (await r.text()).split("\n\n") if line]
+            assert events[-1] == "data: [DONE]"
+            assert "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]) == "abc"
+            assert seen["prefill"][-1][1] == seen["decode"][-1][1] != "req-1"  # a new id, the same on both
+            n_decode = len(seen["decode"])
+            r = await proxy.post("/v1/completions", json={"prompt": "bad", "max_tokens": 4})
+            assert r.status == 400 and (await r.json())["error"]["param"] == "prompt"
+            assert len(seen["decode"]) == n_decode  # a refused prefill goes no further
+            r = await proxy.post("/v1/completions", data=b"{not json")
+            assert r.status == 400 and "not valid JSON" in (await r.json())["error"]["message"]
+            assert (await proxy.get("/health")).status == 200
+            decode_url = str(backends[1].make_url("")).rstrip("/")
+            await backends[1].close()
+            health = await proxy.get("/health")
+            assert health.status == 503 and decode_url in (await health.text())
+            r = await proxy.post("/v1/completions", json=request)
+            assert r.status == 502 and "decode server" in (await r.json())["error"]["message"]
+        finally:
+            await proxy.close()
+            for b in backends:
+                await b.close()
+
+    asyncio.run(main())
+
+
+# ---- the launcher serving HTTP on two processes ------------------------------------------------------------------
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url, body, headers=None):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    base = tmp_path_factory.mktemp("http")
+    port, coord = _free_port(), _free_port()
+    procs = []
+    for i in (1, 0):
+        cmd = [sys.executable, "-m", "slope_jax.launch", "--num_processes=2", f"--process_id={i}",
+               f"--coordinator_address=127.0.0.1:{coord}", "--cpu_devices=1", "--ring=2", *COMMON,
+               f"--http_port={port}", f"--kv_dir={base / 'kv'}", f"--results={base / 'results.jsonl'}",
+               "--max_tokens=100", "--batch_wait_ms=200"]
+        log = open(base / f"p{i}.log", "w")
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=launcher_env(), stdout=log, stderr=subprocess.STDOUT))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                assert r.status == 200
+                break
+        except OSError:
+            if time.time() > deadline or any(p.poll() is not None for p in procs):
+                pytest.fail((base / "p0.log").read_text()[-3000:])
+            time.sleep(0.5)
+    yield url, base
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.wait(timeout=60)
+
+
+def test_endpoint_serves_first_token_and_export(server):
+    import torch
+    import transformers
+
+    url, base = server
+    rng = np.random.default_rng(0)
+    # lengths that cross the window and do not divide the mesh, in one compiled bucket (48) to keep the test cheap
+    prompts = {"a": rng.integers(0, VOCAB, W + 5).tolist(), "b": rng.integers(0, VOCAB, W + 13).tolist()}
+    answers = {}
+
+    def ask(name):  # two requests in flight at once: each answer is routed to its own request
+        answers[name] = _post(url + "/v1/completions", {"prompt": prompts[name], "max_tokens": 1, "logprobs": 2,
+                                                        "request_id": f"req-{name}", "model": "tiny-gpt-oss"})
+
+    threads = [threading.Thread(target=ask, args=(name,)) for name in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    model = transformers.AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    for name, ids in prompts.items():
+        status, body = answers[name]
+        assert status == 200, body
+        assert body["id"] == f"req-{name}" and body["usage"]["prompt_tokens"] == len(ids)
+        params = body["kv_transfer_params"]
+        assert set(params) == {"slope_jax_kv_path", "slope_jax_first_token", "num_tokens", "token_ids_sha256"}
+        assert params["slope_jax_kv_path"] == str(base / "kv" / f"req-{name}")
+        assert params["num_tokens"] == len(ids) and params["token_ids_sha256"] == kvfmt.token_hash(np.array(ids))
+        first = body["choices"][0]["token_ids"][0]
+        assert params["slope_jax_first_token"] == first
+        manifest = kvfmt.read_manifest(params["slope_jax_kv_path"])  # the export is on disk and complete
+        assert manifest["first_token"] == first and manifest["token_ids_sha256"] == params["token_ids_sha256"]
+        assert kvfmt.load(params["slope_jax_kv_path"]).keys()
+        for key in ("ttft_ms", "queue_ms", "compute_ms", "predicted_ttft_ms"):
+            assert body[key] >= 0
+        assert abs(body["ttft_ms"] - body["queue_ms"] - body["compute_ms"]) < 0.01  # TTFT = queue + compute
+        with torch.no_grad():  # the independent reference: transformers' GptOss in float32
+            logits = model(torch.tensor([ids])).logits[0, -1].double()
+        ref = torch.log_softmax(logits, -1)
+        assert first == int(torch.argmax(logits))
+        lp = body["choices"][0]["logprobs"]
+        assert abs(lp["token_logprobs"][0] - float(ref[first])) < 1e-4  # float32 prefill vs float32 HF: 1e-4
+        for t, v in lp["top_logprobs"][0].items():
+            assert abs(v - float(ref[int(t)])) < 1e-4
+    records = [json.loads(x) for x in (base / "results.jsonl").read_text().splitlines()]
+    assert {r["id"] for r in records if "error" not in r} >= {"req-a", "req-b"}  # the results file logs them too
+
+
+def test_endpoint_errors(server):
+    url, base = server
+    status, body = _post(url + "/v1/completions", {"prompt": [1, 2, 99999], "max_tokens": 1})
+    assert status == 400 and body["error"]["param"] == "prompt" and "outside the vocabulary [0, 1024)" in \
+        body["error"]["message"]
+    status, body = _post(url + "/v1/completions", {"prompt": [1, 2], "max_tokens": 16})
+    assert status == 400 and body["error"]["param"] == "max_tokens"
+    status, body = _post(url + "/v1/completions", b"{oops")
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body = _post(url + "/v1/completions", {"prompt": [1], "model": "other"})
+    assert status == 404 and body["error"]["param"] == "model"
+    # SLO admission: a TTFT no prefill can meet is rejected at once, naming predicted vs allowed
+    status, body = _post(url + "/v1/completions", {"prompt": [1, 2, 3], "ttft_slo_ms": 0.001, "request_id": "slo"})
+    assert status == 503 and "rejected: predicted TTFT" in body["error"]["message"], body
+    assert not os.path.exists(base / "kv" / "slo")
+    # a text prompt (39 tokens: the bucket compiled above), then the same id again: 400 (ids name exports and are
+    # unique in a run)
+    text = "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of " \
+           "foolishness, it was the epoch of belief"
+    status, body = _post(url + "/v1/completions", {"prompt": text, "request_id": "t"})
+    ids = _tokenizer().encode(text).ids
+    assert status == 200 and body["usage"]["prompt_tokens"] == len(ids) == 39
+    assert body["kv_transfer_params"]["token_ids_sha256"] == kvfmt.token_hash(np.array(ids))
+    status, body = _post(url + "/v1/completions", {"prompt": [4], "request_id": "t"})
+    assert status == 400 and body["error"]["param"] == "request_id" and "duplicate id" in body["error"]["message"]
+    with urllib.request.urlopen(url + "/v1/models") as r:
+        assert [m["id"] for m in json.loads(r.read())["data"]] == ["tiny-gpt-oss"]
+
+
+def test_http_flag_errors(tmp_path):
+    for args, message in [
+            ([f"--requests={tmp_path}/x.jsonl", "--kv_dir=kv"], "--http_port and --requests are exclusive"),
+            ([], "--http_port needs --kv_dir"),
+            (["--kv_dir=kv", "--http_port=70000"], "--http_port=70000: must be in 0..65535")]:
+        r = subprocess.run([sys.executable, "-m", "slope_jax.launch", "--http_port=8100", *args], cwd=REPO,
+                           env=launcher_env(), capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
