@@ -141,6 +141,20 @@ def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, s
     posc = pos.chunks
     attend = functools.partial(attn_lib.attend, q_tile=options.q_tile, kv_tile=options.kv_tile,
                                impl=options.attention_impl)
+    st0, st1 = _zigzag_ring(qc, kvc, posc, pos.ring, attend, R)
+    if prefix is not None:
+        st0, st1 = _merge_prefix((st0, st1), prefix, U)
+    out = jnp.stack([attn_lib.finalize(st0, sinks), attn_lib.finalize(st1, sinks)]).astype(q.dtype)  # [2, C, N/U, H]
+    if U > 1:
+        out = collectives.ulysses_heads_to_seq(out)
+    return out.reshape(two_pz, n, h)
+
+
+def _zigzag_ring(qc, kvc, posc, ring_pos, attend, R: int):
+    """The zigzag ring of `full_attention` on head shards: qc `[2, C, N', H]` (this rank's chunks r and 2R−1−r), kvc
+    `[kv, 2, C, K', H]`, posc `[2, C]`, ring_pos: the positions that travel with each rank's block. Step 0 attends to
+    the own chunks (causal diagonal); then R − 1 ring steps, the next `ring_pass` issued before each step's compute.
+    Returns the two chunks' AttnStates (no sink yet)."""
     q0, q1 = qc[0], qc[1]
     p0, p1 = posc[0], posc[1]
 
@@ -155,7 +169,7 @@ def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, s
 
     def ring_step(step, kv_blk, st0, st1):
         s = (r - step) % R
-        pos_blk = pos.ring[s]  # the positions that travel with rank s's block
+        pos_blk = ring_pos[s]  # the positions that travel with rank s's block
         before = s < r
         # block A: (s < r: q chunk r | else: q chunk 2R−1−r) × KV chunk s
         st_a = attend(jnp.where(before, q0, q1), kv_blk[0, 0], kv_blk[1, 0], jnp.where(before, p0, p1), pos_blk[0],
@@ -177,12 +191,7 @@ def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, s
         with jax.named_scope("ring_step_last"):
             st0, st1 = ring_step(R - 1, cur, st0, st1)
 
-    if prefix is not None:
-        st0, st1 = _merge_prefix((st0, st1), prefix, U)
-    out = jnp.stack([attn_lib.finalize(st0, sinks), attn_lib.finalize(st1, sinks)]).astype(q.dtype)  # [2, C, N/U, H]
-    if U > 1:
-        out = collectives.ulysses_heads_to_seq(out)
-    return out.reshape(two_pz, n, h)
+    return st0, st1
 
 
 def sliding_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, sinks: jax.Array, *, ring: int,

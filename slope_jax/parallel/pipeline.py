@@ -163,7 +163,8 @@ def _step_local(params, tokens, positions, num_tokens, *, cfg: ModelConfig, para
     two_pz = tokens.shape[1] // C  # this device's rows of one chunk
     n, kh, hd = plan.stack_per_stage, cfg.num_key_value_heads, cfg.head_dim
     with jax.named_scope("embed"):
-        x_all = collectives.vocab_parallel_embed(params["embed"], tokens, parallel.pipeline)
+        x_all = collectives.vocab_parallel_embed(params["embed"], tokens, parallel.pipeline,
+                                                 parallel.ring * parallel.ulysses)
     tick = _tick_fn(cfg, parallel, plan, options, schedule, params["layers"], x_all.reshape(m_total, C, two_pz, -1),
                     positions.reshape(C, two_pz), num_tokens)
     kbuf = jnp.zeros((m_total, n, C, two_pz, kh, hd), dtype)
@@ -174,7 +175,7 @@ def _step_local(params, tokens, positions, num_tokens, *, cfg: ModelConfig, para
         if parallel.pipeline > 1:  # only the last stage holds the final hidden states; every device unembeds its rows
             finals = jax.lax.psum(finals, "pipeline")
         logits = model_lib.unembed(finals.astype(dtype), params["final_norm"], params["unembed"], cfg)
-        logits = collectives.vocab_parallel_gather(logits, parallel.pipeline)[:, :cfg.vocab_size]
+        logits = collectives.vocab_parallel_gather(logits, stages.vocab_shards(parallel))[:, :cfg.vocab_size]
     # [M, n, C, 2Pz, K, H] → [M, n, C·2Pz, K, H]: this device's rows in layout order
     return logits, kb.reshape(m_total, n, C * two_pz, kh, hd), vb.reshape(m_total, n, C * two_pz, kh, hd)
 

@@ -29,7 +29,7 @@ from slope_jax.model.config import ModelConfig
 from slope_jax.parallel.config import AXES, CP_AXES, ParallelConfig
 
 # THE table that places every parameter (see the module docstring)
-LOGICAL_RULES = {"layers": "pipeline", "vocab": "pipeline"}
+LOGICAL_RULES = {"layers": "pipeline", "vocab": AXES}
 EXPERT_RULES = {"experts": CP_AXES}
 
 

@@ -59,7 +59,7 @@ def compare(engine, n: int, m: int | None = None) -> dict:
                       + moe_traffic.moe_traffic(cfg, par, t, m, engine.plan.slots_per_stage, width).block_total)
     mem = compiled.memory_analysis()
     xla_mem = float(mem.argument_size_in_bytes + mem.temp_size_in_bytes)
-    pred_mem = (memory.param_bytes(cfg, b, par.pipeline, ep)["total"]
+    pred_mem = (memory.param_bytes(cfg, b, par.pipeline, ep, ring=par.ring, ulysses=par.ulysses)["total"]
                 + memory.input_bytes(t, m, par.ring * par.ulysses)
                 + memory.temp_bytes(cfg, par.pipeline, par.ring, par.ulysses, t, m, b, tiles, ep)["total"])
 
