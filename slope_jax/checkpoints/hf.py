@@ -311,8 +311,9 @@ def load_params(ckpt: CheckpointDir, dtype="bfloat16", *, shardings: dict | None
     flat_shard = _flatten(shardings) if shardings is not None else {}
     default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     out = {}
+    # leave=True and a bar refreshed on every tensor: it moves even when each tensor takes long, and stays
     for pname, spec in tqdm(specs.items(), desc="loading weights", unit="tensor", disable=not progress,
-                            leave=False):
+                            leave=True, miniters=1, mininterval=0):
         entries = by_param[pname]
         sharding = flat_shard.get(pname, default)
 

@@ -252,8 +252,10 @@ class PeerWatch:
 
 
 def _exit_with(message: str) -> None:
+    from slope_jax import cli
+
     print(f"slope_jax: error: {message}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
+    cli.flush_stdout()  # also what the Gloo line filter still holds
     os._exit(2)
 
 
