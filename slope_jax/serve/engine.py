@@ -391,7 +391,9 @@ class PrefillEngine:
             # a program loaded from the compilation cache is ready in seconds, while a peer may still compile it (its
             # entry missing): meet before its first collective, which waits only 30 s for every peer (Gloo)
             self._met.add((t, m))
+            w0 = time.perf_counter()
             _meet_peers(f"slope_jax-{self.run_nonce}-step-{t}x{m}")
+            self.compile_ms[(t, m)] += (time.perf_counter() - w0) * 1e3  # ready = ready on every process
         compile_ms = 1e3 * (time.perf_counter() - c0)
         shardings = self._input_shardings(t, m)
         t0 = time.perf_counter()

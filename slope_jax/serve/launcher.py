@@ -18,7 +18,9 @@ line: an error record as soon as a bad line is read ({"id": id or null, "line": 
 "duplicate_of" for a reused id), a result when its batch finishes (id, line, first token (and its text with a
 tokenizer) and its logprob, top-k logits, num_tokens, bucket, TTFT = queue + compute, compile/export times in ms, KV
 path). A flag or layout mistake is one `slope_jax: error:` line and exit status 2; so is start-up with processes that
-disagree on anything that shapes the compiled step (the differing field is named).
+disagree on anything that shapes the compiled step (the differing field is named), and an existing --results file
+without --overwrite (a run never replaces an earlier run's outputs silently). Exit status 1: every request failed.
+Compiled length buckets are kept in the persistent compilation cache (--compile_cache_dir, `slope_jax.compile_cache`).
 """
 
 
@@ -113,9 +115,9 @@ flags.DEFINE_list("precompile", [], "Prompt lengths whose buckets are compiled b
                   "the compilation cache: `--precompile=... --requests=/dev/null` fills it and exits.")
 flags.DEFINE_string("compile_cache_dir", None, "Persistent XLA compilation cache directory: compiled length buckets "
                     "are kept there and loaded by later runs (the start-up log says cache hit or miss per bucket). "
-                    "'off' disables it. Default: $SLOPE_JAX_COMPILE_CACHE, else $XDG_CACHE_HOME/slope_jax/xla "
-                    "(~/.cache/slope_jax/xla). On several hosts use a shared filesystem: only process 0 writes "
-                    "entries.")
+                    "'off' disables it. Default: $SLOPE_JAX_COMPILE_CACHE, else $JAX_COMPILATION_CACHE_DIR, else "
+                    "$XDG_CACHE_HOME/slope_jax/xla (~/.cache/slope_jax/xla). Every process writes its own entries "
+                    "(a per-host or a shared directory).")
 flags.DEFINE_bool("summary", True, "Print a one-screen summary at the end (process 0, to stderr).")
 
 
