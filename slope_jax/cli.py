@@ -25,6 +25,9 @@ _HELP = ("--help", "-help", "-?", "--?", "--helpshort", "-helpshort", "--helpful
 GLOO_LINE = re.compile(rb"\s*\[Gloo\] Rank \d+ is connected to \d+ peer ranks?\. Expected number of connected peer "
                        rb"ranks? is : \d+\s*")
 _state = {"quiet": False}
+# Taken (never released) by whichever path ends the process with an error line first — the main thread's own error
+# or the peer watch's "process N stopped": a process prints one error line, never two.
+EXITING = threading.Lock()
 
 
 def _help_requested(argv) -> bool:

@@ -413,6 +413,9 @@ def main(argv):
 def _fail(message: str):
     """Print one clear line and exit with status 2. In a multi-process run the peers are told first, and exit
     handlers are skipped: JAX's shutdown barrier would otherwise wait for processes that are stopping too."""
+    from slope_jax import cli
+
+    cli.EXITING.acquire()  # the peer watch may be reporting a peer's error: one line, never two
     watch = _STATE["watch"]
     if watch is not None:
         watch.close(failure=message)
