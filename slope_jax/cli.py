@@ -3,8 +3,8 @@
 - `run(main)`: absl's `app.run`, except that `--help` / `--helpshort` / `--helpfull` / `--helpxml` exit with status 0
   (absl exits 1 after printing the help, which scripts and CI read as a failure).
 - `quiet()`: drops known backend noise before JAX / transformers start: JAX's "Unable to initialize backend" notices
-  for platforms that are not installed, and transformers' MXFP4 "only supported on GPUs" warning (the decode engine
-  dequantizes on purpose).
+  for platforms that are not installed, and transformers' MXFP4 warnings ("only supported on GPUs ..." / "requires
+  Triton ...", each ending "We will default to dequantizing the model"): the decode engine dequantizes on purpose.
 - `quiet(gloo=True)` (the launcher, multi-process runs): also the Gloo library's connection lines, which it writes to
   stdout from C++ ("[Gloo] Rank 0 is connected to 1 peer ranks ...", one per collective group, dozens per run):
   file descriptor 1 is passed through a thread that drops exactly those lines (`GLOO_LINE`) and forwards everything
@@ -18,12 +18,14 @@ import os
 import re
 import sys
 import threading
-import warnings
 
 _HELP = ("--help", "-help", "-?", "--?", "--helpshort", "-helpshort", "--helpfull", "-helpfull", "--helpxml",
          "-helpxml")
-GLOO_LINE = re.compile(rb"\s*\[Gloo\] Rank \d+ is connected to \d+ peer ranks?\. Expected number of connected peer "
-                       rb"ranks? is : \d+\s*")
+# One connection message. Gloo's threads (one per local device) write theirs in pieces that interleave mid-line
+# ("[Gloo] Rank 2[Gloo] Rank 0 is connected ... : 3\n is connected ... : 3\n"): removing every whole message until
+# none is left also removes the ones another was written into.
+GLOO_LINE = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks?\. Expected number of connected peer "
+                       rb"ranks? is : \d+\n")
 _state = {"quiet": False}
 # Taken (never released) by whichever path ends the process with an error line first — the main thread's own error
 # or the peer watch's "process N stopped": a process prints one error line, never two.
@@ -53,6 +55,18 @@ def run(main, argv=None) -> None:
         raise
 
 
+class _DropPrefix(logging.Filter):
+    """Drops the records whose message starts with `prefix` and contains `contains`."""
+
+    def __init__(self, prefix: str, contains: str = ""):
+        super().__init__()
+        self.prefix, self.contains = prefix, contains
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not (msg.startswith(self.prefix) and self.contains in msg)
+
+
 class _NoBackendNotice(logging.Filter):
     """Drops JAX's 'Unable to initialize backend ...' notices for platforms not installed here (tpu, cuda on a CPU
     machine); a platform the user asked for (JAX_PLATFORMS) still fails loudly, as an exception."""
@@ -66,7 +80,8 @@ def quiet(gloo: bool = False) -> None:
     if not _state["quiet"]:
         _state["quiet"] = True
         logging.getLogger("jax._src.xla_bridge").addFilter(_NoBackendNotice())
-        warnings.filterwarnings("ignore", message=r".*MXFP4.*only supported on GPUs.*")
+        logging.getLogger("transformers.quantizers.quantizer_mxfp4").addFilter(
+            _DropPrefix("MXFP4 quantization", "default to dequantizing"))
     if gloo and "pump" not in _state:
         _filter_gloo_stdout()
 
@@ -97,12 +112,12 @@ def _filter_gloo_stdout() -> None:
         buf = b""
         with os.fdopen(read_end, "rb", buffering=0) as src:
             while chunk := src.read(65536):
-                buf += chunk
-                *lines, buf = buf.split(b"\n")
-                kept = b"".join(line + b"\n" for line in lines if not GLOO_LINE.fullmatch(line))
-                if kept:
-                    os.write(real, kept)
-            if buf and not GLOO_LINE.fullmatch(buf):
+                buf = _drop_gloo(buf + chunk)
+                end = buf.rfind(b"\n") + 1  # whole lines go on; a partial one waits for the rest (it may be a piece)
+                if end:
+                    os.write(real, buf[:end])
+                    buf = buf[end:]
+            if buf:
                 os.write(real, buf)
 
     t = threading.Thread(target=pump, name="slope_jax-stdout-filter", daemon=True)
@@ -112,6 +127,13 @@ def _filter_gloo_stdout() -> None:
     import atexit
 
     atexit.register(_drain)
+
+
+def _drop_gloo(data: bytes) -> bytes:
+    n = 1
+    while n:
+        data, n = GLOO_LINE.subn(b"", data)
+    return data
 
 
 def _drain() -> None:

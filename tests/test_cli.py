@@ -62,7 +62,9 @@ sys.stdout.write("keep 4 (no newline)")
 
 
 def test_gloo_lines_are_dropped_and_the_rest_kept_in_order():
-    gloo = _GLOO.format(0, 1, 1) + _GLOO.format(1, 7, 7)
+    inner = _GLOO.format(0, 3, 3)
+    interleaved = "[Gloo] Rank 2" + inner + _GLOO.format(2, 3, 3)[len("[Gloo] Rank 2"):]  # as Gloo's threads write
+    gloo = _GLOO.format(0, 1, 1) + interleaved + _GLOO.format(1, 7, 7)
     r = subprocess.run([PY, "-c", _WRITER, gloo], cwd=REPO, env=launcher_env(), capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stderr
