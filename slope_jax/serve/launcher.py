@@ -421,8 +421,6 @@ def _fail(message: str):
         watch.close(failure=message)
     print(f"slope_jax: error: {message}", file=sys.stderr, flush=True)
     if FLAGS.num_processes > 1:
-        from slope_jax import cli
-
         cli.flush_stdout()  # also what the Gloo line filter still holds
         os._exit(2)
     sys.exit(2)
