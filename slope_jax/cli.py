@@ -3,8 +3,8 @@
 - `run(main)`: absl's `app.run`, except that `--help` / `--helpshort` / `--helpfull` / `--helpxml` exit with status 0
   (absl exits 1 after printing the help, which scripts and CI read as a failure).
 - `quiet()`: drops known backend noise before JAX / transformers start: JAX's "Unable to initialize backend" notices
-  for platforms that are not installed, and transformers' MXFP4 warnings ("only supported on GPUs ..." / "requires
-  Triton ...", each ending "We will default to dequantizing the model"): the decode engine dequantizes on purpose.
+  for platforms that are not installed, and transformers' MXFP4 notices ("only supported on GPUs ...", "on CPU
+  requires use_kernels=True ...", each saying it will dequantize the model): the decode engine dequantizes on purpose.
 - `quiet(gloo=True)` (the launcher, multi-process runs): also the Gloo library's connection lines, which it writes to
   stdout from C++ ("[Gloo] Rank 0 is connected to 1 peer ranks ...", one per collective group, dozens per run):
   file descriptor 1 is passed through a thread that drops exactly those lines (`GLOO_LINE`) and forwards everything
@@ -55,16 +55,16 @@ def run(main, argv=None) -> None:
         raise
 
 
-class _DropPrefix(logging.Filter):
-    """Drops the records whose message starts with `prefix` and contains `contains`."""
+class _DropContaining(logging.Filter):
+    """Drops the records whose message contains every one of `words`."""
 
-    def __init__(self, prefix: str, contains: str = ""):
+    def __init__(self, *words: str):
         super().__init__()
-        self.prefix, self.contains = prefix, contains
+        self.words = words
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
-        return not (msg.startswith(self.prefix) and self.contains in msg)
+        return not all(w in msg for w in self.words)
 
 
 class _NoBackendNotice(logging.Filter):
@@ -80,8 +80,9 @@ def quiet(gloo: bool = False) -> None:
     if not _state["quiet"]:
         _state["quiet"] = True
         logging.getLogger("jax._src.xla_bridge").addFilter(_NoBackendNotice())
-        logging.getLogger("transformers.quantizers.quantizer_mxfp4").addFilter(
-            _DropPrefix("MXFP4 quantization", "default to dequantizing"))
+        # every variant ("only supported on GPUs", "requires Triton", "on CPU requires use_kernels=True") says that
+        # the experts are dequantized, which is what the decode engine wants
+        logging.getLogger("transformers.quantizers.quantizer_mxfp4").addFilter(_DropContaining("MXFP4", "dequantiz"))
     if gloo and "pump" not in _state:
         _filter_gloo_stdout()
 

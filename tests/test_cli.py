@@ -79,3 +79,28 @@ def test_json_error_names_the_rule_once():
         requests.parse('{"id": "a" "tokens": [1]}', 5, vocab_size=10, max_tokens=10)
     assert str(e.value) == "line 5: not valid JSON (Expecting ',' delimiter at column 12)"
 
+
+
+def test_backend_notices_are_filtered():
+    import logging
+
+    from slope_jax import cli
+
+    cli.quiet()
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    mxfp4, bridge = (logging.getLogger(n) for n in ("transformers.quantizers.quantizer_mxfp4", "jax._src.xla_bridge"))
+    for lg in (mxfp4, bridge):
+        lg.addHandler(handler)
+    try:
+        mxfp4.warning("MXFP4 inference on CPU requires use_kernels=True, but use_kernels is disabled. We will "
+                      "dequantize the model to bf16.")
+        mxfp4.warning("MXFP4 quantization is only supported on GPUs with compute capability >= 7.5. We will default "
+                      "to dequantizing the model to bf16.")
+        mxfp4.warning("MXFP4 checkpoint has a missing scale")  # anything else still shows
+        bridge.warning("Unable to initialize backend 'tpu': no TPU here")
+    finally:
+        for lg in (mxfp4, bridge):
+            lg.removeHandler(handler)
+    assert seen == ["MXFP4 checkpoint has a missing scale"]
