@@ -386,14 +386,18 @@ class PrefillEngine:
         if self.mesh is not None:
             tokens = tokens[:, positions]  # natural → layout order (positions is a permutation of [0, t))
         c0 = time.perf_counter()
-        step = self.compiled(t, m)
-        if jax.process_count() > 1 and (t, m) not in self._met:
-            # a program loaded from the compilation cache is ready in seconds, while a peer may still compile it (its
-            # entry missing): meet before its first collective, which waits only 30 s for every peer (Gloo)
-            self._met.add((t, m))
-            w0 = time.perf_counter()
-            _meet_peers(f"slope_jax-{self.run_nonce}-step-{t}x{m}")
-            self.compile_ms[(t, m)] += (time.perf_counter() - w0) * 1e3  # ready = ready on every process
+        try:
+            step = self.compiled(t, m)
+        finally:
+            if jax.process_count() > 1 and (t, m) not in self._met:
+                # a program loaded from the compilation cache is ready in seconds, while a peer may still compile it
+                # (its entry missing): meet before its first collective, which waits only 30 s for every peer (Gloo).
+                # Met even if compiling failed here, so that the peers are not held at the barrier.
+                self._met.add((t, m))
+                w0 = time.perf_counter()
+                _meet_peers(f"slope_jax-{self.run_nonce}-step-{t}x{m}")
+                if (t, m) in self.compile_ms:
+                    self.compile_ms[(t, m)] += (time.perf_counter() - w0) * 1e3  # ready = ready on every process
         compile_ms = 1e3 * (time.perf_counter() - c0)
         shardings = self._input_shardings(t, m)
         t0 = time.perf_counter()
