@@ -74,7 +74,8 @@ def enable(path: str | None = None) -> str | None:
       OSError: the directory cannot be created.
     """
     import jax
-    from jax._src import compilation_cache as jcc  # reset_cache: the documented way to re-read the directory
+    from jax._src import compilation_cache as jcc  # only to ask whether JAX already decided (below)
+    from jax.experimental.compilation_cache import compilation_cache as public_cc
 
     with _lock:
         if _state["configured"] and path is None:
@@ -93,7 +94,7 @@ def enable(path: str | None = None) -> str | None:
         else:
             jax.config.update("jax_enable_compilation_cache", False)
         if getattr(jcc, "_cache_checked", True) or getattr(jcc, "_cache_initialized", True):
-            jcc.reset_cache()  # JAX decided "cache used?" at an earlier compile (once per process): decide again
+            public_cc.reset_cache()  # JAX decided "cache used?" at an earlier compile (once a process): again
         if not _state["listening"]:
             jax.monitoring.register_event_listener(_on_event)
             _write_from_every_process()
