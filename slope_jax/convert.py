@@ -57,7 +57,9 @@ def main(argv) -> int:
 
 
 def run():
-    app.run(main)
+    from slope_jax import cli
+
+    cli.run(main)  # absl's app.run, --help exiting 0, backend noise filtered
 
 
 if __name__ == "__main__":

@@ -13,10 +13,15 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from slope_jax import compile_cache  # noqa: E402
 from slope_jax.checkpoints import writer as checkpoint_writer  # noqa: E402
 from slope_jax.model.config import FULL, SLIDING, ModelConfig  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# The persistent XLA compilation cache (per-user default dir, or SLOPE_JAX_COMPILE_CACHE=<dir>|off): test processes
+# and the launcher / API subprocesses they spawn (which inherit the variable) load the programs earlier runs compiled.
+os.environ[compile_cache.ENV] = compile_cache.enable() or "off"
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = os.path.join(REPO, "checkpoints", "tiny-gpt-oss")

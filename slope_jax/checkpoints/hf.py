@@ -371,8 +371,9 @@ def load_params(ckpt: CheckpointDir, dtype="bfloat16", *, shardings: dict | None
     reads = digest_lib.ReadDigests() if reads is None else reads
     t_load = time.perf_counter()
     out = {}
+    # leave=True and a bar refreshed on every tensor: it moves even when each tensor takes long, and stays
     for pname, spec in tqdm(specs.items(), desc="loading weights", unit="tensor", disable=not progress,
-                            leave=False):
+                            leave=True, miniters=1, mininterval=0):
         entries = by_param[pname]
         sharding = flat_shard.get(pname, default)
 

@@ -404,8 +404,9 @@ def restore(path, parallel: ParallelConfig = ParallelConfig(), dtype=None, *, de
 
     reads = digest.ReadDigests() if reads is None else reads
     out, total = {}, 0
+    # one family at a time: host staging memory peaks at one family; the bar is drawn on every family and stays
     for name, spec in tqdm(pl.specs.items(), desc="restoring weights", unit="tensor", disable=not progress,
-                           leave=False):  # one family at a time: host staging memory peaks at one family
+                           leave=True, miniters=1, mininterval=0):
         out[name], n = _restore_family(reader, name, spec, pl, reads)
         total += n
     log.info("restored %s into pipeline=%d ring=%d ulysses=%d in %.1f s (%.1f MiB of local shards read, hashing "

@@ -189,8 +189,10 @@ def main(argv):
 
 def run():
     """Console-script entry (`slope-plan`) and `python -m slope_jax.plan`."""
+    from slope_jax import cli
+
     _define_flags()
-    app.run(main)
+    cli.run(main)  # absl's app.run, with --help exiting 0
 
 
 if __name__ == "__main__":

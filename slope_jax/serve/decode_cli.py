@@ -345,7 +345,9 @@ def run():
     define_flags()
     for flag in FLAGS.flags_by_module_dict().get(__name__, []):
         FLAGS.register_key_flag_for_module(sys.argv[0], flag)
-    app.run(lambda argv: sys.exit(main(argv)))
+    from slope_jax import cli
+
+    cli.run(lambda argv: sys.exit(main(argv)))  # absl's app.run, --help exiting 0, backend noise filtered
 
 
 if __name__ == "__main__":

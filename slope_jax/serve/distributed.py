@@ -252,8 +252,11 @@ class PeerWatch:
 
 
 def _exit_with(message: str) -> None:
+    from slope_jax import cli
+
+    cli.EXITING.acquire()  # the main thread may be reporting its own error: one line, never two
     print(f"slope_jax: error: {message}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
+    cli.flush_stdout()  # also what the Gloo line filter still holds
     os._exit(2)
 
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from slope_jax import compile_cache
 from slope_jax import kv as kvfmt
 from slope_jax.checkpoints import hf as ckpt_lib
 from slope_jax.checkpoints import orbax_store
@@ -84,6 +85,10 @@ class PrefillEngine:
         `options`).
       allow_cross_host_ulysses: let a Ulysses group span processes (hosts); default False (LayoutError), see
         `parallel.mesh`.
+    Compiled programs go to the persistent XLA compilation cache (`slope_jax.compile_cache`: on by default,
+    `SLOPE_JAX_COMPILE_CACHE=<dir>|off`), keyed by the lowered program, which the step options shape;
+    `compile_ms[(bucket, m)]` is the time to get a bucket's program (ms) and `compile_source[(bucket, m)]` says
+    whether it was loaded from the cache ("cache") or compiled.
     Raises:
       LayoutError for a layout the model or the devices cannot take; ValueError for a bad option (named), or both
       `options` and option fields; TypeError for an unknown keyword.
@@ -92,6 +97,7 @@ class PrefillEngine:
     def __init__(self, cfg: ModelConfig, params: dict, parallel: ParallelConfig = ParallelConfig(),
                  dtype="bfloat16", *, devices=None, options: StepOptions | None = None,
                  allow_cross_host_ulysses: bool = False, _placed: bool = False, **option_fields):
+        compile_cache.enable()  # the persistent XLA cache (default dir, SLOPE_JAX_COMPILE_CACHE, or the launcher's)
         devices = list(jax.devices() if devices is None else devices)
         self.run_nonce = _agreed_run_nonce()  # names this run's KV export staging directories on every process
         self._exports = 0  # export counter, advanced identically on every process
@@ -101,6 +107,10 @@ class PrefillEngine:
         self.options = _step_options(options, option_fields).resolve(devices[0].platform)
         self._compiled: dict[tuple[int, int], object] = {}
         self.compile_ms: dict[tuple[int, int], float] = {}  # (bucket, prompts per step) -> XLA compile time, ms
+        # (bucket, prompts per step) -> "cache" (loaded from the persistent compilation cache), "compiled" or
+        # "compiled, cache off"
+        self.compile_source: dict[tuple[int, int], str] = {}
+        self._met: set[tuple[int, int]] = set()  # steps whose first run every process reached (multi-process)
         if parallel.num_devices == 1:
             self.mesh = None
             self.plan = stages.StagePlan.single_stage(cfg.num_hidden_layers)
@@ -227,14 +237,19 @@ class PrefillEngine:
         """The compiled step for bucket length t and m prompts in flight (compiled once, then reused)."""
         key = (t, m)
         if key not in self._compiled:
-            t0 = time.perf_counter()
+            t0, hits = time.perf_counter(), compile_cache.hits()
             s_tok, s_pos, s_n = self._input_shardings(t, m)
             args = (self.params, jax.ShapeDtypeStruct((m, t), jnp.int32, sharding=s_tok),
                     jax.ShapeDtypeStruct((t,), jnp.int32, sharding=s_pos),
                     jax.ShapeDtypeStruct((m,), jnp.int32, sharding=s_n))
             self._compiled[key] = self._step.lower(*args).compile()
             self.compile_ms[key] = (time.perf_counter() - t0) * 1e3
-            log.info("compiled bucket T=%d x %d in %.1f s", t, m, self.compile_ms[key] / 1e3)
+            self.compile_source[key] = ("cache" if compile_cache.hits() > hits else
+                                        "compiled" if compile_cache.directory() else "compiled, cache off")
+            log.info("bucket T=%d x %d ready in %.1f s (%s)", t, m, self.compile_ms[key] / 1e3,
+                     {"cache": "cache hit: loaded from the compilation cache",
+                      "compiled": "cache miss: compiled, now cached"}.get(self.compile_source[key],
+                                                                            "compiled; compilation cache off"))
         return self._compiled[key]
 
     @property
@@ -357,7 +372,18 @@ class PrefillEngine:
         if self.mesh is not None:
             tokens = tokens[:, positions]  # natural → layout order (positions is a permutation of [0, t))
         c0 = time.perf_counter()
-        step = self.compiled(t, m)
+        try:
+            step = self.compiled(t, m)
+        finally:
+            if jax.process_count() > 1 and (t, m) not in self._met:
+                # a program loaded from the compilation cache is ready in seconds, while a peer may still compile it
+                # (its entry missing): meet before its first collective, which waits only 30 s for every peer (Gloo).
+                # Met even if compiling failed here, so that the peers are not held at the barrier.
+                self._met.add((t, m))
+                w0 = time.perf_counter()
+                _meet_peers(f"slope_jax-{self.run_nonce}-step-{t}x{m}")
+                if (t, m) in self.compile_ms:
+                    self.compile_ms[(t, m)] += (time.perf_counter() - w0) * 1e3  # ready = ready on every process
         compile_ms = 1e3 * (time.perf_counter() - c0)
         shardings = self._input_shardings(t, m)
         t0 = time.perf_counter()
@@ -534,6 +560,16 @@ def _agreed_run_nonce() -> str:
         raw = np.frombuffer(bytes.fromhex(nonce), np.uint8)
         nonce = bytes(np.asarray(multihost_utils.broadcast_one_to_all(raw), np.uint8)).hex()
     return nonce
+
+
+def _meet_peers(name: str, timeout_s: float = 3600.0) -> None:
+    """Wait until every process reaches the barrier `name` (JAX's coordination service, not a device collective,
+    so it waits as long as a compile may take; `timeout_s` bounds it)."""
+    from jax._src import distributed  # the client JAX's own multi-process set-up made
+
+    client = distributed.global_state.client
+    if client is not None:
+        client.wait_at_barrier(name, timeout_in_ms=int(timeout_s * 1e3))
 
 
 def _mib(nbytes: int) -> str:

@@ -25,6 +25,9 @@ path, predicted_ttft_ms). Every record of a request with a TTFT SLO carries ttft
 when it was served after it; a request refused by admission gets an error record with "rejected": true. A flag or
 layout mistake is one `slope_jax: error:` line and exit status 2; so is start-up with processes that disagree on
 anything that shapes the compiled step (the differing field is named).
+An existing --results file without --overwrite is refused (a run never replaces an earlier run's outputs silently);
+exit status 1: every request failed. Compiled length buckets are kept in the persistent compilation cache
+(--compile_cache_dir, `slope_jax.compile_cache`).
 """
 
 
@@ -70,13 +73,17 @@ flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Weights and act
                   "and accumulators are float32 either way).")
 flags.DEFINE_string("requests", "-", "JSONL file of requests, or '-' for stdin (read by process 0 only; lines are "
                     "served as they arrive).")
-flags.DEFINE_string("results", "-", "JSONL file for results, or '-' for stdout (written by process 0 only).")
+flags.DEFINE_string("results", "-", "JSONL file for results, or '-' for stdout (written by process 0 only). An "
+                    "existing non-empty file is never replaced silently: the run is refused at start-up unless "
+                    "--overwrite.")
 flags.DEFINE_string("kv_dir", None, "Export each request's KV cache to KV_DIR/<id>/ (safetensors + manifest.json). "
                     "Every process writes the pieces it holds; use a shared filesystem across hosts.")
 flags.DEFINE_bool("kv_full", False, "Export every token of sliding-window layers (default: their last W tokens, "
                   "all a decoder needs).")
-flags.DEFINE_bool("overwrite", False, "Replace an existing export KV_DIR/<id>/ (atomically: readers see the old or "
-                  "the new one, never a mix). Default: a request whose export exists gets an error record.")
+flags.DEFINE_bool("overwrite", False, "Replace an earlier run's outputs: the --results file and existing exports "
+                  "KV_DIR/<id>/ (atomically: readers see the old or the new export, never a mix). Default: an "
+                  "existing --results file refuses the run at start-up, and a request whose export exists gets an "
+                  "error record.")
 flags.DEFINE_string("logits_dir", None, "Also save each request's last-position logits as LOGITS_DIR/<id>.npy "
                     "(float32), for verification.")
 flags.DEFINE_integer("top_k", 5, "Number of (token, logit) pairs per result.")
@@ -115,7 +122,13 @@ for _field in dataclasses.fields(StepOptions):  # one flag per step option, same
     else:
         flags.DEFINE_integer(_field.name, _field.default, STEP_OPTION_HELP[_field.name])
 flags.DEFINE_list("precompile", [], "Prompt lengths whose buckets are compiled before the first request is read "
-                  "(e.g. 1024,4096,16384), so early requests do not wait for compilation.")
+                  "(e.g. 1024,4096,16384), so early requests do not wait for compilation. Compiled programs go to "
+                  "the compilation cache: `--precompile=... --requests=/dev/null` fills it and exits.")
+flags.DEFINE_string("compile_cache_dir", None, "Persistent XLA compilation cache directory: compiled length buckets "
+                    "are kept there and loaded by later runs (the start-up log says cache hit or miss per bucket). "
+                    "'off' disables it. Default: $SLOPE_JAX_COMPILE_CACHE, else $JAX_COMPILATION_CACHE_DIR, else "
+                    "$XDG_CACHE_HOME/slope_jax/xla (~/.cache/slope_jax/xla). Every process writes its own entries "
+                    "(a per-host or a shared directory).")
 flags.DEFINE_integer("http_port", None, "Serve prefill requests over HTTP on this port instead of reading "
                      "--requests (process 0; needs --kv_dir): an OpenAI-style POST /v1/completions (prompt as text "
                      "or token ids, max_tokens 1) answered with the first token, TTFT fields and the "
@@ -323,6 +336,41 @@ def _prefill_isolated(engine, prompts, ids, arrivals, **kwargs) -> list:
     return outcomes
 
 
+def _refuse_existing_results(path: str, overwrite: bool) -> None:
+    """FlagError if `path` holds an earlier run's results (a non-empty file) and not `overwrite`."""
+    if overwrite or not os.path.exists(path):
+        return
+    if os.path.isdir(path):
+        raise FlagError(f"--results={path}: is a directory; give a file path")
+    if os.path.getsize(path) > 0:
+        raise FlagError(f"--results={path} already holds an earlier run's results: pass --overwrite to replace it "
+                        "(and the KV exports of the same ids), or give another --results file")
+
+
+def _open_results(path: str, overwrite: bool):
+    """Open the results file for writing: created exclusively unless `overwrite` (an empty leftover file is reused),
+    so a concurrent run that created it meanwhile is refused instead of interleaved."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    _refuse_existing_results(path, overwrite)
+    if overwrite or os.path.exists(path):  # only an empty file is left here without overwrite
+        return open(path, "w")
+    try:
+        return open(path, "x")
+    except FileExistsError as e:
+        raise FlagError(f"--results={path} was created by another run meanwhile: pass --overwrite or give another "
+                        "--results file") from e
+
+
+def _compile_line(engine) -> str:
+    """One summary line: how long getting the step programs took and how many came from the compilation cache."""
+    from slope_jax import compile_cache
+
+    n, hits = len(engine.compile_ms), sum(src == "cache" for src in engine.compile_source.values())
+    where = compile_cache.directory()
+    return (f"compile: {n} step program(s) in {sum(engine.compile_ms.values()) / 1e3:.1f} s, {hits} loaded from the "
+            f"compilation cache" + (f" ({where})" if where else " (cache off)"))
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -334,6 +382,14 @@ def main(argv):
     except FlagError as e:
         _fail(str(e))
     _configure_platform()
+    from slope_jax import cli, compile_cache
+
+    cli.quiet(gloo=FLAGS.num_processes > 1)  # Gloo's connection lines: multi-process CPU collectives only
+
+    try:
+        compile_cache.enable(FLAGS.compile_cache_dir)
+    except OSError as e:
+        _fail(f"--compile_cache_dir: cannot use the compilation cache directory: {e}")
     try:
         conns = distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                                        init_timeout_s=FLAGS.init_timeout, heartbeat_timeout_s=FLAGS.heartbeat_timeout,
@@ -346,8 +402,9 @@ def main(argv):
     from slope_jax.model.config import ConfigError
     from slope_jax.parallel.config import LayoutError
 
+    status = 0
     try:
-        _serve()
+        status = _serve()
     except (FlagError, LayoutError, ConfigError, CheckpointError) as e:
         _fail(str(e))
     except Exception as e:  # noqa: BLE001 - one clear line; a peer's death is named by the peer watch
@@ -360,17 +417,22 @@ def main(argv):
             _fail(f"process {FLAGS.process_id}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
     if _STATE["watch"] is not None:
         _STATE["watch"].close()
+    if status:
+        sys.exit(status)
 
 
 def _fail(message: str):
     """Print one clear line and exit with status 2. In a multi-process run the peers are told first, and exit
     handlers are skipped: JAX's shutdown barrier would otherwise wait for processes that are stopping too."""
+    from slope_jax import cli
+
+    cli.EXITING.acquire()  # the peer watch may be reporting a peer's error: one line, never two
     watch = _STATE["watch"]
     if watch is not None:
         watch.close(failure=message)
     print(f"slope_jax: error: {message}", file=sys.stderr, flush=True)
     if FLAGS.num_processes > 1:
-        sys.stdout.flush()
+        cli.flush_stdout()  # also what the Gloo line filter still holds
         os._exit(2)
     sys.exit(2)
 
@@ -434,6 +496,8 @@ def _serve():
         raise FlagError(f"--max_tokens={FLAGS.max_tokens} exceeds the model's max_position_embeddings="
                         f"{cfg.max_position_embeddings} ({FLAGS.checkpoint})")
     max_tokens = FLAGS.max_tokens or cfg.max_position_embeddings
+    if me == 0 and FLAGS.results != "-":
+        _refuse_existing_results(FLAGS.results, FLAGS.overwrite)  # before the weights are loaded
     device = jax.devices()[0]
     try:
         hardware = FLAGS.hardware or slo.hardware_for(device.device_kind, device.platform)
@@ -474,9 +538,7 @@ def _serve():
             src = sys.stdin.buffer
         else:
             src = open(FLAGS.requests, "rb")
-        if FLAGS.results != "-":
-            os.makedirs(os.path.dirname(os.path.abspath(FLAGS.results)), exist_ok=True)
-        out = sys.stdout if FLAGS.results == "-" else open(FLAGS.results, "w")
+        out = sys.stdout if FLAGS.results == "-" else _open_results(FLAGS.results, FLAGS.overwrite)
         if FLAGS.logits_dir:
             os.makedirs(FLAGS.logits_dir, exist_ok=True)
         budget = None if FLAGS.device_memory_gib is None else int(FLAGS.device_memory_gib * 2**30)
@@ -576,13 +638,18 @@ def _serve():
             out.close()
         if FLAGS.summary:
             wall_s = time.perf_counter() - t_start
-            print(summary.format_summary(records, wall_s, shutil.get_terminal_size((120, 24)).columns),
-                  file=sys.stderr)
+            print(summary.format_summary(records, wall_s, shutil.get_terminal_size((120, 24)).columns) + "\n"
+                  + _compile_line(engine), file=sys.stderr)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("slope_jax launcher done")
     logging.info("process %d done", me)
+    if me == 0 and records and all("error" in r for r in records):
+        print(f"slope_jax: every request failed ({len(records)} error record(s)); exit status 1", file=sys.stderr,
+              flush=True)
+        return 1
+    return 0
 
 
 def run():
@@ -592,7 +659,9 @@ def run():
     sys.modules["__main__"].__doc__ = __doc__
     for flag in FLAGS.flags_by_module_dict().get(__name__, []):
         FLAGS.register_key_flag_for_module(sys.argv[0], flag)
-    app.run(main)
+    from slope_jax import cli
+
+    cli.run(main)  # absl's app.run, --help exiting 0, backend noise filtered
 
 
 if __name__ == "__main__":

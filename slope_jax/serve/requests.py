@@ -125,7 +125,9 @@ def _parse(line, where, lineno, vocab_size, max_tokens, tokenizer, seen_ids, arr
     try:
         obj = loads_strict(line)
     except json.JSONDecodeError as e:
-        raise RequestError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from e
+        # json's messages for some rules end in "at" ("Invalid control character at"): no second "at"
+        at = "" if e.msg.endswith(" at") else " at"
+        raise RequestError(f"{where}: not valid JSON ({e.msg}{at} column {e.colno})") from e
     except (ValueError, RecursionError) as e:
         raise RequestError(f"{where}: not valid JSON ({e})") from e
     if not isinstance(obj, dict):

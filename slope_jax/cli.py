@@ -1,0 +1,151 @@
+"""What every command-line entry point shares (`slope-jax`, `slope-convert`, `slope-decode`, `slope-plan`):
+
+- `run(main)`: absl's `app.run`, except that `--help` / `--helpshort` / `--helpfull` / `--helpxml` exit with status 0
+  (absl exits 1 after printing the help, which scripts and CI read as a failure).
+- `quiet()`: drops known backend noise before JAX / transformers start: JAX's "Unable to initialize backend" notices
+  for platforms that are not installed, and transformers' MXFP4 notices ("only supported on GPUs ...", "on CPU
+  requires use_kernels=True ...", each saying it will dequantize the model): the decode engine dequantizes on purpose.
+- `quiet(gloo=True)` (the launcher, multi-process runs): also the Gloo library's connection lines, which it writes to
+  stdout from C++ ("[Gloo] Rank 0 is connected to 1 peer ranks ...", one per collective group, dozens per run):
+  file descriptor 1 is passed through a thread that drops exactly those lines (`GLOO_LINE`) and forwards everything
+  else unchanged and in order, line by line. `flush_stdout()` must precede an `os._exit`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import threading
+
+_HELP = ("--help", "-help", "-?", "--?", "--helpshort", "-helpshort", "--helpfull", "-helpfull", "--helpxml",
+         "-helpxml")
+# One connection message. Gloo's threads (one per local device) write theirs in pieces that interleave mid-line
+# ("[Gloo] Rank 2[Gloo] Rank 0 is connected ... : 3\n is connected ... : 3\n"): removing every whole message until
+# none is left also removes the ones another was written into.
+GLOO_LINE = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks?\. Expected number of connected peer "
+                       rb"ranks? is : \d+\n")
+_state = {"quiet": False}
+# Taken (never released) by whichever path ends the process with an error line first — the main thread's own error
+# or the peer watch's "process N stopped": a process prints one error line, never two.
+EXITING = threading.Lock()
+
+
+def _help_requested(argv) -> bool:
+    for a in argv[1:]:
+        if a == "--":
+            return False
+        if a.split("=", 1)[0] in _HELP and a.split("=", 1)[-1].lower() not in ("false", "0"):
+            return True
+    return False
+
+
+def run(main, argv=None) -> None:
+    """`absl.app.run(main)`, with help exiting 0 and `quiet()` applied first."""
+    from absl import app
+
+    quiet()
+    argv = sys.argv if argv is None else argv
+    try:
+        app.run(main, argv=argv)
+    except SystemExit as e:
+        if e.code == 1 and _help_requested(argv):  # absl printed the help and exited 1 before main ran
+            raise SystemExit(0) from None
+        raise
+
+
+class _DropContaining(logging.Filter):
+    """Drops the records whose message contains every one of `words`."""
+
+    def __init__(self, *words: str):
+        super().__init__()
+        self.words = words
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not all(w in msg for w in self.words)
+
+
+class _NoBackendNotice(logging.Filter):
+    """Drops JAX's 'Unable to initialize backend ...' notices for platforms not installed here (tpu, cuda on a CPU
+    machine); a platform the user asked for (JAX_PLATFORMS) still fails loudly, as an exception."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Unable to initialize backend")
+
+
+def quiet(gloo: bool = False) -> None:
+    """Apply the noise filters listed in the module docstring (idempotent)."""
+    if not _state["quiet"]:
+        _state["quiet"] = True
+        logging.getLogger("jax._src.xla_bridge").addFilter(_NoBackendNotice())
+        # every variant ("only supported on GPUs", "requires Triton", "on CPU requires use_kernels=True") says that
+        # the experts are dequantized, which is what the decode engine wants
+        logging.getLogger("transformers.quantizers.quantizer_mxfp4").addFilter(_DropContaining("MXFP4", "dequantiz"))
+    if gloo and "pump" not in _state:
+        _filter_gloo_stdout()
+
+
+def flush_stdout() -> None:
+    """Flush Python's stdout and let the Gloo filter (if on) forward everything written so far: call before
+    `os._exit`, which skips the exit handlers that would do it."""
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    _drain()
+
+
+def _filter_gloo_stdout() -> None:
+    """Pass file descriptor 1 through a thread that drops Gloo's connection lines. Done at the descriptor level
+    because Gloo writes from C++, past Python's sys.stdout. Skipped when stdout is not a real file descriptor."""
+    try:
+        sys.stdout.flush()
+        real = os.dup(1)
+    except (OSError, ValueError, AttributeError):
+        return
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 1)
+    os.close(write_end)
+
+    def pump():
+        buf = b""
+        with os.fdopen(read_end, "rb", buffering=0) as src:
+            while chunk := src.read(65536):
+                buf = _drop_gloo(buf + chunk)
+                end = buf.rfind(b"\n") + 1  # whole lines go on; a partial one waits for the rest (it may be a piece)
+                if end:
+                    os.write(real, buf[:end])
+                    buf = buf[end:]
+            if buf:
+                os.write(real, buf)
+
+    t = threading.Thread(target=pump, name="slope_jax-stdout-filter", daemon=True)
+    t.start()
+    _state["pump"], _state["real_stdout"] = t, real
+
+    import atexit
+
+    atexit.register(_drain)
+
+
+def _drop_gloo(data: bytes) -> bytes:
+    n = 1
+    while n:
+        data, n = GLOO_LINE.subn(b"", data)
+    return data
+
+
+def _drain() -> None:
+    """Close our end of the pipe so the filter thread forwards what is left and ends, then wait for it; later
+    writes go straight to the real stdout."""
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    real = _state.pop("real_stdout", None)
+    if real is None:
+        return
+    os.dup2(real, 1)  # the pipe's last write end closes here: the thread sees EOF
+    _state["pump"].join(timeout=5)

@@ -1,0 +1,154 @@
+"""The persistent XLA compilation cache, on by default: compiled programs are kept on disk, so a later run (or another
+process: launcher peers, tests and the subprocesses they spawn, benchmarks) loads a length bucket's program instead of
+compiling it again.
+
+    from slope_jax import compile_cache
+    compile_cache.enable()              # idempotent; PrefillEngine and the launcher call it
+    compile_cache.enable("off")         # or SLOPE_JAX_COMPILE_CACHE=off: no persistent cache
+
+Where (first that applies): the `path` argument (launcher flag `--compile_cache_dir`), the environment variable
+`SLOPE_JAX_COMPILE_CACHE` (a directory, or `off`), a directory the user already gave JAX (`JAX_COMPILATION_CACHE_DIR`
+or `jax.config.update("jax_compilation_cache_dir", ...)`), else `$XDG_CACHE_HOME/slope_jax/xla` (default
+`~/.cache/slope_jax/xla`).
+
+This is JAX's own persistent cache (https://docs.jax.dev/en/latest/persistent_compilation_cache.html). Its key is a
+hash of the lowered program (StableHLO: every shape, dtype, tile size, layout and model constant that shapes it),
+the devices and their assignment, the compile options, the backend and its version, the jax/jaxlib version and the
+XLA flags, so a changed option is a miss, never a stale program (`tests/test_compile_cache.py` checks it). Every
+program is cached (minimum compile time 0 s), the directory is capped at `MAX_BYTES` (least recently used entries
+are evicted) and, with a cap, JAX serializes reads and writes with a file lock, so concurrent processes never read a
+half-written entry.
+
+Multi-process runs: the key covers the topology as each process sees it, so on CPU every process has its own
+entries; JAX writes entries from process 0 only (`jax._src.compiler._cache_write`), which would leave every other
+process compiling on every run. `enable` therefore also writes them from the other processes (same checks, same
+`put`; the wrapper steps aside if JAX's function changes shape). A process that loads a program while a peer still
+compiles it would wait in the first collective longer than Gloo allows (30 s): the engine meets its peers at a
+barrier before a new program's first run (`PrefillEngine._run`).
+Cached entries are executable code: do not share the directory with users you do not trust (JAX's warning).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+log = logging.getLogger(__name__)
+
+ENV = "SLOPE_JAX_COMPILE_CACHE"
+MAX_BYTES = 4 << 30  # LRU cap of the cache directory; also what turns on JAX's file lock around reads and writes
+_OFF = ("off", "none", "0", "false", "no")
+_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+_lock = threading.Lock()
+_state: dict = {"dir": None, "configured": False, "hits": 0, "listening": False}
+
+
+def default_dir() -> str:
+    """`$XDG_CACHE_HOME/slope_jax/xla`, or `~/.cache/slope_jax/xla` (per user)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "slope_jax", "xla")
+
+
+def resolve(path: str | None = None) -> str | None:
+    """The cache directory to use (absolute), or None when the cache is off. See the module docstring for the
+    order; `path` / the env var may be `off` (also none, 0, false, no)."""
+    import jax
+
+    for value in (path, os.environ.get(ENV)):
+        if value is not None and value.strip() != "":
+            return None if value.strip().lower() in _OFF else os.path.abspath(os.path.expanduser(value))
+    given = jax.config.jax_compilation_cache_dir
+    return os.path.abspath(given) if given else default_dir()
+
+
+def enable(path: str | None = None) -> str | None:
+    """Turn the persistent compilation cache on (or off) for this process; returns its directory or None.
+
+    The first call decides; later calls without `path` keep that decision (PrefillEngine calls this on every
+    construction). An explicit `path` that differs from the current directory re-points the cache. Safe to call
+    after programs were compiled (JAX's cache state is reset so the new directory takes effect).
+
+    Raises:
+      OSError: the directory cannot be created.
+    """
+    import jax
+    from jax._src import compilation_cache as jcc  # only to ask whether JAX already decided (below)
+    from jax.experimental.compilation_cache import compilation_cache as public_cc
+
+    with _lock:
+        if _state["configured"] and path is None:
+            return _state["dir"]
+        directory = resolve(path)
+        if _state["configured"] and directory == _state["dir"]:
+            return directory
+        if directory is not None:
+            os.makedirs(directory, exist_ok=True)
+            jax.config.update("jax_compilation_cache_dir", directory)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+            jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # -1: no size floor, no override
+            if jax.config.jax_compilation_cache_max_size == -1:
+                jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+            jax.config.update("jax_enable_compilation_cache", True)
+        else:
+            jax.config.update("jax_enable_compilation_cache", False)
+        if getattr(jcc, "_cache_checked", True) or getattr(jcc, "_cache_initialized", True):
+            public_cc.reset_cache()  # JAX decided "cache used?" at an earlier compile (once a process): again
+        if not _state["listening"]:
+            jax.monitoring.register_event_listener(_on_event)
+            _write_from_every_process()
+            _state["listening"] = True
+        _state.update(dir=directory, configured=True)
+    log.info("XLA compilation cache: %s", directory or f"off ({ENV}=off or --compile_cache_dir=off)")
+    return directory
+
+
+def directory() -> str | None:
+    """The directory `enable` chose (None: off, or `enable` not called yet)."""
+    return _state["dir"]
+
+
+def hits() -> int:
+    """Programs this process has loaded from the persistent cache so far (JAX's monitoring event)."""
+    return _state["hits"]
+
+
+def _on_event(event: str, **kwargs) -> None:
+    if event == _HIT_EVENT:
+        with _lock:
+            _state["hits"] += 1
+
+
+_WRITE_ARGS = ("cache_key", "compile_time_secs", "module_name", "backend", "executable", "host_callbacks")
+
+
+def _write_from_every_process() -> None:
+    """Wrap JAX's cache writer so that processes other than 0 write their own entries too (see the module
+    docstring); JAX's own checks (host callbacks, minimum compile time) and its `put` are kept."""
+    import inspect
+    import warnings
+
+    import jax
+    from jax._src import compilation_cache as jcc
+    from jax._src import compiler, distributed
+
+    original = getattr(compiler, "_cache_write", None)
+    if original is None or tuple(inspect.signature(original).parameters) != _WRITE_ARGS:
+        log.warning("compilation cache: this JAX version's cache writer is not the one wrapped; processes other "
+                    "than 0 of a multi-process run will compile every run")
+        return
+
+    def _cache_write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
+        if distributed.global_state.process_id == 0 or host_callbacks:
+            return original(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
+        if compile_time_secs < jax.config.jax_persistent_cache_min_compile_time_secs:
+            return None
+        try:
+            jcc.put_executable_and_time(cache_key, module_name, executable, backend, int(compile_time_secs))
+        except Exception as e:  # noqa: BLE001 - as JAX: a failed write costs a compile next time, never the run
+            warnings.warn(f"Error writing persistent compilation cache entry for {module_name!r}: "
+                          f"{type(e).__name__}: {e}", stacklevel=2)
+        return None
+
+    compiler._cache_write = _cache_write

@@ -1,0 +1,106 @@
+"""A newcomer's first runs: `--help` exits 0 on every entry point, a second run never clobbers the first one's results
+(refused, naming --overwrite, before the weights are read; `--overwrite` runs are covered by the README's
+command 1), a run in which every request failed exits 1, backend
+noise (Gloo's connection lines on stdout) is filtered without touching other output, and JSON errors read cleanly."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, launcher_env
+
+from slope_jax.serve import requests
+
+PY = sys.executable
+
+
+@pytest.mark.parametrize("module,text", [("slope_jax.launch", "--coordinator_address"),
+                                         ("slope_jax.convert", "--out"),
+                                         ("slope_jax.decode", "--max_new_tokens"),
+                                         ("slope_jax.plan", "--ttft_slo_ms")])
+def test_help_exits_zero(module, text):
+    r = subprocess.run([PY, "-m", module, "--help"], cwd=REPO, env=launcher_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert text in r.stdout
+    if module == "slope_jax.launch":  # only help became 0: a flag mistake still fails
+        bad = subprocess.run([PY, "-m", module, "--no_such_flag"], cwd=REPO, env=launcher_env(), capture_output=True,
+                             text=True, timeout=120)
+        assert bad.returncode != 0
+
+
+def test_rerun_refuses_to_clobber_results_and_all_failed_exits_1(tmp_path):
+    reqs = tmp_path / "bad.jsonl"
+    reqs.write_text('{"id": "a", "tokens": [1, 2, 999999]}\n{"id": "b" "tokens": [1]}\n')
+    results = tmp_path / "out" / "results.jsonl"
+    cmd = [PY, "-m", "slope_jax.launch", "--cpu_devices=1", f"--requests={reqs}", f"--results={results}",
+           f"--kv_dir={tmp_path / 'kv'}"]
+    first = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=300)
+    assert first.returncode == 1, first.stderr[-3000:]  # every request failed: not a success
+    assert "every request failed (2 error record(s))" in first.stderr
+    records = [json.loads(x) for x in results.read_text().splitlines()]
+    assert [r["line"] for r in records] == [1, 2] and all("error" in r for r in records)
+    before = results.read_bytes()
+    second = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=300)
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert f"--results={results} already holds an earlier run's results: pass --overwrite" in second.stderr
+    assert "loading weights" not in second.stderr  # refused before the checkpoint is read
+    assert results.read_bytes() == before
+
+
+_GLOO = "[Gloo] Rank {} is connected to {} peer ranks. Expected number of connected peer ranks is : {}\n"
+_WRITER = r"""
+import os, sys
+from slope_jax import cli
+cli.quiet(gloo=True)
+os.write(1, b"keep 1\n" + sys.argv[1].encode() + b"keep 2 [Gloo] not a connection line\n")
+print("keep 3", flush=True)
+os.write(1, sys.argv[1].encode())
+sys.stdout.write("keep 4 (no newline)")
+"""
+
+
+def test_gloo_lines_are_dropped_and_the_rest_kept_in_order():
+    inner = _GLOO.format(0, 3, 3)
+    interleaved = "[Gloo] Rank 2" + inner + _GLOO.format(2, 3, 3)[len("[Gloo] Rank 2"):]  # as Gloo's threads write
+    gloo = _GLOO.format(0, 1, 1) + interleaved + _GLOO.format(1, 7, 7)
+    r = subprocess.run([PY, "-c", _WRITER, gloo], cwd=REPO, env=launcher_env(), capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "keep 1\nkeep 2 [Gloo] not a connection line\nkeep 3\nkeep 4 (no newline)"
+
+
+def test_json_error_names_the_rule_once():
+    with pytest.raises(requests.LineError) as e:
+        requests.parse('{"id": "a\x01b", "tokens": [1]}', 4, vocab_size=10, max_tokens=10)
+    assert "line 4: not valid JSON (Invalid control character at column 10)" == str(e.value)
+    with pytest.raises(requests.LineError) as e:
+        requests.parse('{"id": "a" "tokens": [1]}', 5, vocab_size=10, max_tokens=10)
+    assert str(e.value) == "line 5: not valid JSON (Expecting ',' delimiter at column 12)"
+
+
+
+def test_backend_notices_are_filtered():
+    import logging
+
+    from slope_jax import cli
+
+    cli.quiet()
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    mxfp4, bridge = (logging.getLogger(n) for n in ("transformers.quantizers.quantizer_mxfp4", "jax._src.xla_bridge"))
+    for lg in (mxfp4, bridge):
+        lg.addHandler(handler)
+    try:
+        mxfp4.warning("MXFP4 inference on CPU requires use_kernels=True, but use_kernels is disabled. We will "
+                      "dequantize the model to bf16.")
+        mxfp4.warning("MXFP4 quantization is only supported on GPUs with compute capability >= 7.5. We will default "
+                      "to dequantizing the model to bf16.")
+        mxfp4.warning("MXFP4 checkpoint has a missing scale")  # anything else still shows
+        bridge.warning("Unable to initialize backend 'tpu': no TPU here")
+    finally:
+        for lg in (mxfp4, bridge):
+            lg.removeHandler(handler)
+    assert seen == ["MXFP4 checkpoint has a missing scale"]
