@@ -256,6 +256,16 @@ def test_plain_kv_manager(run, tmp_path):
     print(f"plain manager: max |Δlogprob| {worst[0]:.2e}")
 
 
+def test_connector_imports_no_jax():
+    """The decode side needs no JAX: importing the connector in the vLLM venv loads no jax module."""
+    code = ("import sys, slope_jax.kv.vllm_connector; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax', 'orbax')); "
+            "assert not bad, bad")
+    if not os.path.exists(VLLM_PYTHON):
+        pytest.fail(f"no vLLM venv at {VLLM_PYTHON} (see .ci/run) or set SLOPE_VLLM_PYTHON")
+    subprocess.run([VLLM_PYTHON, "-c", code], env=_vllm_env(), check=True, timeout=300)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # vllm_plan without vLLM
 def test_slots_and_rows():
