@@ -62,8 +62,7 @@ def main(argv):
         t = []
         for _ in range(FLAGS.rounds):
             t0 = time.perf_counter()
-            vllm_plan.validate(os.path.join(work, "kv", f"len-{n}"), prompts[n], cfg, "float32", None,
-                               sliding_needs_all=False)
+            vllm_plan.validate(os.path.join(work, "kv", f"len-{n}"), prompts[n], cfg, "float32", None)
             t.append((time.perf_counter() - t0) * 1e3)
         validate_ms[n] = statistics.median(t)
     phases = []

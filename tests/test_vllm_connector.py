@@ -169,7 +169,8 @@ def _make_tampered(src, other_model, base):
     path.write_bytes(data[:len(data) - 4096])  # the last tensor loses its tail
 
 
-TAMPER_REASONS = {"manifest": r"layers\[1\]\.token_range", "wrong-model": "num_hidden_layers is 6 in the export, 5 in the model",
+TAMPER_REASONS = {"manifest": r"layers\[1\]\.token_range",
+                  "wrong-model": "num_hidden_layers is 6 in the export, 5 in the model",
                   "missing-file": "kv-p0.safetensors, which does not exist", "truncated": r"checksums\.kv-p0"}
 
 
@@ -266,6 +267,34 @@ def test_connector_imports_no_jax():
     subprocess.run([VLLM_PYTHON, "-c", code], env=_vllm_env(), check=True, timeout=300)
 
 
+@pytest.mark.slow
+def test_prefix_caching_on(run, tmp_path):
+    """vLLM's default, prefix caching on, hybrid manager: `kv_full` exports load n−1 tokens; a `last_window` export
+    loads only when it holds the whole block of position n−W (here n ≤ W), else it is refused with that reason — in
+    both cases the plain run's tokens. The prefix cache is emptied before each phase, so no request hits another's
+    blocks."""
+    exports, hybrid_results, _ = run
+    layout = "2x2x2-c2"
+    phases = [{**_plain_phase(), "reset_prefix_cache": True}]
+    for policy in POLICIES:
+        phases.append({"reset_prefix_cache": True, "requests": [
+            {"id": f"{policy}/{rid}", "prompt": p.tolist(),
+             "params": {plan.PATH_KEY: str(exports[(layout, policy)] / rid)}} for rid, p in zip(_ids(), _prompts())]})
+    results, log = _start_driver(tmp_path, "prefix-caching", hybrid=True, prefix_caching=True, phases=phases)()
+    worst = [0.0]
+    for rid, n in zip(_ids(), LENGTHS):
+        assert results[f"plain/{rid}"]["tokens"] == hybrid_results[f"plain/{rid}"]["tokens"]
+        _check_against_plain(results, f"full/{rid}", rid, n, worst)
+        got = results[f"last_window/{rid}"]
+        if n <= W:
+            _check_against_plain(results, f"last_window/{rid}", rid, n, worst)
+        else:
+            assert got["tokens"] == results[f"plain/{rid}"]["tokens"] and got["num_cached_tokens"] == 0
+            assert re.search(r"sliding layers hold tokens \[\d+, \d+\), vLLM needs \[\d+, \d+\) \(with prefix "
+                             r"caching on", got["kv_transfer_params"][plan.STATUS_KEY]), got["kv_transfer_params"]
+    print(f"prefix caching on: max |Δlogprob| {worst[0]:.2e}")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # vllm_plan without vLLM
 def test_slots_and_rows():
@@ -274,11 +303,15 @@ def test_slots_and_rows():
         plan.slots([0, 5], 4, 3, 6, null_block=0)
     with pytest.raises(plan.ExportRefused, match="token 8 needs block 2, the request has 2"):
         plan.slots([1, 5], 4, 0, 9, null_block=0)
-    assert plan.layer_rows("full_attention", 0, 100, W, False) == (0, 99)
-    assert plan.layer_rows("sliding_attention", 0, 100, W, False) == (60, 99)  # keys of position 99: 60 … 99
-    assert plan.layer_rows("sliding_attention", 0, 100, W, True) == (0, 99)
-    assert plan.layer_rows("sliding_attention", 64, 100, W, False) == (64, 99)
-    assert plan.layer_rows("full_attention", 0, 1, W, False) == (0, 0)
+    rows = plan.layer_rows
+    for mode in (plan.WINDOW, plan.BLOCK, plan.ALL):
+        assert rows("full_attention", 0, 100, W, 16, mode) == (0, 99)
+        assert rows("full_attention", 0, 1, W, 16, mode) == (0, 0)  # 1 token: nothing to load
+    assert rows("sliding_attention", 0, 100, W, 16, plan.WINDOW) == (60, 99)  # keys of position 99: 60 … 99
+    assert rows("sliding_attention", 0, 100, W, 16, plan.BLOCK) == (48, 99)   # the block [48, 64) holds 60
+    assert rows("sliding_attention", 0, 100, W, 16, plan.ALL) == (0, 99)
+    assert rows("sliding_attention", 64, 100, W, 16, plan.WINDOW) == (64, 99)  # vLLM's own prefix hit: from 64
+    assert rows("sliding_attention", 0, 104, W, 16, plan.BLOCK) == (64, 103)  # n−W = 64 block-aligned
 
 
 def test_validate_refusals(run):
@@ -288,28 +321,36 @@ def test_validate_refusals(run):
     exports = run[0]
     d = exports[("1x1x1", "last_window")]
     a, p41, p39 = str(d / "len-41"), _prompts()[LENGTHS.index(41)], _prompts()[LENGTHS.index(39)]
-    ok = plan.validate(a, p41, CFG, "float32", None, sliding_needs_all=False)
+    ok = plan.validate(a, p41, CFG, "float32", None)
     assert ok.num_tokens == 41 and ok.dtype == "float32"
     with pytest.raises(plan.ExportRefused, match="num_tokens: the export holds 41 tokens, the prompt has 39"):
-        plan.validate(a, p39, CFG, "float32", None, sliding_needs_all=False)
+        plan.validate(a, p39, CFG, "float32", None)
     other = p41.copy()
     other[3] = (other[3] + 1) % CFG.vocab_size
     with pytest.raises(plan.ExportRefused, match="token_ids_sha256"):
-        plan.validate(a, other, CFG, "float32", None, sliding_needs_all=False)
+        plan.validate(a, other, CFG, "float32", None)
     with pytest.raises(plan.ExportRefused, match="dtype: the export is float32, vLLM's KV cache is bfloat16"):
-        plan.validate(a, p41, CFG, "bfloat16", None, sliding_needs_all=False)
-    with pytest.raises(plan.ExportRefused, match=r"sliding_policy: 'last_window' keeps tokens \[1, 41\)"):
-        plan.validate(a, p41, CFG, "float32", None, sliding_needs_all=True)
-    full = str(exports[("1x1x1", "full")] / "len-41")
-    assert plan.validate(full, p41, CFG, "float32", None, sliding_needs_all=True).num_tokens == 41
+        plan.validate(a, p41, CFG, "bfloat16", None)
+    assert ok.sliding_from == 1  # last_window: [n−W, n)
+    full = plan.validate(str(exports[("1x1x1", "full")] / "len-41"), p41, CFG, "float32", None)
+    assert full.sliding_from == 0
+    plan.check_sliding(ok, *plan.layer_rows("sliding_attention", 0, 41, W, BLOCK, plan.WINDOW), plan.WINDOW)
+    for mode in (plan.BLOCK, plan.ALL):  # prefix caching on: the block of position n−W = 1 starts at 0
+        lo, hi = plan.layer_rows("sliding_attention", 0, 41, W, BLOCK, mode)
+        assert (lo, hi) == (0, 40)
+        with pytest.raises(plan.ExportRefused, match=r"sliding_policy: sliding layers hold tokens \[1, 41\), vLLM "
+                                                     r"needs \[0, 40\) \(with prefix caching on"):
+            plan.check_sliding(ok, lo, hi, mode)
+        plan.check_sliding(full, lo, hi, mode)
+    plan.check_sliding(ok, *plan.layer_rows("sliding_attention", 128, 41, W, BLOCK, plan.BLOCK), plan.BLOCK)
     with pytest.raises(plan.ExportRefused, match="kv_transfer_params.slope_jax_first_token"):
-        plan.validate(a, p41, CFG, "float32", {plan.FIRST_TOKEN_KEY: -1}, sliding_needs_all=False)
+        plan.validate(a, p41, CFG, "float32", {plan.FIRST_TOKEN_KEY: -1})
     with pytest.raises(plan.ExportRefused, match="kv_transfer_params.num_tokens=40"):
-        plan.validate(a, p41, CFG, "float32", {plan.NUM_TOKENS_KEY: 40}, sliding_needs_all=False)
+        plan.validate(a, p41, CFG, "float32", {plan.NUM_TOKENS_KEY: 40})
     with pytest.raises(plan.ExportRefused, match="absolute directory"):
         plan.find_path({plan.PATH_KEY: "kv/a"}, "", None)
     with pytest.raises(plan.ExportRefused, match="sliding_window is 40 in the export, 41 in the model"):
-        plan.validate(a, p41, dataclasses.replace(CFG, sliding_window=41), "float32", None, sliding_needs_all=False)
+        plan.validate(a, p41, dataclasses.replace(CFG, sliding_window=41), "float32", None)
     index = plan.ExportIndex(str(d))
     assert index.lookup(kv.token_hash(p39)) == str(d / "len-39")
     assert index.lookup(kv.token_hash(other)) is None

@@ -5,7 +5,8 @@
 
 spec: {"model": dir, "hybrid": bool, "prefix_caching": bool, "extra_config": {...}, "max_tokens": int,
        "phases": [{"wait_for": path or null, "requests": [{"id", "prompt": [ids], "params": {...} or null}]}]}
-Each phase waits for its `wait_for` file (exports still being written), then generates its requests in one batch
+Each phase waits for its `wait_for` file (exports still being written), empties vLLM's prefix cache if it says
+"reset_prefix_cache", then generates its requests in one batch
 (greedy, float32, ignore_eos). out: {"results": {id: {"tokens", "logprobs", "num_cached_tokens",
 "kv_transfer_params", "seconds"}}, "phase_seconds": [...], "init_seconds"}.
 """
@@ -28,7 +29,8 @@ def main(spec_path: str, out_path: str) -> None:
     ktc = KVTransferConfig(kv_connector="SlopeJaxConnector", kv_connector_module_path="slope_jax.kv.vllm_connector",
                            kv_role="kv_consumer", kv_connector_extra_config=spec.get("extra_config", {}))
     llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=spec.get("max_model_len", 2048),
-              seed=0, block_size=spec.get("block_size", 128), kv_cache_memory_bytes=spec.get("kv_cache_bytes", 1 << 28), kv_transfer_config=ktc,
+              seed=0, block_size=spec.get("block_size", 128), kv_cache_memory_bytes=spec.get("kv_cache_bytes", 1 << 28),
+              kv_transfer_config=ktc,
               enable_prefix_caching=spec["prefix_caching"],
               disable_hybrid_kv_cache_manager=not spec["hybrid"], max_num_seqs=spec.get("max_num_seqs", 256))
     out = {"init_seconds": time.perf_counter() - t0, "results": {}, "phase_seconds": []}
@@ -36,6 +38,8 @@ def main(spec_path: str, out_path: str) -> None:
         wait = phase.get("wait_for")
         while wait and not os.path.exists(wait):
             time.sleep(0.5)
+        if phase.get("reset_prefix_cache"):
+            assert llm.reset_prefix_cache()
         reqs = phase["requests"]
         sps = [SamplingParams(max_tokens=spec.get("max_tokens", 16), temperature=0.0, ignore_eos=True, logprobs=0,
                               extra_args={"kv_transfer_params": r["params"]} if r.get("params") else None)

@@ -59,8 +59,10 @@ class _Load:
 
     req_id: str
     export: plan.Validated
-    # (group index, layer kind) → (lo, hi, int64 slots [hi − lo])
-    rows: dict[tuple[int, str], tuple[int, int, np.ndarray]]
+    # (group index, layer kind) → (lo, hi, int64 slots [hi − lo]); None if the scheduler could not place the rows
+    rows: dict[tuple[int, str], tuple[int, int, np.ndarray]] | None
+    # the request's blocks, reported as failed loads if anything goes wrong
+    block_ids: set[int]
 
 
 @dataclasses.dataclass
@@ -121,8 +123,8 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._failed_blocks: set[int] = set()
         self.load_seconds: list[float] = []
-        logger.info("SlopeJaxConnector (%s): kv_dir=%s, %d KV cache group(s) (kind, block size) %s, prefix caching %s, cache dtype %s",
-                    role.name, self._index.kv_dir if self._index else None, len(self._groups),
+        logger.info("SlopeJaxConnector (%s): kv_dir=%s, %d KV cache group(s) (kind, block size) %s, prefix caching "
+                    "%s, cache dtype %s", role.name, self._index.kv_dir if self._index else None, len(self._groups),
                     [("sliding" if s else "full", b) for b, s in self._groups], self._prefix_caching, self._cache_dtype)
 
     @staticmethod
@@ -136,15 +138,23 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
             return str(cache_dtype)
         return str(vllm_config.model_config.dtype).removeprefix("torch.")
 
-    def _sliding_needs_all(self, group: int | None = None) -> bool:
-        """Whether sliding layers (of `group`, or of any group) must be given every token: they sit in a
-        full-attention group (plain KV manager), whose blocks prefix caching publishes as computed (vllm_plan doc)."""
+    def _mode(self, group: int) -> str:
+        """How sliding layers of KV cache `group` are filled (vllm_plan module doc)."""
         if not self._prefix_caching:
-            return False
-        groups = {g for _, kind, g in self._layers.values() if kind == kvfmt.SLIDING}
-        if group is not None:
-            groups &= {group}
-        return any(not self._groups[g][1] for g in groups)
+            return plan.WINDOW
+        return plan.BLOCK if self._groups[group][1] else plan.ALL
+
+    def _rows(self, export: plan.Validated, start: int) -> dict[tuple[int, str], tuple[int, int]]:
+        """(group, layer kind) → token rows [lo, hi) to write; raises ExportRefused if the export lacks some."""
+        rows = {}
+        for g, (block_size, _) in enumerate(self._groups):
+            for kind in {k for _, k, gg in self._layers.values() if gg == g}:
+                lo, hi = plan.layer_rows(kind, start, export.num_tokens, self._cfg.sliding_window, block_size,
+                                         self._mode(g))
+                if kind == kvfmt.SLIDING:
+                    plan.check_sliding(export, lo, hi, self._mode(g))
+                rows[(g, kind)] = (lo, hi)
+        return rows
 
     # ------------------------------------------------------------------------------------------------------------
     # Scheduler side
@@ -162,8 +172,7 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
             if path is None:
                 return _Decision(None, f"not used: {how}")
             export = plan.validate(path, prompt, self._cfg, self._cache_dtype, params,
-                                   sliding_needs_all=self._sliding_needs_all(), verify_checksums=self._verify,
-                                   check_fingerprint=self._check_fp)
+                                   verify_checksums=self._verify, check_fingerprint=self._check_fp)
         except plan.ExportRefused as e:
             logger.warning("SlopeJaxConnector: request %s: export not used, vLLM prefills it itself: %s",
                            request.request_id, e)
@@ -182,6 +191,13 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
             d = self._decisions[request.request_id] = self._decide(request)
         if d.export is None:
             return 0, False
+        try:
+            self._rows(d.export, num_computed_tokens)
+        except plan.ExportRefused as e:
+            logger.warning("SlopeJaxConnector: request %s: export not used, vLLM prefills it itself: %s",
+                           request.request_id, e)
+            d.export, d.status = None, f"not used: {e}"
+            return 0, False
         return max(0, d.export.num_tokens - 1 - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
@@ -193,17 +209,15 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         block_ids = blocks.get_block_ids()
         rows = {}
         try:
-            for g, (block_size, _) in enumerate(self._groups):
-                needs_all = self._sliding_needs_all(g)
-                for kind in {k for _, k, gg in self._layers.values() if gg == g}:
-                    lo, hi = plan.layer_rows(kind, start, n, self._cfg.sliding_window, needs_all)
-                    rows[(g, kind)] = (lo, hi, plan.slots(block_ids[g], block_size, lo, hi, self._null_block))
+            for (g, kind), (lo, hi) in self._rows(d.export, start).items():
+                rows[(g, kind)] = (lo, hi, plan.slots(block_ids[g], self._groups[g][0], lo, hi, self._null_block))
         except plan.ExportRefused as e:
             # The blocks are allocated and the count reported: too late to prefill instead. vLLM's own invalid-block
             # path handles it (the worker reports these blocks as failed loads).
             logger.error("SlopeJaxConnector: request %s: cannot place its KV: %s", request.request_id, e)
             rows = None
-        self._pending.append(_Load(request.request_id, d.export, rows))
+        all_blocks = {int(b) for group in block_ids for b in group if b != self._null_block}
+        self._pending.append(_Load(request.request_id, d.export, rows, all_blocks))
         d.status = f"loaded {num_external_tokens} tokens"
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
@@ -241,18 +255,12 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
             except Exception as e:  # noqa: BLE001 - reported as failed blocks below, never a crash
                 logger.error("SlopeJaxConnector: request %s: loading %s failed (%s: %s); its blocks are reported "
                              "as failed loads", load.req_id, load.export.path, type(e).__name__, e)
-                self._failed_blocks.update(self._block_ids_of(load))
+                self._failed_blocks.update(load.block_ids)
                 continue
             dt = time.perf_counter() - t0
             self.load_seconds.append(dt)
             logger.info("SlopeJaxConnector: request %s: injected %d tokens from %s in %.1f ms", load.req_id,
                         load.export.num_tokens - 1, load.export.path, dt * 1e3)
-
-    def _block_ids_of(self, load: _Load) -> set[int]:
-        out = set()
-        for (g, _), (_, _, s) in (load.rows or {}).items():
-            out.update(int(b) for b in np.unique(s // self._groups[g][0]))
-        return out
 
     def _inject(self, load: _Load, forward_context) -> None:
         if load.rows is None:

@@ -5,12 +5,15 @@ keeping them here lets the main test suite check them without a vLLM install.)
 Notable:
 - vLLM must compute the prompt's last token itself (it samples the first token from it), so a prompt of n tokens
   loads n−1 external tokens: positions [start, n−1), `start` being vLLM's own (block-aligned) prefix-cache hit.
-- What a sliding layer needs depends on vLLM's KV cache manager. With the hybrid manager a sliding layer owns real
-  blocks only for its window (earlier blocks are the null block), so it is given [max(start, n−W), n−1): the keys
-  position n−1 attends to (spec §2.3). With the plain manager a sliding layer owns a block for every token; with
-  prefix caching on, those blocks are published to later requests as computed, so the layer must be given every
-  token [start, n−1), which only a `sliding_policy: "full"` export holds (a `last_window` export is then refused);
-  with prefix caching off the window is enough again.
+- What a sliding layer needs depends on vLLM's KV cache manager and prefix caching (`layer_rows`):
+  WINDOW (prefix caching off): the keys position n−1 attends to, [max(start, n−W), n−1) (spec §2.3); earlier slots
+  are either the null block (hybrid manager) or never read (plain manager: masked by the window, never reused).
+  BLOCK (prefix caching on, hybrid manager): vLLM publishes every full non-null block as computed, and a later
+  request with the same prefix may hit one and attend to all its slots, so the block holding n−W must be filled
+  from its first slot: [max(start, ⌊(n−W)/B⌋·B), n−1). ALL (prefix caching on, plain manager): every block is
+  published, so sliding layers need every token [start, n−1). A `last_window` export keeps [n−W, n) only: under BLOCK
+  it serves a prompt only when n−W is block-aligned or n ≤ W, under ALL only when n ≤ W; otherwise the request is
+  refused (export with kv_full, or turn prefix caching off on the decode engine) rather than publish unwritten slots.
 - Every refusal is an `ExportRefused` whose message names the export, the field and both values; the connector
   logs it and lets vLLM prefill the request itself.
 """
@@ -35,6 +38,9 @@ HASH_KEY = "token_ids_sha256"
 LOADED_KEY = "slope_jax_loaded_tokens"
 STATUS_KEY = "slope_jax_status"
 
+# how sliding layers are filled (module doc)
+WINDOW, BLOCK, ALL = "window", "block", "all"
+
 # widening casts are exact; anything else would change the numbers the prefill computed
 _EXACT_CASTS = {("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16"),
                 ("bfloat16", "float32"), ("float16", "float32")}
@@ -47,13 +53,15 @@ class ExportRefused(Exception):
 @dataclasses.dataclass(frozen=True)
 class Validated:
     """An export that passed every check for one prompt: `path`, its manifest's `run_nonce` and `checksums` (the
-    worker re-reads the manifest and refuses a different one), `num_tokens` n and its `dtype`."""
+    worker re-reads the manifest and refuses a different one), `num_tokens` n, its `dtype`, and `sliding_from`, the
+    first position its sliding layers hold (0 for `kv_full`, max(0, n−W) for `last_window`)."""
 
     path: str
     run_nonce: str
     checksums: dict
     num_tokens: int
     dtype: str
+    sliding_from: int
 
 
 def find_path(params: dict | None, prompt_hash: str, index: "ExportIndex | None") -> tuple[str | None, str]:
@@ -73,7 +81,7 @@ def find_path(params: dict | None, prompt_hash: str, index: "ExportIndex | None"
 
 
 def validate(path: str, prompt: np.ndarray, cfg, cache_dtype: str, params: dict | None, *,
-             sliding_needs_all: bool, verify_checksums: bool = True, check_fingerprint: bool = True) -> Validated:
+             verify_checksums: bool = True, check_fingerprint: bool = True) -> Validated:
     """Check that the export at `path` is this prompt's KV for this model, readable and complete.
 
     Args:
@@ -82,13 +90,13 @@ def validate(path: str, prompt: np.ndarray, cfg, cache_dtype: str, params: dict 
       cfg: the decode engine's `ModelConfig` (`slope_jax.kv.model_config` of vLLM's hf_config).
       cache_dtype: vLLM's KV cache element type ("float32", "bfloat16", "float16"; others are refused).
       params: the request's kv_transfer_params; its NUM_TOKENS_KEY / HASH_KEY, when present, must agree too.
-      sliding_needs_all: sliding layers must hold every token (plain KV manager with prefix caching, see module doc).
       verify_checksums: also compare each file's SHA-256 (sizes are always compared).
       check_fingerprint: also compare the model fingerprint (`slope_jax.kv.check_model`).
     Raises:
       ExportRefused naming the field: an inconsistent or unknown manifest, another model (layer count/kinds, KV
       heads, head_dim, window, fingerprint), another prompt (length or token hash), a dtype the cache cannot hold
-      exactly, a missing/short/modified file, or too few tokens kept on a sliding layer.
+      exactly, a missing/short/modified file. (Whether the sliding layers hold enough tokens depends on the request's
+      local prefix hit: `check_sliding`.)
     """
     try:
         m = kvfmt.read_manifest(path)
@@ -116,29 +124,40 @@ def validate(path: str, prompt: np.ndarray, cfg, cache_dtype: str, params: dict 
     if (m["dtype"], cache_dtype) not in _EXACT_CASTS:
         raise ExportRefused(f"{path}: dtype: the export is {m['dtype']}, vLLM's KV cache is {cache_dtype}: only exact "
                             "(equal or widening) conversions are done")
-    if sliding_needs_all and m["sliding_policy"] != "full" and n - 1 > 0:
-        lo = kvfmt.kept_range(n, kvfmt.SLIDING, cfg.sliding_window, False)[0]
-        if lo > 0:
-            raise ExportRefused(
-                f"{path}: sliding_policy: 'last_window' keeps tokens [{lo}, {n}) of sliding layers, but vLLM's plain "
-                "KV cache manager with prefix caching publishes every token's block as computed: use the hybrid KV "
-                "manager (the default), turn prefix caching off, or export with kv_full")
     try:
         kvfmt.verify_files(path, m, hashes=verify_checksums)
     except kvfmt.KVFormatError as e:
         raise ExportRefused(str(e)) from None
-    return Validated(path, m["run_nonce"], m["checksums"], n, m["dtype"])
+    sliding_from = kvfmt.kept_range(n, kvfmt.SLIDING, cfg.sliding_window, m["sliding_policy"] == "full")[0]
+    return Validated(path, m["run_nonce"], m["checksums"], n, m["dtype"], sliding_from)
 
 
-def layer_rows(kind: str, start: int, n: int, window: int, sliding_needs_all: bool) -> tuple[int, int]:
+def layer_rows(kind: str, start: int, n: int, window: int, block_size: int, mode: str) -> tuple[int, int]:
     """Token range [lo, hi) a layer of `kind` is given for a prompt of `n` tokens whose first `start` tokens vLLM
-    already holds: hi = n−1 (vLLM computes the last token); a sliding layer starts at n−W unless it must hold every
-    token (module doc)."""
+    already holds: hi = n−1 (vLLM computes the last token); a full layer, or a sliding layer under ALL, starts at
+    `start`; a sliding layer under WINDOW at n−W, under BLOCK at the start of the block (of `block_size` tokens) that
+    holds n−W (module doc)."""
     hi = n - 1
     lo = start
-    if kind == kvfmt.SLIDING and not sliding_needs_all:
-        lo = max(start, n - window)
+    if kind == kvfmt.SLIDING and mode != ALL:
+        first = max(0, n - window)
+        if mode == BLOCK:
+            first = first // block_size * block_size
+        elif mode != WINDOW:
+            raise ValueError(f"mode={mode!r}: expected {WINDOW!r}, {BLOCK!r} or {ALL!r}")
+        lo = max(start, first)
     return min(lo, hi), hi
+
+
+def check_sliding(export: Validated, lo: int, hi: int, mode: str) -> None:
+    """Raise ExportRefused if the export's sliding layers do not hold positions [lo, hi) (`layer_rows`)."""
+    if hi > lo and lo < export.sliding_from:
+        why = {BLOCK: "with prefix caching on, vLLM publishes the whole block holding position n−W as computed",
+               ALL: "with prefix caching on and the plain KV manager, vLLM publishes every token's block as computed",
+               WINDOW: "they are the keys the last prompt token attends to"}[mode]
+        raise ExportRefused(
+            f"{export.path}: sliding_policy: sliding layers hold tokens [{export.sliding_from}, {export.num_tokens}), "
+            f"vLLM needs [{lo}, {hi}) ({why}): export with kv_full, or turn prefix caching off on the decode engine")
 
 
 def slots(block_ids: list[int], block_size: int, lo: int, hi: int, null_block: int | None) -> np.ndarray:
