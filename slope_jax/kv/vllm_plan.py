@@ -52,9 +52,10 @@ class ExportRefused(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Validated:
-    """An export that passed every check for one prompt: `path`, its manifest's `run_nonce` and `checksums` (the
-    worker re-reads the manifest and refuses a different one), `num_tokens` n, its `dtype`, and `sliding_from`, the
-    first position its sliding layers hold (0 for `kv_full`, max(0, n−W) for `last_window`)."""
+    """An export that passed every check for one prompt: `path` (the resolved, immutable directory), its manifest's
+    `run_nonce` and `checksums` (the worker re-reads the manifest and refuses a different one), `num_tokens` n, its
+    `dtype`, and `sliding_from`, the first position its sliding layers hold (0 for `kv_full`, max(0, n−W) for
+    `last_window`)."""
 
     path: str
     run_nonce: str
@@ -99,6 +100,9 @@ def validate(path: str, prompt: np.ndarray, cfg, cache_dtype: str, params: dict 
       local prefix hit: `check_sliding`.)
     """
     try:
+        # Resolve the export once (a pointer to an immutable version directory from format 3 on; a plain directory is
+        # itself): validation and the worker's read then see the same files even if the id is re-exported meanwhile.
+        path = getattr(kvfmt, "resolve", os.path.realpath)(path)
         m = kvfmt.read_manifest(path)
         compat.check_model(m, cfg, path, check_fingerprint=check_fingerprint)
     except kvfmt.KVFormatError as e:
