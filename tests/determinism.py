@@ -11,8 +11,8 @@ allocator hands out, so such a fault shows as different bits (or NaN) between ru
             another), with `MALLOC_MMAP_THRESHOLD_` raised so that large buffers come from the reused heap too.
 
 Each child runs the batch `reps` times in its own process and prints one JSON line: a SHA-256 per request of its
-logits and K/V bytes, per rep. `run_matrix` starts the children (one process per allocator state) and returns their
-digests; `tests/test_determinism.py` asserts they are all equal.
+logits and K/V bytes, per rep. `run_matrix` starts the children together (one process per allocator state) and
+returns their digests; `tests/test_determinism.py` asserts they are all equal.
 
     PYTHONPATH=$PWD python tests/determinism.py --layout 2,4,1 --chunks 4 --state perturb   # one child, prints JSON
 """
@@ -113,19 +113,32 @@ def child(argv: list[str]) -> dict:
 
 
 def run_matrix(case: Case, states=STATES, reps: int = 1, timeout: float = 900) -> list[dict]:
-    """Run `case` once per allocator state, each in a fresh process (one after the other); returns their results.
-    Raises RuntimeError with the child's stderr tail if a child fails (a crash counts as a determinism failure)."""
-    out = []
+    """Run `case` once per allocator state, each in its own fresh process (started together: XLA compiles on one
+    thread, so they overlap on a multi-core machine); returns their results in `states` order. Raises RuntimeError
+    with the child's stderr tail if a child fails (a crash counts as a determinism failure)."""
+    procs = []
     for i, state in enumerate(states):
         env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
         env.pop("JAX_COMPILATION_CACHE_DIR", None)  # every process compiles its own program
         if state == "perturb":
             env.update(PERTURB_ENV, MALLOC_PERTURB_=str(90 + 16 * i))
         cmd = [sys.executable, os.path.abspath(__file__), *case.args(), "--state", state, "--reps", str(reps)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        procs.append((state, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                              text=True)))
+    out = []
+    for state, proc in procs:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
         if proc.returncode != 0:
-            raise RuntimeError(f"{case.name} [{state}]: child exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
-        out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            for _, other in procs:  # leave no child behind
+                if other.poll() is None:
+                    other.kill()
+                    other.communicate()
+            raise RuntimeError(f"{case.name} [{state}]: child exited with {proc.returncode}:\n{stderr[-3000:]}")
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
     return out
 
 
