@@ -378,7 +378,8 @@ def test_a_new_declared_parameter_flows_everywhere(monkeypatch, tmp_path):
         got = load_checkpoint(d, "bfloat16", layout=layout, progress=False)[1]["layers"]["gate_scale"]
         np.testing.assert_array_equal(np.asarray(got).view(np.uint16), new.view(np.uint16), err_msg=layout)
 
-    assert pipe_lib.param_partition_specs(cfg, ParallelConfig(), "bfloat16")["layers"]["gate_scale"] == Ps("pipeline", None, None)
+    specs = pipe_lib.param_partition_specs(cfg, ParallelConfig(), "bfloat16")
+    assert specs["layers"]["gate_scale"] == Ps("pipeline", None, None)
     engine = PrefillEngine.from_checkpoint(d, ParallelConfig(2, 2, 2), progress=False)
     placed = engine.params["layers"]["gate_scale"]
     assert placed.sharding.spec == Ps("pipeline", None, None) and placed.shape == (L, K, E)
