@@ -6,7 +6,8 @@ virtual devices' collectives is hidden by lucky zeros in a quiet process; these 
 allocator hands out, so such a fault shows as different bits (or NaN) between runs:
 
   torch     import torch and transformers first (their start-up allocations and thread pools);
-  arrays    allocate NaN-filled numpy and JAX arrays of ~0.5 GB and free them before the engine starts;
+  arrays    allocate NaN-filled numpy and JAX arrays of ~0.4 GB and free them before the engine starts (with
+            `MALLOC_MMAP_THRESHOLD_` raised: they go back to the heap, so freed memory the step reads holds NaN);
   perturb   glibc `MALLOC_PERTURB_` (every malloc'd block is filled with one byte pattern and freed blocks with
             another), with `MALLOC_MMAP_THRESHOLD_` raised so that large buffers come from the reused heap too.
 
@@ -61,8 +62,8 @@ def _prepare(state: str) -> None:
         import jax.numpy as jnp
         import numpy as np
 
-        host = [np.full(1 << 23, np.nan) for _ in range(4)]  # 4 × 64 MiB
-        dev = [jnp.full((1 << 22,), jnp.nan) + i for i in range(16)]  # 16 × 16 MiB
+        host = [np.full(1 << 21, np.nan) for _ in range(16)]  # 16 × 16 MiB, below the mmap threshold
+        dev = [jnp.full((1 << 21,), jnp.nan) + i for i in range(16)]  # 16 × 8 MiB
         for a in dev:
             a.block_until_ready()
         del host, dev
@@ -122,6 +123,8 @@ def run_matrix(case: Case, states=STATES, reps: int = 1, timeout: float = 900) -
         env.pop("JAX_COMPILATION_CACHE_DIR", None)  # every process compiles its own program
         if state == "perturb":
             env.update(PERTURB_ENV, MALLOC_PERTURB_=str(90 + 16 * i))
+        elif state == "arrays":
+            env["MALLOC_MMAP_THRESHOLD_"] = PERTURB_ENV["MALLOC_MMAP_THRESHOLD_"]
         cmd = [sys.executable, os.path.abspath(__file__), *case.args(), "--state", state, "--reps", str(reps)]
         procs.append((state, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                               text=True)))
