@@ -401,7 +401,8 @@ def test_a_new_declared_parameter_flows_everywhere(monkeypatch, tmp_path):
         got = load_checkpoint(d, "bfloat16", layout=layout, progress=False)[1]["layers"]["gate_scale"]
         np.testing.assert_array_equal(np.asarray(got).view(np.uint16), new.view(np.uint16), err_msg=layout)
 
-    assert pipe_lib.param_partition_specs(cfg, "bfloat16", L)["layers"]["gate_scale"] == Ps("pipeline", None, None)
+    specs = pipe_lib.param_partition_specs(cfg, ParallelConfig(), "bfloat16")
+    assert specs["layers"]["gate_scale"] == Ps("pipeline", None, None)
     engine = PrefillEngine.from_checkpoint(d, ParallelConfig(2, 2, 2), progress=False)
     placed = engine.params["layers"]["gate_scale"]
     assert placed.sharding.spec == Ps("pipeline", None, None) and placed.shape == (L, K, E)
@@ -428,6 +429,7 @@ def test_name_maps_cover_the_declaration_and_rules_use_a_mesh_axis_once(monkeypa
 
     from slope_jax.checkpoints import hf, names
     from slope_jax.parallel import pipeline as pipe_lib
+    from slope_jax.parallel.config import ParallelConfig
 
     for fmt, layouts in (("mxfp4", ("hf", "original")), ("dense", ("hf",))):
         cfg = dataclasses.replace(CONFIG_A, expert_format=fmt)
@@ -442,4 +444,4 @@ def test_name_maps_cover_the_declaration_and_rules_use_a_mesh_axis_once(monkeypa
         names.axis_groups(names.Name("layers/wq", "x", "q_heads*head_dim"), ("q_heads", "head_dim", "embed"))
     monkeypatch.setitem(pipe_lib.LOGICAL_RULES, "experts", "pipeline")
     with pytest.raises(ValueError, match="used twice"):
-        pipe_lib.param_partition_specs(CONFIG_A, "bfloat16", 4)
+        pipe_lib.param_partition_specs(CONFIG_A, ParallelConfig(), "bfloat16")

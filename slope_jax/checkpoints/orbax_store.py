@@ -101,7 +101,7 @@ def placement(cfg: ModelConfig, parallel: ParallelConfig, dtype, devices=None) -
     mesh = make_mesh(parallel, devices)
     plan = pipe_lib.plan_stages(cfg, parallel.pipeline)
     slots, rows = plan.pipeline * plan.stack_per_stage, pipe_lib.vocab_rows(cfg, parallel.pipeline)
-    pspecs = _flatten(pipe_lib.param_partition_specs(cfg, dtype, slots, rows, parallel.expert_degree(cfg)), leaf=Ps)
+    pspecs = _flatten(pipe_lib.param_partition_specs(cfg, parallel, dtype), leaf=Ps)
     specs = _flatten(model_lib.param_specs(cfg, dtype, num_layers=slots, vocab_rows=rows), leaf=model_lib.ParamSpec)
     return Placement(mesh, plan, pspecs, specs)
 

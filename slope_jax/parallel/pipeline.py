@@ -140,12 +140,16 @@ def logical_to_partition_spec(axes: tuple[str | None, ...], rules: dict | None =
     return Ps(*spec)
 
 
-def param_partition_specs(cfg: ModelConfig, dtype, num_slots: int, vocab_rows: int | None = None,
-                          expert_degree: int = 1) -> dict:
-    """PartitionSpec per parameter (same tree as the params), from the declared logical axes and
-    `logical_rules(expert_degree)`."""
-    specs = model_lib.param_specs(cfg, dtype, num_layers=num_slots, vocab_rows=vocab_rows)
-    rules = logical_rules(expert_degree)
+def param_partition_specs(cfg: ModelConfig, parallel: ParallelConfig, dtype) -> dict:
+    """PartitionSpec per parameter of a layout (same tree as the params): the declared logical axes of the stacked
+    parameters (`[P·n, …]` layers, `vocab_rows(cfg, P)` vocabulary rows) under `logical_rules` of the layout's
+    expert-parallel degree. Every step builder, loader and restore asks this one function with the whole
+    ParallelConfig, so no caller can leave out a degree (a step that declared the experts replicated while they are
+    split made jit all-gather them onto every device). Raises ValueError as `logical_to_partition_spec`."""
+    plan = plan_stages(cfg, parallel.pipeline)
+    specs = model_lib.param_specs(cfg, dtype, num_layers=plan.pipeline * plan.stack_per_stage,
+                                  vocab_rows=vocab_rows(cfg, parallel.pipeline))
+    rules = logical_rules(parallel.expert_degree(cfg))
     return jax.tree.map(lambda s: logical_to_partition_spec(s.axes, rules), specs,
                         is_leaf=lambda x: isinstance(x, model_lib.ParamSpec))
 
@@ -277,8 +281,7 @@ def build_prefill_step(cfg: ModelConfig, parallel: ParallelConfig, mesh, plan: S
             logits = collectives.vocab_parallel_gather(logits, P)[:, :cfg.vocab_size]
         return logits, kb, vb
 
-    pspecs = param_partition_specs(cfg, dtype, plan.pipeline * plan.stack_per_stage, vocab_rows(cfg, P),
-                                   parallel.expert_degree(cfg))
+    pspecs = param_partition_specs(cfg, parallel, dtype)
     tok_spec = Ps(None, CP_AXES)
     kv_spec = Ps(None, "pipeline", CP_AXES, None, None)
     fn = jax.shard_map(step_local, mesh=mesh, in_specs=(pspecs, tok_spec, Ps(CP_AXES), Ps()),

@@ -120,8 +120,9 @@ def build_chunked_prefill_step(cfg: ModelConfig, parallel: ParallelConfig, mesh,
         # [M, n, C, 2Pz, K, H] → [M, n, C·2Pz, K, H]: this device's rows in the chunked layout order
         return logits, kb.reshape(m_total, n, C * two_pz, kh, hd), vb.reshape(m_total, n, C * two_pz, kh, hd)
 
-    pspecs = pipe_lib.param_partition_specs(cfg, dtype, plan.pipeline * plan.stack_per_stage,
-                                            pipe_lib.vocab_rows(cfg, P))
+    # the same specs as the unchunked step, expert-parallel degree included (issue 19: the degree was once left out
+    # here, so with EP the step declared the experts replicated and jit gathered them onto every device)
+    pspecs = pipe_lib.param_partition_specs(cfg, parallel, dtype)
     tok_spec = Ps(None, CP_AXES)
     kv_spec = Ps(None, "pipeline", CP_AXES, None, None)
     fn = jax.shard_map(step_local, mesh=mesh, in_specs=(pspecs, tok_spec, Ps(CP_AXES), Ps()),

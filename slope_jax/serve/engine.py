@@ -160,18 +160,17 @@ class PrefillEngine:
             mesh = make_mesh(parallel, devices,
                              allow_cross_host_ulysses=kwargs.get("allow_cross_host_ulysses", False))
             plan = pipe_lib.plan_stages(cfg, parallel.pipeline)
-            shardings = cls._shardings(cfg, dtype, mesh, plan, parallel)
+            shardings = cls._shardings(cfg, dtype, mesh, parallel)
             params = ckpt_lib.load_params(ck, dtype, shardings=shardings, stack_layers=plan.flat,
                                           vocab_rows=pipe_lib.vocab_rows(cfg, parallel.pipeline), progress=progress)
         return cls(cfg, params, parallel, dtype, devices=devices, _placed=True, attention_impl=attention_impl,
                    moe_impl=moe_impl, **kwargs)
 
     @staticmethod
-    def _shardings(cfg, dtype, mesh, plan, parallel: ParallelConfig):
+    def _shardings(cfg, dtype, mesh, parallel: ParallelConfig):
         """NamedSharding per parameter: layers and vocabulary rows over `pipeline`, expert weights over
         `(ring, ulysses)` when expert parallelism is on."""
-        specs = pipe_lib.param_partition_specs(cfg, dtype, plan.pipeline * plan.stack_per_stage,
-                                               pipe_lib.vocab_rows(cfg, plan.pipeline), parallel.expert_degree(cfg))
+        specs = pipe_lib.param_partition_specs(cfg, parallel, dtype)
         return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 
     def _cast(self, params, device):
@@ -185,7 +184,7 @@ class PrefillEngine:
         entries = np.asarray(self.plan.flat)
         rows = pipe_lib.vocab_rows(self.cfg, self.parallel.pipeline)
         specs = model_lib.param_specs(self.cfg, self.dtype, num_layers=len(entries), vocab_rows=rows)
-        shardings = self._shardings(self.cfg, self.dtype, self.mesh, self.plan, self.parallel)
+        shardings = self._shardings(self.cfg, self.dtype, self.mesh, self.parallel)
 
         def put(path, a, spec, sh):
             a = np.asarray(a)
