@@ -3,7 +3,8 @@
 Checked against the single-device path (float32): logits and K/V of whole prefills on every EP layout, the per-device
 expert bytes (arrays and the compiled program's memory analysis), the MoE collective bytes in the compiled HLO
 against `plan.moe_traffic`, which expert rows the loader reads, skewed routing, pad tokens, the expert output bias,
-and the layout errors. CONFIG_E has 8 experts, so EP = R·U for R·U ∈ {2, 4, 8}.
+and the layout errors; with sequence chunks too (`test_ep_with_seq_chunks`: the experts stay split inside the
+chunked step). CONFIG_E has 8 experts, so EP = R·U for R·U ∈ {2, 4, 8}.
 """
 
 import functools
@@ -227,3 +228,44 @@ def test_declared_expert_axes():
     specs = model_lib.param_specs(CONFIG_E, "float32")["layers"]
     assert all(specs[n].axes[1] == "experts" for n in EXPERT_PARAMS)
     assert "experts" not in specs["router_w"].axes and "experts" not in specs["router_b"].axes
+
+
+HLO_DTYPES = {"float32": "f32", "bfloat16": "bf16", "uint8": "u8"}
+
+
+# (2,2,2)×C=4 (pipeline + EP + chunks) in the default suite; (1,2,4)×C=3 adds nothing new to the fault class: -m slow
+@pytest.mark.parametrize("layout,chunks", [((2, 2, 2), 4), pytest.param((1, 2, 4), 3, marks=pytest.mark.slow)])
+def test_ep_with_seq_chunks(layout, chunks, setup):
+    """Expert parallelism inside the sequence-pipelined step (issue 19): parity with one device, and the experts stay
+    split inside the chunked step — per-device expert bytes = total/(P·R·U) in the arrays and the compiled program's
+    arguments, and no array of the gathered (all-experts) shape anywhere in its HLO (the step once declared the
+    experts replicated, so jit all-gathered them onto every device: outputs right, memory 4–8× larger)."""
+    ckpt, prompts, expected = setup
+    p, r, u = layout
+    par = ParallelConfig(pipeline=p, ring=r, ulysses=u, seq_chunks=chunks)
+    ep = par.expert_degree(CONFIG_E)
+    assert ep == r * u and CONFIG_E.num_experts % (r * u) == 0
+    eng = PrefillEngine.from_checkpoint(ckpt, par, dtype="float32", progress=False,
+                                        devices=jax.devices()[:p * r * u], **TILES)
+    assert_prefill_close(expected, eng.prefill(prompts), F32_TOL)
+
+    layers = eng.params["layers"]
+    expert_total = sum(layers[k].nbytes for k in EXPERT_PARAMS)
+    devices = list(eng.mesh.devices.reshape(-1))
+    for d in devices:
+        assert _device_bytes({k: layers[k] for k in EXPERT_PARAMS}, d) * p * r * u == expert_total
+    t, m = eng.bucket(len(prompts[0])), par.in_flight
+    compiled = eng.compiled(t, m)
+    args = compiled.memory_analysis().argument_size_in_bytes
+    inputs = (m * t + t) * 4 // (r * u) + 4 * m  # tokens, positions (sharded over ring·ulysses), num_tokens
+    other = _device_bytes(eng.params, devices[0]) - _device_bytes({k: layers[k] for k in EXPERT_PARAMS}, devices[0])
+    assert abs((args - inputs - other) - expert_total / (p * r * u)) <= 0.02 * expert_total / (p * r * u)
+
+    collectives = [x for x in compiled.as_text().splitlines()
+                   if any(f" {c}(" in x or f" {c}-start(" in x for c in traffic.COLLECTIVES)]
+    for k in EXPERT_PARAMS:
+        local = layers[k].addressable_shards[0].data.shape  # [n, E/EP, …] on one device
+        assert local[1] * ep == CONFIG_E.num_experts, (k, local)
+        whole = (local[0], CONFIG_E.num_experts, *local[2:])
+        gathered = f"{HLO_DTYPES[layers[k].dtype.name]}[{','.join(map(str, whole))}]"
+        assert not [x for x in collectives if gathered in x], f"{k}: the chunked step gathers all experts ({gathered})"

@@ -301,6 +301,15 @@ def prefix_attention(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array,
         return qv, pv, attend(qv, k, v, pv, k_pos, state=sv)
 
     with jax.named_scope("prefix_ring"):
-        _, _, st = jax.lax.fori_loop(1, group, step, (q, q_pos, st))
+        # Unrolled (R·U − 1 static steps), not a `fori_loop`: on XLA:CPU (jaxlib 0.10.2) a collective-permute of
+        # the loop carry inside a known-trip-count loop nested in the tick scan of `seq_pipeline` intermittently read
+        # a peer's buffer while it was being rewritten or after it was freed — wrong logits (0.1–1.3 off), NaN, or a
+        # segfault inside InProcessCommunicator::CollectivePermute, depending on what the allocator handed out
+        # (issue 17; `tests/repro_prefix_ring_race.py`). Unrolled, every hop is its own collective on its own
+        # buffers; the HLO grows by R·U − 1 small attention calls per layer, the work and traffic do not change.
+        carry = (q, q_pos, st)
+        for hop in range(1, group):
+            carry = step(hop, carry)
+        st = carry[2]
         st = jax.tree.map(lambda a: jax.lax.ppermute(a, axes, perm), st)  # home
     return flat(st)
