@@ -178,6 +178,7 @@ def main(argv):
     from slope_jax.model import gpt_oss as model_lib
     from slope_jax.model import moe as moe_lib
     from slope_jax.model import rope
+    from slope_jax.model.options import StepOptions
     from slope_jax.plan import flops
 
     smoke = FLAGS.smoke
@@ -255,7 +256,8 @@ def main(argv):
 
     def forward_fn(a_impl, m_impl):
         def f(params, tokens, n):
-            logits, k, v = model_lib.forward(params, cfg, tokens, n, attention_impl=a_impl, moe_impl=m_impl)
+            logits, k, v = model_lib.forward(params, cfg, tokens, n,
+                                             StepOptions(attention_impl=a_impl, moe_impl=m_impl))
             return logits, k, v
         return f
 

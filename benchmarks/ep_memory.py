@@ -52,25 +52,18 @@ def _leaves(tree, prefix=""):
 def declared(cfg, name: str, layout, expert: int | None, tokens: int, device_gb: float) -> dict:
     """Per-device bytes of one layout from the declared shapes and the sharding rules (the engine's own tables)."""
     from slope_jax.model import gpt_oss as model
-    from slope_jax.parallel import pipeline as pipe_lib
+    from slope_jax.parallel import sharding, stages
     from slope_jax.parallel.config import ParallelConfig
     from slope_jax.plan import moe_traffic
 
     p, r, u = layout
     par = ParallelConfig(pipeline=p, ring=r, ulysses=u, expert=expert).validate(cfg)
     ep = par.expert_degree(cfg)
-    plan = pipe_lib.plan_stages(cfg, p)
-    rules = pipe_lib.logical_rules(ep)
-    mesh = {"pipeline": p, "ring": r, "ulysses": u}
-    specs = model.param_specs(cfg, "bfloat16", num_layers=p * plan.stack_per_stage,
-                              vocab_rows=pipe_lib.vocab_rows(cfg, p))
+    plan = stages.plan_stages(cfg, p)
+    specs = sharding.stacked_param_specs(cfg, par, "bfloat16")
     per_dev = {"experts": 0, "other": 0}
     for path, spec in _leaves(specs):
-        div = 1
-        for axis in spec.axes:
-            mapped = rules.get(axis)
-            for m in () if mapped is None else mapped if isinstance(mapped, tuple) else (mapped,):
-                div *= mesh[m]
+        div = stages.shards(spec.axes, cfg, par)
         nbytes = math.prod(spec.shape) * spec.dtype.itemsize
         assert nbytes % div == 0, (path, spec.shape, div)
         per_dev["experts" if path.split("/")[-1] in EXPERT_PARAMS else "other"] += nbytes // div

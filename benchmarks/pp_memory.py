@@ -75,21 +75,21 @@ def declared(name: str, pipelines) -> list[dict]:
 
     from slope_jax.model import gpt_oss as model
     from slope_jax.model.config import ModelConfig
-    from slope_jax.parallel import pipeline as pipe_lib
+    from slope_jax.parallel import sharding, stages
+    from slope_jax.parallel.config import ParallelConfig
     from slope_jax.plan import memory
 
     cfg = ModelConfig.from_json(os.path.join(os.path.dirname(__file__), "..", "configs", f"{name}.json"))
     out = []
     for p in pipelines:
-        plan = pipe_lib.plan_stages(cfg, p)
-        specs = model.param_specs(cfg, "bfloat16", num_layers=p * plan.stack_per_stage,
-                                  vocab_rows=pipe_lib.vocab_rows(cfg, p))
+        plan = stages.plan_stages(cfg, p)
+        par = ParallelConfig(pipeline=p, expert=1)
+        specs = sharding.stacked_param_specs(cfg, par, "bfloat16")
         per_dev = 0
         total = 0
         for spec in _leaves(specs):
             nbytes = int(np.prod(spec.shape)) * spec.dtype.itemsize
-            sharded = spec.axes[0] in pipe_lib.LOGICAL_RULES
-            per_dev += nbytes // p if sharded else nbytes
+            per_dev += nbytes // stages.shards(spec.axes, cfg, par)
         for spec in _leaves(model.param_specs(cfg, "bfloat16")):
             total += int(np.prod(spec.shape)) * spec.dtype.itemsize
         model_bytes = memory.param_bytes(cfg, 2, p)["total"]  # the planner's count (slope_jax.plan.memory)

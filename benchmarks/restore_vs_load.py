@@ -129,7 +129,7 @@ def _child(kind: str, layout: list[str]) -> dict:
     from jax.sharding import PartitionSpec as Ps
 
     from slope_jax.checkpoints import digest, hf, orbax_store
-    from slope_jax.parallel import pipeline as pipe_lib
+    from slope_jax.parallel import stages
     from slope_jax.parallel.config import ParallelConfig
 
     par = ParallelConfig(*(int(x) for x in layout))
@@ -145,7 +145,7 @@ def _child(kind: str, layout: list[str]) -> dict:
         shardings = jax.tree.map(lambda s: NamedSharding(pl.mesh, s), orbax_store._unflatten(pl.pspecs),
                                  is_leaf=lambda x: isinstance(x, Ps))
         params = hf.load_params(ck, FLAGS.dtype, shardings=shardings, stack_layers=pl.plan.flat,
-                                vocab_rows=pipe_lib.vocab_rows(cfg, par.pipeline), progress=False, reads=reads)
+                                vocab_rows=stages.vocab_rows(cfg, par), progress=False, reads=reads)
     else:
         if os.path.exists(orbax_dir):
             shutil.rmtree(orbax_dir)

@@ -27,8 +27,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _prefix_attention_fori(q, q_pos, k, v, k_pos, *, ring, ulysses, window=2**30, q_tile=256, kv_tile=256,
-                           impl="xla"):
+def _prefix_attention_fori(q, q_pos, k, v, k_pos, *, ring, ulysses, options, window=2**30):
     """`context_parallel.prefix_attention` as it was: the ring as a fori_loop over the carry."""
     import functools
 
@@ -38,7 +37,8 @@ def _prefix_attention_fori(q, q_pos, k, v, k_pos, *, ring, ulysses, window=2**30
 
     t, n, h = q.shape
     group = ring * ulysses
-    attend = functools.partial(attn_lib.attend, window=window, q_tile=q_tile, kv_tile=kv_tile, impl=impl)
+    attend = functools.partial(attn_lib.attend, window=window, q_tile=options.q_tile, kv_tile=options.kv_tile,
+                               impl=options.attention_impl)
     st = attend(q, k, v, q_pos, k_pos)
     axes = ("ring", "ulysses")
     perm = [(d, (d + 1) % group) for d in range(group)]

@@ -368,7 +368,7 @@ def test_a_new_declared_parameter_flows_everywhere(monkeypatch, tmp_path):
     from jax.sharding import PartitionSpec as Ps
 
     from slope_jax.checkpoints import names, orbax_store
-    from slope_jax.parallel import pipeline as pipe_lib
+    from slope_jax.parallel import sharding
     from slope_jax.parallel.config import ParallelConfig
     from slope_jax.serve.engine import PrefillEngine
 
@@ -401,7 +401,7 @@ def test_a_new_declared_parameter_flows_everywhere(monkeypatch, tmp_path):
         got = load_checkpoint(d, "bfloat16", layout=layout, progress=False)[1]["layers"]["gate_scale"]
         np.testing.assert_array_equal(np.asarray(got).view(np.uint16), new.view(np.uint16), err_msg=layout)
 
-    specs = pipe_lib.param_partition_specs(cfg, ParallelConfig(), "bfloat16")
+    specs = sharding.param_partition_specs(cfg, ParallelConfig(), "bfloat16")
     assert specs["layers"]["gate_scale"] == Ps("pipeline", None, None)
     engine = PrefillEngine.from_checkpoint(d, ParallelConfig(2, 2, 2), progress=False)
     placed = engine.params["layers"]["gate_scale"]
@@ -428,7 +428,7 @@ def test_name_maps_cover_the_declaration_and_rules_use_a_mesh_axis_once(monkeypa
     import dataclasses
 
     from slope_jax.checkpoints import hf, names
-    from slope_jax.parallel import pipeline as pipe_lib
+    from slope_jax.parallel import sharding, stages
     from slope_jax.parallel.config import ParallelConfig
 
     for fmt, layouts in (("mxfp4", ("hf", "original")), ("dense", ("hf",))):
@@ -442,6 +442,6 @@ def test_name_maps_cover_the_declaration_and_rules_use_a_mesh_axis_once(monkeypa
             assert n_params == len({e.param for e in table})
     with pytest.raises(ValueError, match="exactly once"):
         names.axis_groups(names.Name("layers/wq", "x", "q_heads*head_dim"), ("q_heads", "head_dim", "embed"))
-    monkeypatch.setitem(pipe_lib.LOGICAL_RULES, "experts", "pipeline")
+    monkeypatch.setitem(stages.LOGICAL_RULES, "experts", "pipeline")
     with pytest.raises(ValueError, match="used twice"):
-        pipe_lib.param_partition_specs(CONFIG_A, ParallelConfig(), "bfloat16")
+        sharding.param_partition_specs(CONFIG_A, ParallelConfig(pipeline=2), "bfloat16")

@@ -63,6 +63,9 @@ class _ReadLog:
                 log.append((self.name, key.start, key.stop))
                 return self.inner[key]
 
+            def get_shape(self):  # the loader's read digests ask the slice for its shape
+                return self.inner.get_shape()
+
         class Handle:
             def get_tensor(self, name):
                 log.append((name, 0, None))

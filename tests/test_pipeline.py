@@ -8,7 +8,7 @@ from conftest import CONFIG_B, CONFIGS, random_prompt
 
 from slope_jax.checkpoints import hf as ckpt_lib
 from slope_jax.model.config import ModelConfig
-from slope_jax.parallel import pipeline as pipe_lib
+from slope_jax.parallel import stages
 from slope_jax.parallel.config import ParallelConfig
 from slope_jax.serve.engine import PrefillEngine
 
@@ -59,25 +59,26 @@ def test_requests_in_flight_share_one_schedule(checkpoints, reference):
 
 def test_stage_split_is_stated_and_kinds_follow_global_index():
     cfg120 = ModelConfig.from_json("configs/gpt-oss-120b.json")
-    plan = pipe_lib.plan_stages(cfg120, 5)  # 36 layers on 5 stages: 8 + 7 + 7 + 7 + 7
+    plan = stages.plan_stages(cfg120, 5)  # 36 layers on 5 stages: 8 + 7 + 7 + 7 + 7
     assert [len(plan.stage_layers(p)) for p in range(5)] == [8, 7, 7, 7, 7]
     assert sorted(x for x in plan.flat if x >= 0) == list(range(36))
     for p in range(5):
         for s, layer in enumerate(plan.slot_layers[p]):
             if layer >= 0:  # slot 2j is sliding, 2j+1 full, by the layer's global index
                 assert cfg120.is_sliding(int(layer)) == (s % 2 == 0)
-    assert pipe_lib.plan_stages(cfg120, 4).empty_slots == 4  # 9 layers a stage: 10 slots, stacks of 9
-    assert pipe_lib.plan_stages(cfg120, 4).stack_per_stage == 9
-    assert pipe_lib.plan_stages(cfg120, 2).empty_slots == 0
+    assert stages.plan_stages(cfg120, 4).empty_slots == 4  # 9 layers a stage: 10 slots, stacks of 9
+    assert stages.plan_stages(cfg120, 4).stack_per_stage == 9
+    assert stages.plan_stages(cfg120, 2).empty_slots == 0
     cfg20 = ModelConfig.from_json("configs/gpt-oss-20b.json")
-    assert all(pipe_lib.plan_stages(cfg20, p).empty_slots == 0 for p in (1, 2, 3, 4, 6, 12))
+    assert all(stages.plan_stages(cfg20, p).empty_slots == 0 for p in (1, 2, 3, 4, 6, 12))
     # 9 layers on 4 stages: 3 + 2 + 2 + 2; a stage starting on a full layer leaves its first (sliding) slot empty
-    assert pipe_lib.plan_stages(CONFIG_B, 4).slot_layers.tolist() == [[0, 1, 2, -1], [-1, 3, 4, -1],
+    assert stages.plan_stages(CONFIG_B, 4).slot_layers.tolist() == [[0, 1, 2, -1], [-1, 3, 4, -1],
                                                                        [-1, 5, 6, -1], [-1, 7, 8, -1]]
 
 
 def test_each_device_holds_only_its_stage(checkpoints):
-    eng = PrefillEngine.from_checkpoint(checkpoints["B"]["mxfp4"], ParallelConfig(pipeline=4, ring=2),
+    par = ParallelConfig(pipeline=4, ring=2)
+    eng = PrefillEngine.from_checkpoint(checkpoints["B"]["mxfp4"], par,
                                         dtype="float32", progress=False, **TILES)
     w = eng.params["layers"]["wq"]
     full = ckpt_lib.load_checkpoint(checkpoints["B"]["mxfp4"], "float32", progress=False)[1]["layers"]["wq"]
@@ -91,7 +92,9 @@ def test_each_device_holds_only_its_stage(checkpoints):
             want = np.asarray(full[layer]) if layer >= 0 else 0
             np.testing.assert_array_equal(np.asarray(shard.data[j]), want)
     emb = eng.params["embed"]
-    assert all(sh.data.shape[0] == pipe_lib.vocab_rows(CONFIG_B, 4) // 4 for sh in emb.addressable_shards)
+    # vocabulary rows: split as the sharding table says (stages.vocab_shards devices)
+    assert all(sh.data.shape[0] == stages.vocab_rows(CONFIG_B, par) // stages.vocab_shards(par)
+               for sh in emb.addressable_shards)
 
 
 def test_loader_reads_each_stage_tensor_once(checkpoints, monkeypatch):
@@ -109,7 +112,8 @@ def test_loader_reads_each_stage_tensor_once(checkpoints, monkeypatch):
     layer_reads = [n for n in reads if n.startswith("model.layers.")]
     # 19 tensors per layer, every layer read exactly once in total (q/k/v etc. are separate tensors in HF layout)
     assert len(layer_reads) == len(set(layer_reads)) == 19 * CONFIG_B.num_hidden_layers
-    assert reads.count("model.embed_tokens.weight") == 2  # one row block per stage
+    # one row block per device: the vocabulary is split over all 8 (the sharding table, stages.vocab_shards)
+    assert reads.count("model.embed_tokens.weight") == 8
 
 
 @pytest.mark.parametrize("p", [1, 2, 4, 8])

@@ -95,6 +95,12 @@ def _package(mod: str) -> str | None:
     return parts[1] if len(parts) > 1 else None
 
 
+# the step module: only the engine may import it; the stage plan and the sharding table live in `parallel.stages`
+# (numpy only) and `parallel.sharding` for everyone else
+STEP_MODULES = ("slope_jax.parallel.pipeline",)
+STEP_IMPORTERS = ("slope_jax.serve.engine",) + STEP_MODULES
+
+
 def test_import_graph_is_acyclic_and_layered():
     graph = _graph()
     # the graph really covers the tree (a walker that found nothing would pass everything)
@@ -106,6 +112,12 @@ def test_import_graph_is_acyclic_and_layered():
     bad = [f"{m} imports {d}" for m, deps in graph.items() for d in deps
            if _package(m) in FORBIDDEN and _package(d) in FORBIDDEN[_package(m)]]
     assert not bad, bad
+    bad = [f"{m} imports the step module {d}" for m, deps in graph.items() for d in deps
+           if d in STEP_MODULES and m not in STEP_IMPORTERS]
+    assert not bad, bad
+    # the numpy-only stage plan is what parallel/, plan/ and checkpoints/ share
+    for user in ("slope_jax.parallel.pipeline", "slope_jax.plan.flops", "slope_jax.checkpoints.orbax_store"):
+        assert "slope_jax.parallel.stages" in graph[user] or "slope_jax.parallel.sharding" in graph[user], user
 
 
 def test_cycle_finder_finds_a_cycle():
@@ -137,8 +149,9 @@ print("ok")
 """
 
 JAX_FREE = ["slope_jax", "slope_jax.kv", "slope_jax.kv.format", "slope_jax.kv.vllm_plan", "slope_jax.plan",
-            "slope_jax.plan.flops", "slope_jax.plan.traffic", "slope_jax.parallel.config", "slope_jax.model.config",
-            "slope_jax.atomic", "slope_jax.serve.http", "slope_jax.serve.pd_proxy"]
+            "slope_jax.plan.flops", "slope_jax.plan.traffic", "slope_jax.parallel.config", "slope_jax.parallel.stages",
+            "slope_jax.model.config", "slope_jax.model.options", "slope_jax.atomic", "slope_jax.serve.http",
+            "slope_jax.serve.pd_proxy"]
 
 
 def test_jax_free_modules_import_without_jax():

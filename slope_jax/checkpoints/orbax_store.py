@@ -52,7 +52,7 @@ from slope_jax.checkpoints import host as host_lib
 from slope_jax.checkpoints.hf import CheckpointError
 from slope_jax.model import gpt_oss as model_lib
 from slope_jax.model.config import ModelConfig
-from slope_jax.parallel import pipeline as pipe_lib
+from slope_jax.parallel import sharding, stages
 from slope_jax.parallel.config import AXES, ParallelConfig
 from slope_jax.parallel.mesh import make_mesh
 
@@ -83,7 +83,7 @@ class Placement:
     """A layout's mesh, stage plan and per-parameter PartitionSpecs / declared specs (stacked, padded shapes)."""
 
     mesh: Mesh
-    plan: pipe_lib.StagePlan
+    plan: stages.StagePlan
     pspecs: dict  # flat "a/b" -> PartitionSpec
     specs: dict  # flat "a/b" -> model_lib.ParamSpec
 
@@ -99,10 +99,9 @@ def placement(cfg: ModelConfig, parallel: ParallelConfig, dtype, devices=None) -
         devices = devices[:1]
     parallel.validate(cfg, len(devices))
     mesh = make_mesh(parallel, devices)
-    plan = pipe_lib.plan_stages(cfg, parallel.pipeline)
-    slots, rows = plan.pipeline * plan.stack_per_stage, pipe_lib.vocab_rows(cfg, parallel.pipeline)
-    pspecs = _flatten(pipe_lib.param_partition_specs(cfg, parallel, dtype), leaf=Ps)
-    specs = _flatten(model_lib.param_specs(cfg, dtype, num_layers=slots, vocab_rows=rows), leaf=model_lib.ParamSpec)
+    plan = stages.plan_stages(cfg, parallel.pipeline)
+    pspecs = _flatten(sharding.param_partition_specs(cfg, parallel, dtype), leaf=Ps)
+    specs = _flatten(sharding.stacked_param_specs(cfg, parallel, dtype), leaf=model_lib.ParamSpec)
     return Placement(mesh, plan, pspecs, specs)
 
 
@@ -112,7 +111,7 @@ def _per_layer(name: str, spec: model_lib.ParamSpec) -> bool:
     return bool(spec.axes) and spec.axes[0] == "layers"
 
 
-def _stage_of(plan: pipe_lib.StagePlan) -> dict[int, tuple[int, int]]:
+def _stage_of(plan: stages.StagePlan) -> dict[int, tuple[int, int]]:
     """Global layer → (stage, index in the stage's stack)."""
     return {int(g): (p, j) for p in range(plan.pipeline) for j, g in enumerate(plan.stack_layers[p]) if g >= 0}
 
@@ -434,7 +433,7 @@ def convert(checkpoint, out, parallel: ParallelConfig = ParallelConfig(), dtype=
                              is_leaf=lambda x: isinstance(x, Ps))
     t0 = time.perf_counter()
     params = hf.load_params(ck, dtype, shardings=shardings, stack_layers=pl.plan.flat,
-                            vocab_rows=pipe_lib.vocab_rows(cfg, parallel.pipeline), progress=progress)
+                            vocab_rows=stages.vocab_rows(cfg, parallel), progress=progress)
     log.info("loaded %s in %.1f s", ck.path, time.perf_counter() - t0)
     if jax.process_index() == 0:  # before `save`, which writes the marker last
         os.makedirs(out, exist_ok=True)

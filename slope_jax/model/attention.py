@@ -26,6 +26,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from slope_jax.model import options as options_lib
+
 INVALID_POS = -(2**30)  # position of a key slot that holds no token
 NO_WINDOW = 2**30  # "window" of a full-attention layer
 
@@ -142,23 +144,16 @@ def _pad_to(x: jax.Array, n: int, value) -> jax.Array:
     return jnp.pad(x, widths, constant_values=value)
 
 
-ATTENTION_IMPLS = ("auto", "pallas", "xla")
+ATTENTION_IMPLS = options_lib.ATTENTION_IMPLS
 # H200 sweep (benchmarks/attention_blocks.py): 64x64, 4 warps, 2 stages best at 8K, within 1% at 32K
 PALLAS_MAX_BLOCK_Q = 64
 PALLAS_MAX_BLOCK_K = 64
 
 
 def resolve_impl(impl: str, platform: str | None = None) -> str:
-    """`attention_impl` → the concrete core: "auto" is "pallas" on GPUs (cuda, rocm) and "xla" elsewhere.
-
-    Raises ValueError naming the field for an unknown value.
-    """
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention_impl={impl!r}: expected one of {ATTENTION_IMPLS}")
-    if impl != "auto":
-        return impl
-    platform = platform or jax.default_backend()
-    return "pallas" if platform in ("gpu", "cuda", "rocm") else "xla"
+    """`attention_impl` → the concrete core (`options.resolve_attention`: "auto" is "pallas" on GPUs, "xla"
+    elsewhere; platform default: JAX's default backend). Raises ValueError naming the field for an unknown value."""
+    return options_lib.resolve_attention(impl, platform or jax.default_backend())
 
 
 def _kv_tile_range(qpt: jax.Array, kpt: jax.Array, window: jax.Array) -> jax.Array:
@@ -226,11 +221,14 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: ja
       q_tile, kv_tile: tile sizes (clipped to the lengths; the Pallas kernel also caps them at
         PALLAS_MAX_BLOCK_Q / PALLAS_MAX_BLOCK_K).
       impl: "xla" (this module's `lax.map` × `fori_loop` over tiles: the reference), "pallas" (the fused kernel of
-        `slope_jax.kernels.flash_attention`; its partial is merged into `state`), or "auto" (`resolve_impl`).
+        `slope_jax.kernels.flash_attention`; its partial is merged into `state`); "auto" is resolved before
+        (`options.StepOptions.resolve`) and raises ValueError here.
     Returns:
       Updated AttnState for the `Tq` queries. Scale `D^-0.5` is applied to q·k (spec §2.3).
     """
-    impl = resolve_impl(impl)
+    if impl not in ("xla", "pallas"):
+        raise ValueError(f"attention_impl={impl!r}: the step runs a concrete core, 'xla' or 'pallas' "
+                         "(resolve 'auto' with StepOptions.resolve)")
     window = jnp.asarray(window, jnp.int32)
     if impl == "pallas":
         return _attend_pallas(q, k, v, q_pos, k_pos, window, state, q_tile, kv_tile)

@@ -28,6 +28,7 @@ from slope_jax.model import attention as attn_lib
 from slope_jax.model import moe as moe_lib
 from slope_jax.model import rope
 from slope_jax.model.config import ModelConfig
+from slope_jax.model.options import StepOptions
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -216,16 +217,27 @@ AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 MoeFn = Callable[[jax.Array, jax.Array, dict], jax.Array]
 
 
+def local_moe(cfg: ModelConfig, options: StepOptions) -> MoeFn:
+    """The MoE block with every expert on this device (`moe.moe` with `options`' tile and concrete impl)."""
+    options.require_resolved()
+
+    def fn(h, valid, p):
+        return moe_lib.moe(h, valid, p, experts_per_token=cfg.experts_per_token, alpha=cfg.swiglu_alpha,
+                           limit=cfg.swiglu_limit, tile=options.moe_tile, impl=options.moe_impl)
+
+    return fn
+
+
 def layer(x: jax.Array, p: dict, cfg: ModelConfig, *, cos: jax.Array, sin: jax.Array, valid: jax.Array,
-          attend: AttendFn, moe_tile: int = 128, moe_impl: str = "loop", moe_fn: MoeFn | None = None):
+          attend: AttendFn, moe_fn: MoeFn | None = None):
     """One decoder block (spec §2 step 2) on local tokens.
 
     Args:
       x: `[T, D]` residual stream (activation dtype).  p: one layer's parameters (no `layers` axis).
       cos, sin: `[T, H/2]` RoPE tables at the tokens' global positions.  valid: bool `[T]`, False for padding.
       attend: the attention core (single-device blockwise, or context-parallel).
-      moe_tile, moe_impl: the MoE grouped compute (`moe.moe`: "loop", "ragged" or "auto").
-      moe_fn: the MoE block (default `moe.moe` with every expert local; expert parallelism passes its own).
+      moe_fn: the MoE block (default `local_moe` with the default options resolved for JAX's backend; the engine
+        passes `local_moe(cfg, options)` or expert parallelism's own).
     Returns:
       `(x [T, D], k [T, K, H], v [T, K, H])` — the new residual stream and this layer's post-RoPE K and V.
     """
@@ -237,11 +249,7 @@ def layer(x: jax.Array, p: dict, cfg: ModelConfig, *, cos: jax.Array, sin: jax.A
         x = x + o.astype(x.dtype)
     with jax.named_scope("moe"):
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-        if moe_fn is None:
-            y = moe_lib.moe(h, valid, p, experts_per_token=cfg.experts_per_token, alpha=cfg.swiglu_alpha,
-                            limit=cfg.swiglu_limit, tile=moe_tile, impl=moe_impl)
-        else:
-            y = moe_fn(h, valid, p)
+        y = (moe_fn or local_moe(cfg, StepOptions().resolve()))(h, valid, p)
         x = x + y.astype(x.dtype)
     return x, k, v
 
@@ -259,20 +267,21 @@ def layer_windows(cfg: ModelConfig) -> np.ndarray:
                        for i in range(cfg.num_hidden_layers)], np.int32)
 
 
-def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax.Array, *,
-            q_tile: int = 256, kv_tile: int = 256, moe_tile: int = 128, attention_impl: str = "xla",
-            moe_impl: str = "loop"):
+def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax.Array,
+            options: StepOptions = StepOptions()):
     """Single-device prefill of one sequence (the reference path every parallel layout is compared against).
 
     Args:
       params: the parameter pytree (`layers` stacked over all L layers).
       tokens: int32 `[T]` token ids, the first `num_tokens` real, the rest padding (any ids).
       num_tokens: int32 scalar, 1 ≤ num_tokens ≤ T.
-      attention_impl: "xla" | "pallas" | "auto" (`attention.attend`); moe_impl: "loop" | "ragged" | "auto" (`moe.moe`).
+      options: tiles and implementations (`options.StepOptions`; "auto" is resolved here for JAX's default backend,
+        as the engine resolves it for its devices).
     Returns:
       `(logits [V] float32 at position num_tokens−1, k [L, T, K, H], v [L, T, K, H])` with K/V post-RoPE in the
       activation dtype, natural token order (rows ≥ num_tokens are padding).
     """
+    options = options.resolve()
     t = tokens.shape[0]
     positions = jnp.arange(t, dtype=jnp.int32)
     valid = positions < num_tokens
@@ -285,10 +294,10 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax.A
         def attend(q, k, v, sinks):
             # Pad keys sit at positions >= num_tokens, after every real query: causality hides them.
             return attn_lib.attention(q, k, v, positions, positions, sinks, window=window,
-                                      q_tile=q_tile, kv_tile=kv_tile, impl=attention_impl)
+                                      q_tile=options.q_tile, kv_tile=options.kv_tile,
+                                      impl=options.attention_impl)
 
-        x, k, v = layer(x, p, cfg, cos=cos, sin=sin, valid=valid, attend=attend, moe_tile=moe_tile,
-                        moe_impl=moe_impl)
+        x, k, v = layer(x, p, cfg, cos=cos, sin=sin, valid=valid, attend=attend, moe_fn=local_moe(cfg, options))
         return x, (k, v)
 
     x, (ks, vs) = jax.lax.scan(body, x, (params["layers"], jnp.asarray(layer_windows(cfg))))

@@ -14,7 +14,7 @@ Notable:
   "ragged" runs the same sorted assignments through `jax.lax.ragged_dot` (one grouped matmul per projection over all
   experts, the layer's experts dequantized at once: transient `E·3·I·D` elements of the activation dtype). XLA
   lowers it to masked dense work over all experts (~E/k× the FLOPs) on the CPU and, measured, on an H200 too
-  (jax 0.11.2), so "auto" picks "loop" (`resolve_impl`).
+  (jax 0.11.2), so "auto" picks "loop" (`options.resolve_moe`).
 - Tokens marked invalid (padding) are routed to no expert (weight 0, an out-of-range id that `experts` skips): pads
   do no expert work, and the grouping of the real tokens does not depend on pad values.
 - `moe` = `route_valid` + `experts`; expert parallelism (`slope_jax.parallel.expert_parallel`) puts its dispatch and
@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from slope_jax.model import mxfp4
+from slope_jax.model import options as options_lib
 
 
 def route(h: jax.Array, w: jax.Array, b: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -64,24 +65,13 @@ def expert_weights(p: dict, e: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     return w1, w2
 
 
-MOE_IMPLS = ("auto", "ragged", "loop")
+MOE_IMPLS = options_lib.MOE_IMPLS
 
 
 def resolve_impl(impl: str, platform: str | None = None) -> str:
-    """`moe_impl` → the concrete grouped compute. "auto" is "loop" on every backend measured so far: on the CPU
-    ragged_dot is masked dense work, and on an H200 (jax 0.11.2, benchmarks/device_prefill.py, gpt-oss-20b layer,
-    8192 tokens) one layer's MoE took 69.9 ms with "ragged" against 16.5 ms with "loop" — XLA's GPU ragged_dot also
-    did dense work over all E experts (7.8 GB program vs 0.7 GB). `platform` is accepted so that a backend that runs
-    ragged_dot as a grouped GEMM can be switched here once measured.
-
-    Raises ValueError naming the field for an unknown value.
-    """
-    if impl not in MOE_IMPLS:
-        raise ValueError(f"moe_impl={impl!r}: expected one of {MOE_IMPLS}")
-    if impl != "auto":
-        return impl
-    del platform
-    return "loop"
+    """`moe_impl` → the concrete grouped compute (`options.resolve_moe`: "auto" is "loop", measured there).
+    Raises ValueError naming the field for an unknown value."""
+    return options_lib.resolve_moe(impl, platform or "")
 
 
 def all_expert_weights(p: dict, dtype) -> tuple[jax.Array, jax.Array]:
@@ -123,7 +113,8 @@ def moe(h: jax.Array, valid: jax.Array, p: dict, *, experts_per_token: int, alph
         `w1_blocks [E, 2I, D/32, 16]`, `w1_scales [E, 2I, D/32]`, `w2_blocks [E, D, I/32, 16]`, `w2_scales [E, D, I/32]`
         (MXFP4) or `w1 [E, 2I, D]`, `w2 [E, D, I]`.
       tile: rows per expert matmul (loop).
-      impl: "loop", "ragged" or "auto" (`resolve_impl`); the result is the same up to float32 summation order.
+      impl: "loop" or "ragged" ("auto" is resolved before, `options.StepOptions.resolve`, and raises ValueError
+        here); the result is the same up to float32 summation order.
     Returns:
       `[T, D]` float32: `Σ_k w_k · (W2 a(W1 h + b1) + b2)` over each token's k experts.
     """
@@ -164,7 +155,10 @@ def experts(h: jax.Array, weights: jax.Array, ids: jax.Array, p: dict, *, alpha:
     counts = jnp.bincount(flat_ids, length=n_exp + 1)[:n_exp].astype(jnp.int32)
     starts = jnp.cumsum(counts) - counts
     n_assign = t * k
-    if resolve_impl(impl) == "ragged":
+    if impl not in ("loop", "ragged"):
+        raise ValueError(f"moe_impl={impl!r}: the step runs a concrete compute, 'loop' or 'ragged' "
+                         "(resolve 'auto' with StepOptions.resolve)")
+    if impl == "ragged":
         expert = flat_ids[order]
         # assignments with no expert here sort last, past every group: ragged_dot leaves them 0, and the weight mask
         # drops the bias their clamped index would add

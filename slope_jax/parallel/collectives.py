@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from slope_jax.parallel.config import AXES, CP_AXES
+
 
 def ulysses_seq_to_heads(x: jax.Array) -> jax.Array:
     """`[…, 2, Pz_{ring,ulysses}, n, H] → […, 2, C_{ring}, n/U_{ulysses}, H]` (all-to-all over `ulysses`).
@@ -110,27 +112,49 @@ def gather_sequence(x: jax.Array, ring: int, ulysses: int) -> jax.Array:
     return g.reshape(-1, *x.shape[2:])
 
 
-def vocab_parallel_embed(table: jax.Array, ids: jax.Array, pipeline: int) -> jax.Array:
-    """Embedding lookup with the table's vocabulary rows sharded over `pipeline`.
+def vocab_shard_index(axes=AXES) -> jax.Array:
+    """This device's block of a dimension split over `axes` (linear index, major to minor, as a PartitionSpec entry
+    `axes` places blocks)."""
+    idx = jnp.int32(0)
+    for name in axes:
+        idx = idx * jax.lax.axis_size(name) + jax.lax.axis_index(name)
+    return idx
 
-    `table`: `[V'/P_{pipeline}, D]` (this stage's rows), `ids`: int32 `[…]` (replicated over `pipeline`) →
-    `[…, D]` on every stage: each stage contributes the rows it holds (zeros elsewhere), one psum over `pipeline`.
-    Exact: exactly one stage contributes a non-zero row per token.
+
+def vocab_parallel_embed(table: jax.Array, ids: jax.Array, pipeline: int, cp: int) -> jax.Array:
+    """Embedding lookup with the table's vocabulary rows split over every device (`(pipeline, ring, ulysses)`).
+
+    `table`: `[V'/(P·R·U), D]` (this device's rows, block `vocab_shard_index()`), `ids`: int32 `[M, T_loc]` sharded
+    over `(ring, ulysses)` (cp = R·U devices) along tokens, replicated over `pipeline` → `[M, T_loc, D]`, the same on
+    every stage. Per request: all-gather the ids of the stage `[T]`, take the rows this device holds (zeros
+    elsewhere), reduce-scatter over `(ring, ulysses)` back to the local tokens, psum over `pipeline`. Exact: exactly
+    one device contributes a non-zero row per token. Transient per device: one request's `[T, D]`; operand bytes per
+    request: 4·T_loc (ids) + T·D·b (reduce-scatter) + T_loc·D·b (psum), each only where its group has > 1 device.
     """
-    if pipeline == 1:
+    if pipeline * cp == 1:
         return table[ids]
     rows = table.shape[0]
-    local = ids - jax.lax.axis_index("pipeline") * rows
-    mine = (local >= 0) & (local < rows)
-    x = jnp.where(mine[..., None], table[jnp.clip(local, 0, rows - 1)], 0)
-    return jax.lax.psum(x, "pipeline")
+    base = vocab_shard_index() * rows
+
+    def one(ids_loc):
+        # [T] in token-shard order r·U + u
+        ids_all = jax.lax.all_gather(ids_loc, CP_AXES, axis=0, tiled=True) if cp > 1 else ids_loc
+        local = ids_all - base
+        mine = (local >= 0) & (local < rows)
+        x = jnp.where(mine[:, None], table[jnp.clip(local, 0, rows - 1)], 0)
+        if cp > 1:
+            x = jax.lax.psum_scatter(x, CP_AXES, scatter_dimension=0, tiled=True)  # [T_loc, D]
+        return jax.lax.psum(x, "pipeline") if pipeline > 1 else x
+
+    return jax.lax.map(one, ids)
 
 
-def vocab_parallel_gather(logits: jax.Array, pipeline: int) -> jax.Array:
-    """`[…, V'/P_{pipeline}] → […, V']`: all-gather of per-stage vocabulary slices along the last axis."""
-    if pipeline == 1:
+def vocab_parallel_gather(logits: jax.Array, num_shards: int) -> jax.Array:
+    """`[…, V'/S] → […, V']`: all-gather of per-device vocabulary slices along the last axis, over every device
+    (block order `vocab_shard_index`)."""
+    if num_shards == 1:
         return logits
-    return jax.lax.all_gather(logits, "pipeline", axis=logits.ndim - 1, tiled=True)
+    return jax.lax.all_gather(logits, AXES, axis=logits.ndim - 1, tiled=True)
 
 
 def expert_dispatch(x, axes=("ring", "ulysses")):

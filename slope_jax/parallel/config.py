@@ -29,7 +29,7 @@ class ParallelConfig:
       (EP = R·U), or replicated on every device (EP = 1). Default None = R·U when it divides num_experts, else 1
       (`expert_degree`). Sub-groups (1 < EP < R·U, experts replicated over R·U/EP groups) are not supported.
     seq_chunks: sequence chunks per request (C, default 1): each request is cut into C equal chunks that stream
-      through the pipeline stages (sequence-pipelined prefill, `parallel.seq_pipeline`), so stages cut one request's
+      through the pipeline stages (sequence-pipelined prefill, `parallel.pipeline`), so stages cut one request's
       TTFT; the zigzag layout applies inside each chunk. Padded lengths become multiples of 2·R·U·C.
     The mesh needs exactly P·R·U devices.
     """
@@ -56,6 +56,25 @@ class ParallelConfig:
         if self.seq_chunks > 1 and self.num_devices == 1:
             raise LayoutError(f"seq_chunks={self.seq_chunks} needs a multi-device layout: chunks stream through "
                               "pipeline stages of a shard_map step (one device runs the unchunked reference path)")
+
+    def replace(self, **changes) -> ParallelConfig:
+        """A copy with `changes` (field name → value), validated like a new one (LayoutError naming the field;
+        TypeError for an unknown field). Every field is carried over, so no caller rebuilds a layout by hand."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        """Field name → value (JSON-ready); `ParallelConfig.from_dict` round-trips it."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ParallelConfig:
+        """The layout from `to_dict` (or any mapping of its fields; missing fields take their defaults). Raises
+        LayoutError naming unknown fields or a field that breaks its rule."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise LayoutError(f"unknown ParallelConfig field(s) {unknown}: expected some of {sorted(names)}")
+        return cls(**d)
 
     def expert_degree(self, cfg: ModelConfig) -> int:
         """The EP degree for this model: `expert` if set, else R·U when it divides num_experts, else 1."""

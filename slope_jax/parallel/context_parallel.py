@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from slope_jax.model import attention as attn_lib
+from slope_jax.model.options import StepOptions
 from slope_jax.parallel import collectives
 
 
@@ -111,8 +112,7 @@ def _select(pred, a, b):
 
 
 def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, sinks: jax.Array, *, ring: int,
-                   ulysses: int, q_tile: int = 256, kv_tile: int = 256, prefix: attn_lib.AttnState | None = None,
-                   impl: str = "xla") -> jax.Array:
+                   ulysses: int, options: StepOptions, prefix: attn_lib.AttnState | None = None) -> jax.Array:
     """Causal sink attention over the whole (context-parallel) sequence.
 
     Args:
@@ -121,7 +121,7 @@ def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, s
       prefix: optional partial state of the same local queries over keys outside this sequence (earlier sequence
         chunks, `prefix_attention`; o `[2Pz, N, H]`, m, l `[2Pz, N]`): moved to head shards with the same Ulysses
         all-to-all and merged before the sink enters.
-      impl: the local attention core of every block (`attention.attend`: "xla", "pallas" or "auto").
+      options: resolved step options: the tiles and local attention core of every block (`attention.attend`).
     Returns:
       `[2Pz, N, H]` attention output in q's dtype, layout order.
     """
@@ -139,7 +139,22 @@ def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, s
         kvc = collectives.ulysses_seq_to_heads(kvc)  # [2, 2, C, K'/U, H]
         sinks = _local_sinks(sinks, U)
     posc = pos.chunks
-    attend = functools.partial(attn_lib.attend, q_tile=q_tile, kv_tile=kv_tile, impl=impl)
+    attend = functools.partial(attn_lib.attend, q_tile=options.q_tile, kv_tile=options.kv_tile,
+                               impl=options.attention_impl)
+    st0, st1 = _zigzag_ring(qc, kvc, posc, pos.ring, attend, R)
+    if prefix is not None:
+        st0, st1 = _merge_prefix((st0, st1), prefix, U)
+    out = jnp.stack([attn_lib.finalize(st0, sinks), attn_lib.finalize(st1, sinks)]).astype(q.dtype)  # [2, C, N/U, H]
+    if U > 1:
+        out = collectives.ulysses_heads_to_seq(out)
+    return out.reshape(two_pz, n, h)
+
+
+def _zigzag_ring(qc, kvc, posc, ring_pos, attend, R: int):
+    """The zigzag ring of `full_attention` on head shards: qc `[2, C, N', H]` (this rank's chunks r and 2R−1−r), kvc
+    `[kv, 2, C, K', H]`, posc `[2, C]`, ring_pos: the positions that travel with each rank's block. Step 0 attends to
+    the own chunks (causal diagonal); then R − 1 ring steps, the next `ring_pass` issued before each step's compute.
+    Returns the two chunks' AttnStates (no sink yet)."""
     q0, q1 = qc[0], qc[1]
     p0, p1 = posc[0], posc[1]
 
@@ -154,7 +169,7 @@ def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, s
 
     def ring_step(step, kv_blk, st0, st1):
         s = (r - step) % R
-        pos_blk = pos.ring[s]  # the positions that travel with rank s's block
+        pos_blk = ring_pos[s]  # the positions that travel with rank s's block
         before = s < r
         # block A: (s < r: q chunk r | else: q chunk 2R−1−r) × KV chunk s
         st_a = attend(jnp.where(before, q0, q1), kv_blk[0, 0], kv_blk[1, 0], jnp.where(before, p0, p1), pos_blk[0],
@@ -176,20 +191,15 @@ def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, s
         with jax.named_scope("ring_step_last"):
             st0, st1 = ring_step(R - 1, cur, st0, st1)
 
-    if prefix is not None:
-        st0, st1 = _merge_prefix((st0, st1), prefix, U)
-    out = jnp.stack([attn_lib.finalize(st0, sinks), attn_lib.finalize(st1, sinks)]).astype(q.dtype)  # [2, C, N/U, H]
-    if U > 1:
-        out = collectives.ulysses_heads_to_seq(out)
-    return out.reshape(two_pz, n, h)
+    return st0, st1
 
 
 def sliding_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, sinks: jax.Array, *, ring: int,
-                      ulysses: int, window: int, q_tile: int = 256, kv_tile: int = 256,
-                      prefix: attn_lib.AttnState | None = None, impl: str = "xla") -> jax.Array:
+                      ulysses: int, window: int, options: StepOptions,
+                      prefix: attn_lib.AttnState | None = None) -> jax.Array:
     """Sliding-window sink attention with a halo exchange: each piece sees the W−1 tokens before it.
 
-    Args: as `full_attention` (`prefix` merged per piece, no all-to-all; `impl`), plus `window` (keys per query,
+    Args: as `full_attention` (`prefix` merged per piece, no all-to-all; `options`), plus `window` (keys per query,
     itself included).
     Returns: `[2Pz, N, H]` in q's dtype, layout order.
     """
@@ -216,7 +226,8 @@ def sliding_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions
     outs = []
     for slot in range(2):
         st = attn_lib.attend(q[slot * pz:(slot + 1) * pz], keys[slot, :, 0], keys[slot, :, 1], pp[slot], kpos[slot],
-                             window=window, q_tile=q_tile, kv_tile=kv_tile, impl=impl)
+                             window=window, q_tile=options.q_tile, kv_tile=options.kv_tile,
+                             impl=options.attention_impl)
         if prefix is not None:
             pre = jax.tree.map(lambda a: a[slot * pz:(slot + 1) * pz], prefix)
             st = attn_lib.merge(st, _grouped(pre, st.o.shape[1]))
@@ -249,11 +260,11 @@ def _merge_prefix(states, prefix: attn_lib.AttnState, ulysses: int):
 
 
 def prefix_attention(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array, k_pos: jax.Array, *, ring: int,
-                     ulysses: int, window: int | jax.Array = attn_lib.NO_WINDOW, q_tile: int = 256,
-                     kv_tile: int = 256, impl: str = "xla") -> attn_lib.AttnState:
+                     ulysses: int, options: StepOptions,
+                     window: int | jax.Array = attn_lib.NO_WINDOW) -> attn_lib.AttnState:
     """Partial attention (no sink) of the local queries over keys that stay where they are: the K/V of earlier
     sequence chunks that this stage stored, spread over the R·U devices of its `(ring, ulysses)` group
-    (sequence-pipelined prefill, `parallel.seq_pipeline`).
+    (sequence-pipelined prefill, `parallel.pipeline`).
 
     The queries travel, not the keys: (q, positions, state) go once round the R·U devices (`ppermute` d → d+1 over
     `(ring, ulysses)`); each device folds its own stored keys into the visiting state, and after R·U passes every
@@ -264,14 +275,16 @@ def prefix_attention(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array,
 
     Args:
       q: `[2Pz, N, H]` local queries (post-RoPE); q_pos: int32 `[2Pz]`; k, v: `[S, K, H]` this device's stored keys;
-      k_pos: int32 `[S]` their global positions (negative = no key); window: as `attention.attend`.
+      k_pos: int32 `[S]` their global positions (negative = no key); window: as `attention.attend`; options: as
+      `full_attention`.
     Returns:
       Head-flat AttnState of the local queries: o `[2Pz, N, H]`, m, l `[2Pz, N]` float32 (merge it with
       `full_attention(prefix=…)` / `sliding_attention(prefix=…)`; the sink enters there, once).
     """
     t, n, h = q.shape
     group = ring * ulysses
-    attend = functools.partial(attn_lib.attend, window=window, q_tile=q_tile, kv_tile=kv_tile, impl=impl)
+    attend = functools.partial(attn_lib.attend, window=window, q_tile=options.q_tile, kv_tile=options.kv_tile,
+                               impl=options.attention_impl)
 
     def flat(st):
         return attn_lib.AttnState(st.o.reshape(t, n, h), st.m.reshape(t, n), st.l.reshape(t, n))

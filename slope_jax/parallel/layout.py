@@ -62,7 +62,7 @@ def bucket_length(n: int, multiple: int = 1, minimum: int = 16) -> int:
 
 
 def chunked_layout_positions(t: int, ring: int, ulysses: int, chunks: int) -> np.ndarray:
-    """int32 `[T]`: the layout of sequence-pipelined prefill (`parallel.seq_pipeline`).
+    """int32 `[T]`: the layout of sequence-pipelined prefill (`parallel.pipeline`).
 
     T is cut into `chunks` sequence chunks of Tc = T/chunks tokens; the zigzag layout is applied inside each chunk;
     rows stay device-major (device d owns rows [d·chunks·2Pz, (d+1)·chunks·2Pz), Pz = Tc/(2·R·U)), chunk-major inside

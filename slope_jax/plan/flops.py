@@ -21,13 +21,13 @@ Executed FLOPs per device (`per_device`) follow the engine's structure (`model/a
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
 import numpy as np
 
 from slope_jax.model.config import ModelConfig
+from slope_jax.model.options import StepOptions
 
 INVALID_POS = -(2**30)  # attention.INVALID_POS (kept here so that this module needs no JAX)
 NO_WINDOW = 2**30
@@ -112,31 +112,18 @@ def _layout_positions(t: int, ring: int, ulysses: int) -> np.ndarray:
     return layout.layout_positions(t, ring, ulysses)
 
 
-@dataclasses.dataclass(frozen=True)
-class Tiles:
-    """Tile sizes of the compiled step (engine defaults)."""
-
-    q_tile: int = 256
-    kv_tile: int = 256
-    moe_tile: int = 128
+# The tile model is the step's own options (`model.options.StepOptions`: q_tile, kv_tile, moe_tile; the planner
+# ignores the implementations): one definition, one set of defaults.
+Tiles = StepOptions
 
 
 def stage_slots(cfg: ModelConfig, pipeline: int) -> tuple[int, int]:
-    """(slots per stage S, stack entries per stage n) of the engine's stage split (`pipeline.plan_stages`): stages
-    of ⌈L/P⌉ or ⌊L/P⌋ consecutive layers in alternating sliding/full slots (a gap where kinds do not alternate)."""
-    L = cfg.num_hidden_layers
-    sizes = [L // pipeline + (1 if p < L % pipeline else 0) for p in range(pipeline)]
-    longest, start = 0, 0
-    for size in sizes:
-        slots = 0
-        for layer in range(start, start + size):
-            parity = 0 if cfg.is_sliding(layer) else 1
-            if slots % 2 != parity:
-                slots += 1
-            slots += 1
-        longest = max(longest, slots)
-        start += size
-    return longest + longest % 2, max(sizes)
+    """(slots per stage S, stack entries per stage n) of the engine's stage split (`parallel.stages.plan_stages`,
+    the one implementation)."""
+    from slope_jax.parallel import stages  # numpy only
+
+    plan = stages.plan_stages(cfg, pipeline)
+    return plan.slots_per_stage, plan.stack_per_stage
 
 
 def _attention_calls(cfg: ModelConfig, t: int, ring: int, ulysses: int, tiles: Tiles) -> dict[str, np.ndarray]:

@@ -4,7 +4,8 @@ estimate of XLA's temporaries, by part.
 Parameters (`gpt_oss.Layers` declarations): per layer q/k/v/o weights and biases, router, expert biases in the
 activation dtype; norms and sinks float32; experts MXFP4-packed — 16 bytes of 4-bit values per 32 weights plus one
 scale byte, 4.25 bits per weight (OCP MX spec v1.0 §5; spec/gpt-oss.md) — or dense; experts divided by the EP degree.
-A stage stores ⌈L/P⌉ layers; embedding and unembedding rows are split over the P stages.
+A stage stores ⌈L/P⌉ layers; embedding and unembedding rows are split over every device, as the sharding table says
+(`parallel.stages.vocab_rows` / `vocab_shards`: V rounded up to a multiple of P·R·U, 1/(P·R·U) of it per device).
 
 Temporaries (an estimate of the live set XLA's buffer assignment keeps; each term below was read off the
 memory-usage report of compiled steps, `--xla_dump_to`):
@@ -36,10 +37,15 @@ from slope_jax.plan.flops import Tiles, stage_slots
 MXFP4_BITS = 4.25
 
 
-def param_bytes(cfg: ModelConfig, dtype_bytes: int, pipeline: int = 1, expert: int = 1) -> dict[str, float]:
-    """Parameter bytes per device: {"attention", "router", "experts", "embeddings", "total"}."""
+def param_bytes(cfg: ModelConfig, dtype_bytes: int, pipeline: int = 1, expert: int = 1, *, ring: int = 1,
+                ulysses: int = 1) -> dict[str, float]:
+    """Parameter bytes per device of layout (pipeline, ring, ulysses) with EP degree `expert`: {"attention",
+    "router", "experts", "embeddings", "total"}."""
+    from slope_jax.parallel import stages  # numpy only
+    from slope_jax.parallel.config import ParallelConfig
+
     D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    E, I, V = cfg.num_experts, cfg.intermediate_size, cfg.vocab_size
+    E, I = cfg.num_experts, cfg.intermediate_size
     b = dtype_bytes
     _, n = stage_slots(cfg, pipeline)
     attn = (N * H * D + N * H + 2 * (K * H * D + K * H) + D * N * H + D) * b + (2 * D + N) * 4
@@ -49,7 +55,8 @@ def param_bytes(cfg: ModelConfig, dtype_bytes: int, pipeline: int = 1, expert: i
     else:
         weights = E * (2 * I * D + D * I) * b
     experts = (weights + E * (2 * I + D) * b) / expert
-    vrows = -(-V // pipeline)
+    par = ParallelConfig(pipeline=pipeline, ring=ring, ulysses=ulysses)
+    vrows = stages.vocab_rows(cfg, par) // stages.vocab_shards(par)
     out = {"attention": n * attn, "router": n * router, "experts": n * experts,
            "embeddings": 2 * vrows * D * b + D * 4}
     out["total"] = sum(out.values())

@@ -153,7 +153,7 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
     step_s = compute_s + comm_s + overhead_s
     fill_s = step_s * (P - 1) / ticks_run if devices > 1 else 0.0
 
-    params = memory.param_bytes(cfg, b, P, ep)
+    params = memory.param_bytes(cfg, b, P, ep, ring=R, ulysses=U)
     temps = memory.temp_bytes(cfg, P, R, U, t, m, b, tiles, ep)
     mem = {"parameters": params["total"], "inputs": memory.input_bytes(t, m, R * U),
            "temporaries": temps["total"], "kv_export": memory.kv_export_bytes(cfg, P, R, U, t, m, b)}

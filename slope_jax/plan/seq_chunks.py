@@ -1,4 +1,4 @@
-"""Schedule math of sequence-pipelined prefill (`parallel.seq_pipeline`): predicted TTFT for (P, R, U, C). No JAX.
+"""Schedule math of sequence-pipelined prefill (`parallel.pipeline`): predicted TTFT for (P, R, U, C). No JAX.
 
 The compiled step is SPMD and lock-step: at tick k stage s runs chunk k − s, and a tick lasts as long as its slowest
 live stage. With per-chunk stage times `t[s][i]` (seconds) the critical path of one request is
@@ -29,7 +29,7 @@ from slope_jax.plan import flops as flops_lib
 
 
 def stage_slots(cfg: ModelConfig, pipeline: int) -> tuple[int, int]:
-    """(sliding, full) slots every stage computes under `parallel.pipeline.plan_stages`' stated split (half each of
+    """(sliding, full) slots every stage computes under `parallel.stages.plan_stages`' stated split (half each of
     `flops.stage_slots`' slot count)."""
     slots, _ = flops_lib.stage_slots(cfg, pipeline)
     return slots // 2, slots // 2

@@ -11,9 +11,12 @@ bytes, K' = max(K, U) KV heads after GQA replication, h = ⌈(W−1)/Pz⌉ halo 
   sliding layer: h·(2 + [U>1])·s·2·K·H·b, or 2Pz·2·K·H·b when gathered    (the halo's K and V, nothing else)
   full layer:    [U>1]·(2·2Pz·N·H·b + 2·2Pz·K'·H·b) + [R>1]·(R−1)·2·2C·(K'/U)·H·b   (Ulysses q, out, kv; ring kv)
   per tick:      S/2 · (sliding + full) + [RU>1]·4D (last-token psum) + [P>1]·2Pz·D·b (stage hand-off)
+                 + positions: [U>1]·4·2Pz + [R>1]·4·2C (all-gathers) + h·(2 + [U>1])·4s or 4·2Pz (halo positions)
   per step:      (M + P − 1) ticks
-                 + positions, once: [U>1]·4·2Pz + [R>1]·4·2C (all-gathers) + h·(2 + [U>1])·4s or 4·2Pz (halo positions)
-                 + [P>1]·(M·2Pz·D·b (vocab-parallel embedding psum) + 4·M·D + 4·M·V'/P (final states, logits))
+                 + vocabulary-parallel embedding (rows over all P·R·U devices), per request: [RU>1]·(4·2Pz (ids
+                   all-gather) + 2Pz·D·b (reduce-scatter of [T, D], counted by its result, as the HLO reader
+                   does; wire (RU−1)·2Pz·D·b)) + [P>1]·2Pz·D·b (psum over stages)
+                 + head: [P>1]·4·M·D (final states) + [PRU>1]·4·M·V'/(PRU) (logits all-gather)
 """
 
 from __future__ import annotations
@@ -148,17 +151,21 @@ def analytic_bytes(cfg: ModelConfig, parallel: ParallelConfig, t: int, m: int, s
     positions = halo_pos + (4 * 2 * pz if U > 1 else 0) + (4 * 2 * c if R > 1 else 0)
     head = 4 * D if R * U > 1 else 0
     pipe = 2 * pz * D * b if P > 1 else 0
-    vrows = -(-V // P) * P
-    embed = m * 2 * pz * D * b if P > 1 else 0
-    logits = 4 * m * D + 4 * m * vrows // P if P > 1 else 0
+    cp, shards = R * U, P * R * U
+    vslice = -(-V // shards)  # vocabulary rows per device (parallel.stages.vocab_rows / vocab_shards)
+    ids, scatter = (4 * 2 * pz, 2 * pz * D * b) if cp > 1 else (0, 0)
+    stage_sum = 2 * pz * D * b if P > 1 else 0
+    embed = m * (ids + scatter + stage_sum)
+    logits = (4 * m * D if P > 1 else 0) + (4 * m * vslice if shards > 1 else 0)
     out = {"sliding_layer": ticks * pairs * sliding, "full_layer": ticks * pairs * full, "head": ticks * head,
-           "pipeline": ticks * pipe, "positions": positions, "embed": embed, "logits": logits}
+           "pipeline": ticks * pipe, "positions": ticks * positions, "embed": embed, "logits": logits}
     out["total"] = sum(out.values())
     wire_pos = (halo_pos * max(gather, 1) + (4 * 2 * pz * (U - 1) if U > 1 else 0)
                 + (4 * 2 * c * (R - 1) if R > 1 else 0))
     wire_reduce = 2 * (P - 1) / P if P > 1 else 0  # ring all-reduce
-    out["wire"] = (ticks * (pairs * (sliding * max(gather, 1) + wire_full) + head + pipe) + wire_pos
-                   + wire_reduce * (embed + 4 * m * D) + (P - 1) * 4 * m * vrows // P)
+    wire_embed = m * (ids * (cp - 1) + scatter * (cp - 1) + wire_reduce * stage_sum)
+    out["wire"] = (ticks * (pairs * (sliding * max(gather, 1) + wire_full) + head + pipe + wire_pos) + wire_embed
+                   + wire_reduce * 4 * m * D + (shards - 1) * 4 * m * vslice)
     return out
 
 

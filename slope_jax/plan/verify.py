@@ -59,7 +59,7 @@ def compare(engine, n: int, m: int | None = None) -> dict:
                       + moe_traffic.moe_traffic(cfg, par, t, m, engine.plan.slots_per_stage, width).block_total)
     mem = compiled.memory_analysis()
     xla_mem = float(mem.argument_size_in_bytes + mem.temp_size_in_bytes)
-    pred_mem = (memory.param_bytes(cfg, b, par.pipeline, ep)["total"]
+    pred_mem = (memory.param_bytes(cfg, b, par.pipeline, ep, ring=par.ring, ulysses=par.ulysses)["total"]
                 + memory.input_bytes(t, m, par.ring * par.ulysses)
                 + memory.temp_bytes(cfg, par.pipeline, par.ring, par.ulysses, t, m, b, tiles, ep)["total"])
 
@@ -85,7 +85,7 @@ def attention_work(engine, n: int) -> tuple[float, float]:
     cfg = engine.cfg
     # a fresh engine of the same class (plan sits below serve: no import of it), traced inside count_work
     fresh = type(engine)(cfg, engine.params, par, engine.dtype, devices=list(engine.mesh.devices.reshape(-1)),
-                         _placed=True, **engine.tiles)
+                         _placed=True, options=engine.options)
     with attention.count_work({"pipeline": par.pipeline, "ring": par.ring, "ulysses": par.ulysses}) as counter:
         fresh.prefill([np.arange(n) % cfg.vocab_size], return_kv=False)
     measured = max(counter.work.values())
@@ -100,5 +100,5 @@ def attention_work(engine, n: int) -> tuple[float, float]:
 
 
 def _tiles(engine) -> flops.Tiles:
-    """The engine's tile sizes (its `tiles` also names the attention / MoE implementations)."""
-    return flops.Tiles(**{k: engine.tiles[k] for k in ("q_tile", "kv_tile", "moe_tile")})
+    """The engine's tile sizes: its step options (`flops.Tiles` is `StepOptions`)."""
+    return engine.options

@@ -29,13 +29,12 @@ from slope_jax import kv as kvfmt
 from slope_jax.checkpoints import hf as ckpt_lib
 from slope_jax.checkpoints import orbax_store
 from slope_jax.kv.format import LayerKV
-from slope_jax.model import attention as attn_lib
 from slope_jax.model import gpt_oss as model_lib
-from slope_jax.model import moe as moe_lib
 from slope_jax.model.config import ModelConfig
+from slope_jax.model.options import StepOptions
 from slope_jax.parallel import layout
 from slope_jax.parallel import pipeline as pipe_lib
-from slope_jax.parallel import seq_pipeline
+from slope_jax.parallel import sharding, stages
 from slope_jax.parallel.config import ParallelConfig
 from slope_jax.parallel.mesh import format_device_map, make_mesh
 from slope_jax.serve.requests import RequestError, check_request_id
@@ -80,25 +79,24 @@ class PrefillEngine:
         with `layers` stacked over the L layers.
       parallel: the layout; its device count must equal `jax.device_count()` (or `len(devices)`).
       dtype: activation dtype ("bfloat16" or "float32"); float params are cast to it.
-      q_tile, kv_tile, moe_tile: attention and MoE tile sizes (tokens).
+      options: the step's compute options (`model.options.StepOptions`: tiles, attention core, MoE compute),
+        resolved once here for the devices' platform ("auto" → concrete) and kept as `self.options`.
+      **option_fields: StepOptions fields given one by one instead (q_tile=…, attention_impl=…; not with
+        `options`).
       allow_cross_host_ulysses: let a Ulysses group span processes (hosts); default False (LayoutError), see
         `parallel.mesh`.
-      attention_impl: local attention core, "auto" (Pallas kernel on GPUs, pure-JAX elsewhere), "pallas" (Triton on
-        GPUs, interpret mode on CPU: slow, for tests) or "xla" (the pure-JAX reference).
-      moe_impl: MoE grouped expert compute, "auto" (the tile loop: measured faster on CPU and H200, see
-        `moe.resolve_impl`), "ragged" (`lax.ragged_dot`) or "loop" (per-expert tile loop).
     Compiled programs go to the persistent XLA compilation cache (`slope_jax.compile_cache`: on by default,
-    `SLOPE_JAX_COMPILE_CACHE=<dir>|off`); `compile_ms[(bucket, m)]` is the time to get a bucket's program (ms) and
-    `compile_source[(bucket, m)]` says whether it was loaded from the cache ("cache") or compiled.
+    `SLOPE_JAX_COMPILE_CACHE=<dir>|off`), keyed by the lowered program, which the step options shape;
+    `compile_ms[(bucket, m)]` is the time to get a bucket's program (ms) and `compile_source[(bucket, m)]` says
+    whether it was loaded from the cache ("cache") or compiled.
     Raises:
-      LayoutError for a layout the model or the devices cannot take; ValueError for an unknown attention_impl or
-      moe_impl.
+      LayoutError for a layout the model or the devices cannot take; ValueError for a bad option (named), or both
+      `options` and option fields; TypeError for an unknown keyword.
     """
 
     def __init__(self, cfg: ModelConfig, params: dict, parallel: ParallelConfig = ParallelConfig(),
-                 dtype="bfloat16", *, devices=None, q_tile: int = 256, kv_tile: int = 256, moe_tile: int = 128,
-                 allow_cross_host_ulysses: bool = False, attention_impl: str = "auto", moe_impl: str = "auto",
-                 _placed: bool = False):
+                 dtype="bfloat16", *, devices=None, options: StepOptions | None = None,
+                 allow_cross_host_ulysses: bool = False, _placed: bool = False, **option_fields):
         compile_cache.enable()  # the persistent XLA cache (default dir, SLOPE_JAX_COMPILE_CACHE, or the launcher's)
         devices = list(jax.devices() if devices is None else devices)
         self.run_nonce = _agreed_run_nonce()  # names this run's KV export staging directories on every process
@@ -106,11 +104,7 @@ class PrefillEngine:
         self.cfg = cfg
         self.parallel = parallel.validate(cfg, len(devices) if parallel.num_devices > 1 else None)
         self.dtype = jnp.dtype(dtype)
-        platform = devices[0].platform
-        self.impls = dict(attention_impl=attn_lib.resolve_impl(attention_impl, platform),
-                          moe_impl=moe_lib.resolve_impl(moe_impl, platform))
-        # compute options of the step: tile sizes and the concrete attention / MoE implementations
-        self.tiles = dict(q_tile=q_tile, kv_tile=kv_tile, moe_tile=moe_tile, **self.impls)
+        self.options = _step_options(options, option_fields).resolve(devices[0].platform)
         self._compiled: dict[tuple[int, int], object] = {}
         self.compile_ms: dict[tuple[int, int], float] = {}  # (bucket, prompts per step) -> XLA compile time, ms
         # (bucket, prompts per step) -> "cache" (loaded from the persistent compilation cache), "compiled" or
@@ -119,38 +113,39 @@ class PrefillEngine:
         self._met: set[tuple[int, int]] = set()  # steps whose first run every process reached (multi-process)
         if parallel.num_devices == 1:
             self.mesh = None
-            self.plan = pipe_lib.StagePlan.single_stage(cfg.num_hidden_layers)
+            self.plan = stages.StagePlan.single_stage(cfg.num_hidden_layers)
             self.params = params if _placed else self._cast(params, devices[0])
             self._step = jax.jit(self._single_device_step)
         else:
             self.mesh = make_mesh(parallel, devices, allow_cross_host_ulysses=allow_cross_host_ulysses)
-            self.plan = pipe_lib.plan_stages(cfg, parallel.pipeline)
+            self.plan = stages.plan_stages(cfg, parallel.pipeline)
             self.params = params if _placed else self._place(params)
             log.info("engine: device -> (process, stage, ring, ulysses): %s", format_device_map(self.mesh))
-            build = (seq_pipeline.build_chunked_prefill_step if parallel.seq_chunks > 1
-                     else pipe_lib.build_prefill_step)
-            self._step = build(cfg, parallel, self.mesh, self.plan, self.dtype, **self.tiles)
+            self._step = pipe_lib.build_prefill_step(cfg, parallel, self.mesh, self.plan, self.dtype, self.options)
         log.info("engine: layout pipeline=%d ring=%d ulysses=%d expert=%d seq_chunks=%d on %d device(s), dtype=%s, "
-                 "%d empty slot(s), attention=%s, moe=%s", parallel.pipeline, parallel.ring, parallel.ulysses,
+                 "%d empty slot(s), options %s", parallel.pipeline, parallel.ring, parallel.ulysses,
                  parallel.expert_degree(cfg), parallel.seq_chunks, parallel.num_devices, self.dtype.name,
-                 self.plan.empty_slots, self.impls["attention_impl"], self.impls["moe_impl"])
+                 self.plan.empty_slots, self.options)
+
+    @property
+    def impls(self) -> dict:
+        """The concrete attention / MoE implementations this engine runs (from `options`)."""
+        return {"attention_impl": self.options.attention_impl, "moe_impl": self.options.moe_impl}
 
     # ------------------------------------------------------------------------------------------------------------
     @classmethod
     def from_checkpoint(cls, path, parallel: ParallelConfig = ParallelConfig(), dtype="bfloat16", *,
-                        devices=None, progress: bool = True, attention_impl: str = "auto", moe_impl: str = "auto",
-                        **kwargs) -> PrefillEngine:
+                        devices=None, progress: bool = True, **kwargs) -> PrefillEngine:
         """Load a checkpoint directly into the layout: each device reads only the layers of its pipeline stage.
 
         `path` is an HF / `original/` checkpoint, or a directory written by `python -m slope_jax.convert` (detected
         by its marker file), which is restored with orbax into this layout (any layout; shards are re-cut on read).
-        Keywords as `PrefillEngine` (tiles, attention_impl, moe_impl, allow_cross_host_ulysses).
+        Keywords as `PrefillEngine` (options or its fields, allow_cross_host_ulysses).
         """
         devices = list(jax.devices() if devices is None else devices)
         if orbax_store.is_orbax_checkpoint(path):
             cfg, params, _ = orbax_store.restore(path, parallel, dtype, devices=devices, progress=progress)
-            return cls(cfg, params, parallel, dtype, devices=devices, _placed=True, attention_impl=attention_impl,
-                       moe_impl=moe_impl, **kwargs)
+            return cls(cfg, params, parallel, dtype, devices=devices, _placed=True, **kwargs)
         ck = ckpt_lib.open_checkpoint(path)
         cfg = ck.config
         parallel.validate(cfg, len(devices) if parallel.num_devices > 1 else None)
@@ -159,19 +154,11 @@ class PrefillEngine:
         else:
             mesh = make_mesh(parallel, devices,
                              allow_cross_host_ulysses=kwargs.get("allow_cross_host_ulysses", False))
-            plan = pipe_lib.plan_stages(cfg, parallel.pipeline)
-            shardings = cls._shardings(cfg, dtype, mesh, parallel)
-            params = ckpt_lib.load_params(ck, dtype, shardings=shardings, stack_layers=plan.flat,
-                                          vocab_rows=pipe_lib.vocab_rows(cfg, parallel.pipeline), progress=progress)
-        return cls(cfg, params, parallel, dtype, devices=devices, _placed=True, attention_impl=attention_impl,
-                   moe_impl=moe_impl, **kwargs)
-
-    @staticmethod
-    def _shardings(cfg, dtype, mesh, parallel: ParallelConfig):
-        """NamedSharding per parameter: layers and vocabulary rows over `pipeline`, expert weights over
-        `(ring, ulysses)` when expert parallelism is on."""
-        specs = pipe_lib.param_partition_specs(cfg, parallel, dtype)
-        return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+            plan = stages.plan_stages(cfg, parallel.pipeline)
+            params = ckpt_lib.load_params(ck, dtype, shardings=sharding.param_shardings(cfg, parallel, dtype, mesh),
+                                          stack_layers=plan.flat, vocab_rows=stages.vocab_rows(cfg, parallel),
+                                          progress=progress)
+        return cls(cfg, params, parallel, dtype, devices=devices, _placed=True, **kwargs)
 
     def _cast(self, params, device):
         specs = model_lib.param_specs(self.cfg, self.dtype)
@@ -182,9 +169,9 @@ class PrefillEngine:
         """Host params `[L, …]` → device params: each stage's stack `[n, …]` (`plan.flat` order), sharded over the
         mesh."""
         entries = np.asarray(self.plan.flat)
-        rows = pipe_lib.vocab_rows(self.cfg, self.parallel.pipeline)
-        specs = model_lib.param_specs(self.cfg, self.dtype, num_layers=len(entries), vocab_rows=rows)
-        shardings = self._shardings(self.cfg, self.dtype, self.mesh, self.parallel)
+        specs = sharding.stacked_param_specs(self.cfg, self.parallel, self.dtype)
+        rows = stages.vocab_rows(self.cfg, self.parallel)
+        shardings = sharding.param_shardings(self.cfg, self.parallel, self.dtype, self.mesh)
 
         def put(path, a, spec, sh):
             a = np.asarray(a)
@@ -204,7 +191,7 @@ class PrefillEngine:
 
         def one(args):
             t, n = args
-            return model_lib.forward(params, self.cfg, t, n, **self.tiles)
+            return model_lib.forward(params, self.cfg, t, n, self.options)
 
         logits, k, v = jax.lax.map(one, (tokens, num_tokens))
         return logits, k, v  # k, v: [M, L, T, K, H]
@@ -529,6 +516,13 @@ class PrefillEngine:
                                 "k": kvfmt.segment_name(layer, "k", a, b), "v": kvfmt.segment_name(layer, "v", a, b),
                                 "positions": kvfmt.segment_name(layer, "positions", a, b)})
         return records
+
+
+def _step_options(options: StepOptions | None, fields: dict) -> StepOptions:
+    """`options`, or a StepOptions built from its fields given one by one (ValueError when both are given)."""
+    if options is not None and fields:
+        raise ValueError(f"give options= or its fields ({sorted(fields)}), not both")
+    return options if options is not None else StepOptions(**fields)
 
 
 def _inputs_digest(prompts, ids, *options) -> bytes:

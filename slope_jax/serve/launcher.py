@@ -44,6 +44,10 @@ import traceback
 
 from absl import app, flags, logging
 
+from slope_jax.model.options import CHOICES as STEP_OPTION_CHOICES  # no JAX: safe before exit_on_sigterm
+from slope_jax.model.options import FIELD_HELP as STEP_OPTION_HELP
+from slope_jax.model.options import StepOptions
+
 FLAGS = flags.FLAGS
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -111,15 +115,12 @@ flags.DEFINE_float("heartbeat_timeout", 30.0, "Seconds without a peer's heartbea
 flags.DEFINE_integer("cpu_devices", None, "Split the CPU into this many virtual devices (testing without "
                      "accelerators; sets XLA_FLAGS=--xla_force_host_platform_device_count).")
 flags.DEFINE_string("platform", None, "Force a JAX platform (cpu, cuda, rocm); default: JAX's choice.")
-flags.DEFINE_integer("q_tile", 256, "Attention query tile (tokens).")
-flags.DEFINE_integer("kv_tile", 256, "Attention key/value tile (tokens).")
-flags.DEFINE_integer("moe_tile", 128, "Rows per expert matmul tile.")
-flags.DEFINE_enum("attention_impl", "auto", ["auto", "pallas", "xla"], "Local attention core: auto = the fused Pallas "
-                  "kernel on GPUs (Triton) and the pure-JAX blockwise reference elsewhere; pallas on CPU runs in "
-                  "interpret mode (slow, for testing).")
-flags.DEFINE_enum("moe_impl", "auto", ["auto", "ragged", "loop"], "MoE grouped expert compute: loop = per-expert "
-                  "tile loop, ragged = jax.lax.ragged_dot; auto = loop (XLA runs ragged_dot as dense work over all "
-                  "experts on CPU and, measured, on H200).")
+for _field in dataclasses.fields(StepOptions):  # one flag per step option, same name, default and help
+    if _field.name in STEP_OPTION_CHOICES:
+        flags.DEFINE_enum(_field.name, _field.default, list(STEP_OPTION_CHOICES[_field.name]),
+                          STEP_OPTION_HELP[_field.name])
+    else:
+        flags.DEFINE_integer(_field.name, _field.default, STEP_OPTION_HELP[_field.name])
 flags.DEFINE_list("precompile", [], "Prompt lengths whose buckets are compiled before the first request is read "
                   "(e.g. 1024,4096,16384), so early requests do not wait for compilation. Compiled programs go to "
                   "the compilation cache: `--precompile=... --requests=/dev/null` fills it and exits.")
@@ -144,10 +145,10 @@ flags.DEFINE_bool("summary", True, "Print a one-screen summary at the end (proce
 # library starts threads (see main()).
 
 # Flags that shape the compiled step or what it reads: every process must agree on them (start-up fingerprint).
-# A new flag of that kind must be added here.
+# The step options (StepOptions fields) are in by construction; a new flag of another kind must be added here.
 _STEP_FLAGS = ("layout", "expected_lengths", "ttft_slo_ms", "slo_percentile", "hardware", "pipeline", "ring",
-               "ulysses", "microbatches", "expert", "seq_chunks", "dtype", "q_tile", "kv_tile", "moe_tile", "kv_full",
-               "overwrite", "attention_impl", "moe_impl", "cpu_devices", "platform")
+               "ulysses", "microbatches", "expert", "seq_chunks", "dtype", "kv_full", "overwrite", "cpu_devices",
+               "platform") + StepOptions.field_names()
 _STATE: dict = {"watch": None}
 
 
@@ -167,8 +168,11 @@ def _configure_platform():
 
 def _check_flags() -> None:
     """Flag mistakes found before anything starts (FlagError names the flag and the rule)."""
+    try:
+        _step_options()
+    except ValueError as e:  # StepOptions names the field and the rule; the flag has the same name
+        raise FlagError(f"--{e}") from None
     positive = {"batch_size": FLAGS.batch_size, "top_k": FLAGS.top_k, "num_processes": FLAGS.num_processes,
-                "q_tile": FLAGS.q_tile, "kv_tile": FLAGS.kv_tile, "moe_tile": FLAGS.moe_tile,
                 "init_timeout": FLAGS.init_timeout, "heartbeat_timeout": FLAGS.heartbeat_timeout}
     for name, value in positive.items():
         if not value > 0:
@@ -205,6 +209,11 @@ def _check_flags() -> None:
             raise FlagError("--http_port needs --kv_dir: the decode server reads each request's export")
     if FLAGS.process_id == 0 and FLAGS.requests != "-" and not os.path.exists(FLAGS.requests):
         raise FlagError(f"--requests={FLAGS.requests}: no such file")
+
+
+def _step_options() -> StepOptions:
+    """The step options given by the flags (unresolved: the engine resolves "auto" for its devices)."""
+    return StepOptions(**{name: FLAGS[name].value for name in StepOptions.field_names()})
 
 
 def _fingerprint() -> dict:
@@ -499,8 +508,8 @@ def _serve():
         parallel, reason = slo.auto_layout(cfg, hardware, jax.device_count(), jax.local_device_count(), lengths,
                                            FLAGS.ttft_slo_ms, FLAGS.slo_percentile / 100)
         if FLAGS["seq_chunks"].present:  # an explicit --seq_chunks overrides the planner's choice
-            parallel = dataclasses.replace(parallel, seq_chunks=FLAGS.seq_chunks)
-        parallel = dataclasses.replace(parallel, microbatches=FLAGS.microbatches)
+            parallel = parallel.replace(seq_chunks=FLAGS.seq_chunks)
+        parallel = parallel.replace(microbatches=FLAGS.microbatches)
         logging.info("--layout=auto on %d %s device(s), lengths %s, TTFT SLO %g ms: pipeline=%d ring=%d ulysses=%d "
                      "expert=%s seq_chunks=%d (%s)", jax.device_count(), hardware, lengths, FLAGS.ttft_slo_ms,
                      parallel.pipeline, parallel.ring, parallel.ulysses, parallel.expert, parallel.seq_chunks, reason)
@@ -509,8 +518,7 @@ def _serve():
                                   microbatches=FLAGS.microbatches, expert=FLAGS.expert, seq_chunks=FLAGS.seq_chunks)
     parallel.validate(cfg, jax.device_count() if parallel.num_devices > 1 else None)
     engine = PrefillEngine.from_checkpoint(FLAGS.checkpoint, parallel, FLAGS.dtype, progress=me == 0,
-                                           q_tile=FLAGS.q_tile, kv_tile=FLAGS.kv_tile, moe_tile=FLAGS.moe_tile,
-                                           attention_impl=FLAGS.attention_impl, moe_impl=FLAGS.moe_impl)
+                                           options=_step_options())
     if FLAGS.precompile:
         engine.precompile([int(x) for x in FLAGS.precompile])
     broadcast = _Broadcast(jax.process_count() > 1)

@@ -127,9 +127,7 @@ def batch_model(engine, hardware: str, dtype: str, devices_per_host: int) -> Bat
     from slope_jax.plan import predict
 
     parallel = engine.parallel
-    layout = ParallelConfig(pipeline=parallel.pipeline, ring=parallel.ring, ulysses=parallel.ulysses,
-                            microbatches=parallel.microbatches, expert=parallel.expert_degree(engine.cfg),
-                            seq_chunks=parallel.seq_chunks)
+    layout = parallel.replace(expert=parallel.expert_degree(engine.cfg))
 
     def step_ms(bucket: int, m: int) -> float:
         return float(predict(engine.cfg, layout, bucket, hardware, batch=m, bucket=bucket, dtype=dtype,

@@ -1,0 +1,108 @@
+"""`StepOptions`: every compute option that shapes the compiled prefill step, in one frozen value (no JAX needed).
+
+Parallel layout (`parallel.config.ParallelConfig`) and the activation dtype are separate: they also decide how
+weights are stored and loaded. Everything else the step is compiled with lives here, is resolved once (`resolve`:
+"auto" → the concrete choice for the backend), passed as one argument (engine → step builder → stage → layer),
+logged by the engine, part of the launcher's start-up fingerprint (`to_dict`), and the source of the launcher's flags
+(`FIELD_HELP`) and of the planner's tile model (`plan.flops.Tiles` is this class). JAX's persistent compilation
+cache keys on the lowered program, which these options shape, so it never mixes programs of different options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+ATTENTION_IMPLS = ("auto", "pallas", "xla")
+MOE_IMPLS = ("auto", "ragged", "loop")
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+# one line of help per field (the launcher defines one flag per field from these)
+FIELD_HELP = {
+    "q_tile": "Attention query tile (tokens).",
+    "kv_tile": "Attention key/value tile (tokens).",
+    "moe_tile": "Rows per expert matmul tile.",
+    "attention_impl": "Local attention core: auto = the fused Pallas kernel on GPUs (Triton) and the pure-JAX "
+                      "blockwise reference elsewhere; pallas on CPU runs in interpret mode (slow, for testing).",
+    "moe_impl": "MoE grouped expert compute: loop = per-expert tile loop, ragged = jax.lax.ragged_dot; auto = loop "
+                "(XLA runs ragged_dot as dense work over all experts on CPU and, measured, on H200).",
+}
+CHOICES = {"attention_impl": ATTENTION_IMPLS, "moe_impl": MOE_IMPLS}
+
+
+def resolve_attention(impl: str, platform: str) -> str:
+    """`attention_impl` → the concrete core: "auto" is "pallas" on GPUs (cuda, rocm) and "xla" elsewhere.
+    Raises ValueError naming the field for an unknown value."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl={impl!r}: expected one of {ATTENTION_IMPLS}")
+    if impl != "auto":
+        return impl
+    return "pallas" if platform in GPU_PLATFORMS else "xla"
+
+
+def resolve_moe(impl: str, platform: str) -> str:
+    """`moe_impl` → the concrete grouped compute. "auto" is "loop" on every backend measured so far: on the CPU
+    ragged_dot is masked dense work, and on an H200 (jax 0.11.2, benchmarks/device_prefill.py, gpt-oss-20b layer,
+    8192 tokens) one layer's MoE took 69.9 ms with "ragged" against 16.5 ms with "loop" — XLA's GPU ragged_dot also
+    did dense work over all E experts (7.8 GB program vs 0.7 GB). `platform` is accepted so that a backend that runs
+    ragged_dot as a grouped GEMM can be switched here once measured.
+    Raises ValueError naming the field for an unknown value."""
+    if impl not in MOE_IMPLS:
+        raise ValueError(f"moe_impl={impl!r}: expected one of {MOE_IMPLS}")
+    del platform
+    return "loop" if impl == "auto" else impl
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """Compute options of the compiled step.
+
+    q_tile, kv_tile: attention query / key tile (tokens; clipped to the lengths, the Pallas kernel also caps them).
+    moe_tile: rows per expert matmul tile (clipped to tokens × experts_per_token).
+    attention_impl: "auto" | "pallas" | "xla" (`model.attention.attend`); moe_impl: "auto" | "ragged" | "loop"
+      (`model.moe.experts`). The step runs only resolved options (`resolve`).
+    Raises ValueError naming the field: a tile that is not a positive int, an unknown implementation.
+    """
+
+    q_tile: int = 256
+    kv_tile: int = 256
+    moe_tile: int = 128
+    attention_impl: str = "auto"
+    moe_impl: str = "auto"
+
+    def __post_init__(self):
+        for name in ("q_tile", "kv_tile", "moe_tile"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}={v!r}: must be a positive integer (tokens)")
+        for name, choices in CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {choices}")
+
+    def resolve(self, platform: str | None = None) -> StepOptions:
+        """The same options with "auto" replaced by the concrete choice for `platform` ("cpu", "gpu", "cuda", "rocm",
+        "tpu"; default: JAX's default backend). THE one place "auto" is decided; idempotent."""
+        if platform is None:
+            import jax  # only here: the module stays importable without JAX
+
+            platform = jax.default_backend()
+        return dataclasses.replace(self, attention_impl=resolve_attention(self.attention_impl, platform),
+                                   moe_impl=resolve_moe(self.moe_impl, platform))
+
+    @property
+    def resolved(self) -> bool:
+        return "auto" not in (self.attention_impl, self.moe_impl)
+
+    def require_resolved(self) -> StepOptions:
+        """self; raises ValueError when an implementation is still "auto" (a step must be built from `resolve`d
+        options, so that what is logged and fingerprinted is what runs)."""
+        if not self.resolved:
+            raise ValueError(f"{self}: attention_impl/moe_impl 'auto' must be resolved first (StepOptions.resolve)")
+        return self
+
+    def to_dict(self) -> dict:
+        """Field name → value (JSON-ready; `StepOptions(**d)` round-trips)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
