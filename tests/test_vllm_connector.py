@@ -61,8 +61,8 @@ def _vllm_env():
 def _start_driver(base, name, *, hybrid, prefix_caching, phases, extra_config=None):
     """Start tests/vllm_driver.py in the vLLM venv; returns a function waiting for it → (results, log text)."""
     if not os.path.exists(VLLM_PYTHON):
-        pytest.fail(f"no vLLM venv at {VLLM_PYTHON}: create it as .ci/run does (python3 -m venv .venv-vllm && "
-                    ".venv-vllm/bin/pip install -e '.[vllm]' ...) or set SLOPE_VLLM_PYTHON")
+        pytest.fail(f"no vLLM venv at {VLLM_PYTHON}: create it with launch/vllm_venv.sh (as .ci/run "
+                    "does) or set SLOPE_VLLM_PYTHON")
     spec, out, log = base / f"{name}.spec.json", base / f"{name}.out.json", base / f"{name}.log"
     spec.write_text(json.dumps({"model": CKPT, "hybrid": hybrid, "prefix_caching": prefix_caching,
                                 "extra_config": extra_config or {}, "phases": phases}))
