@@ -123,7 +123,7 @@ def validate(body: bytes, headers: dict, number: int, *, model_name: str, vocab_
     where = f"request {number}"
     _check_fields(obj, where, model_name)
     _check_first_token_only(obj, where)
-    logprobs = _check_logprobs(obj, where, top_k)
+    logprobs = _check_answer_options(obj, where, top_k)
     rid, param_id = _request_id(obj, headers, where)
     line = {"id": rid, **({} if obj.get("ttft_slo_ms") is None else {"ttft_slo_ms": obj["ttft_slo_ms"]})}
     line.update(_prompt_field(obj, where, tokenizer))
@@ -187,7 +187,7 @@ def _check_first_token_only(obj: dict, where: str) -> None:
                             "greedy first token per request", name)
 
 
-def _check_logprobs(obj: dict, where: str, top_k: int) -> int | None:
+def _check_answer_options(obj: dict, where: str, top_k: int) -> int | None:
     """`logprobs` (an integer in [0, top_k] or null; returned) and `kv_transfer_params` (an object or null)."""
     logprobs = obj.get("logprobs")
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
