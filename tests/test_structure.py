@@ -148,10 +148,11 @@ assert not any(k.split(".")[0] == "jax" for k in sys.modules), "jax got imported
 print("ok")
 """
 
-JAX_FREE = ["slope_jax", "slope_jax.kv", "slope_jax.kv.format", "slope_jax.kv.vllm_plan", "slope_jax.plan",
-            "slope_jax.plan.flops", "slope_jax.plan.traffic", "slope_jax.parallel.config", "slope_jax.parallel.stages",
-            "slope_jax.model.config", "slope_jax.model.options", "slope_jax.atomic", "slope_jax.serve.http",
-            "slope_jax.serve.pd_proxy"]
+JAX_FREE = ["slope_jax", "slope_jax.kv", "slope_jax.kv.format", "slope_jax.kv.exporter", "slope_jax.kv.vllm_plan",
+            "slope_jax.plan", "slope_jax.plan.flops", "slope_jax.plan.traffic", "slope_jax.parallel.config",
+            "slope_jax.parallel.stages", "slope_jax.model.config", "slope_jax.model.options", "slope_jax.atomic",
+            "slope_jax.serve.http", "slope_jax.serve.pd_proxy", "slope_jax.serve.distributed",
+            "slope_jax.serve.launcher"]
 
 
 def test_jax_free_modules_import_without_jax():
@@ -162,3 +163,35 @@ def test_jax_free_modules_import_without_jax():
     out = subprocess.run([sys.executable, "-c", _NO_JAX, "slope_jax.model.gpt_oss"], capture_output=True, text=True,
                          timeout=60, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
     assert out.returncode != 0 and "blocked for this test" in out.stderr
+
+
+# No function (or method) in these packages may be longer than this many lines (ast: end_lineno - lineno + 1, the
+# decorators and docstring included): a longer one is split into named steps.
+MAX_FUNCTION_LINES = 60
+SHORT_FUNCTION_PACKAGES = ("serve", "parallel")
+
+
+def _long_functions(path: str, limit: int) -> list[str]:
+    import ast
+
+    tree = ast.parse(open(path).read(), path)
+    return [f"{os.path.relpath(path, REPO)}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)"
+            for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.end_lineno - n.lineno + 1 > limit]
+
+
+def test_no_long_functions_in_serve_and_parallel():
+    files = [os.path.join(REPO, "slope_jax", pkg, f) for pkg in SHORT_FUNCTION_PACKAGES
+             for f in sorted(os.listdir(os.path.join(REPO, "slope_jax", pkg))) if f.endswith(".py")]
+    assert len(files) > 10, files  # the walk really found the packages
+    long = [line for path in files for line in _long_functions(path, MAX_FUNCTION_LINES)]
+    assert not long, long
+
+
+def test_long_function_check_finds_a_long_function(tmp_path):
+    """The checker itself: a planted 61-line function is reported, a 60-line one is not."""
+    body = "\n".join(f"    x{i} = {i}" for i in range(59))  # def line + 59 = 60 lines
+    longer = "\n".join(f"        y{i} = {i}" for i in range(60))  # def line + 60 = 61 lines
+    (tmp_path / "m.py").write_text(f"def ok():\n{body}\n\n\nclass C:\n    def long(self):\n{longer}\n")
+    found = _long_functions(str(tmp_path / "m.py"), MAX_FUNCTION_LINES)
+    assert len(found) == 1 and " long (61 lines)" in found[0], found

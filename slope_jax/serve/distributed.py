@@ -14,6 +14,8 @@ clean finish, FAIL with its error line otherwise); a connection that closes with
 or crashed. Process 0 relays what it learns to the others, so every process stops with one line naming the peer
 (`process 1 died ...`) within a moment of the death, rather than hanging in a collective or aborting in JAX's runtime.
 JAX's own heartbeat (`heartbeat_timeout_s`) stays the backstop for a host that vanishes without closing its sockets.
+Agreement once the engine runs (the same prefill inputs on every process, one run nonce, barriers before a step's
+first collective) is `slope_jax.serve.agreement`, which needs JAX; this module must not (it runs before JAX starts).
 """
 
 from __future__ import annotations
@@ -69,73 +71,100 @@ def preflight(address: str, num_processes: int, process_id: int, timeout_s: floa
     deadline = time.monotonic() + timeout_s
     fingerprint = fingerprint or {}
     if process_id == 0:
-        srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            srv.bind((host, port))
-        except OSError as e:
-            raise StartupError(f"process 0 cannot listen on {address}: {e} (is another run using the port?)") from e
-        srv.listen(num_processes)
-        peers: dict[int, socket.socket] = {}
-        prints: dict[int, dict] = {0: fingerprint}
-        ok = False
+        return _coordinate(address, (host, port), num_processes, deadline, timeout_s, fingerprint)
+    return _join(address, (host, port), num_processes, process_id, deadline, timeout_s, fingerprint)
 
-        def refuse(message: str):
-            for conn in peers.values():
-                _send(conn, f"ERR {message}")
-            raise StartupError(message)
 
-        try:
-            while len(peers) < num_processes - 1:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    missing = sorted(set(range(1, num_processes)) - set(peers))
-                    refuse(f"process 0: process(es) {missing} did not connect to {address} within "
-                           f"{timeout_s:.0f} s (--init_timeout); start every process with the same "
-                           f"--coordinator_address and --num_processes={num_processes}")
-                srv.settimeout(min(left, 1.0))
-                try:
-                    conn, _ = srv.accept()
-                except socket.timeout:
-                    continue
-                try:
-                    words = _recv_line(conn, deadline).split(" ", 3)
-                except (ConnectionError, socket.timeout, OSError, UnicodeDecodeError):
-                    conn.close()
-                    continue
-                if len(words) < 3 or words[0] != "HELLO" or not (words[1].isdigit() and words[2].isdigit()):
-                    conn.close()
-                    continue
-                pid, n = int(words[1]), int(words[2])
-                if n != num_processes:
-                    _send(conn, f"ERR process 0 expects --num_processes={num_processes}, this process has {n}")
-                    conn.close()
-                    refuse(f"process {pid} was started with --num_processes={n}, process 0 with {num_processes}")
-                if not 0 < pid < num_processes or pid in peers:
-                    _send(conn, f"ERR process id {pid} is invalid or taken")
-                    conn.close()
-                    refuse(f"a peer claims --process_id={pid}: must be unique in 1..{num_processes - 1}")
-                peers[pid] = conn
-                try:
-                    prints[pid] = json.loads(words[3]) if len(words) > 3 else {}
-                except ValueError:
-                    prints[pid] = {}
-            problems = fp_lib.compare(prints)
-            if problems:
-                refuse("processes disagree on what to run (every process must be started with the same "
-                       "step-shaping flags, package versions and checkpoint): " + " | ".join(problems))
+def _refuse(peers: dict[int, socket.socket], message: str):
+    """Process 0: tell every connected peer why the start is refused, then raise StartupError."""
+    for conn in peers.values():
+        _send(conn, f"ERR {message}")
+    raise StartupError(message)
+
+
+def _coordinate(address: str, where: tuple[str, int], num_processes: int, deadline: float, timeout_s: float,
+                fingerprint: dict) -> dict[int, socket.socket]:
+    """Process 0: accept every peer's HELLO, compare the fingerprints, answer GO (or ERR and raise)."""
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        srv.bind(where)
+    except OSError as e:
+        raise StartupError(f"process 0 cannot listen on {address}: {e} (is another run using the port?)") from e
+    srv.listen(num_processes)
+    peers: dict[int, socket.socket] = {}
+    prints: dict[int, dict] = {0: fingerprint}
+    ok = False
+    try:
+        while len(peers) < num_processes - 1:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(1, num_processes)) - set(peers))
+                _refuse(peers, f"process 0: process(es) {missing} did not connect to {address} within "
+                        f"{timeout_s:.0f} s (--init_timeout); start every process with the same "
+                        f"--coordinator_address and --num_processes={num_processes}")
+            srv.settimeout(min(left, 1.0))
+            try:
+                conn, _ = srv.accept()
+            except socket.timeout:
+                continue
+            words = _read_hello(conn, deadline)
+            if words is not None:
+                pid, prints_pid = _admit(conn, words, peers, num_processes)
+                peers[pid], prints[pid] = conn, prints_pid
+        problems = fp_lib.compare(prints)
+        if problems:
+            _refuse(peers, "processes disagree on what to run (every process must be started with the same "
+                    "step-shaping flags, package versions and checkpoint): " + " | ".join(problems))
+        for conn in peers.values():
+            _send(conn, "GO")
+        ok = True
+    finally:
+        if not ok:
             for conn in peers.values():
-                _send(conn, "GO")
-            ok = True
-        finally:
-            if not ok:
-                for conn in peers.values():
-                    conn.close()
-            srv.close()
-        return peers
+                conn.close()
+        srv.close()
+    return peers
+
+
+def _read_hello(conn: socket.socket, deadline: float) -> list[str] | None:
+    """A new connection's "HELLO <pid> <num_processes> [fingerprint]" split in words, or None (closed) when it is
+    not one: a stray connection is ignored."""
+    try:
+        words = _recv_line(conn, deadline).split(" ", 3)
+    except (ConnectionError, socket.timeout, OSError, UnicodeDecodeError):
+        conn.close()
+        return None
+    if len(words) < 3 or words[0] != "HELLO" or not (words[1].isdigit() and words[2].isdigit()):
+        conn.close()
+        return None
+    return words
+
+
+def _admit(conn: socket.socket, words: list[str], peers: dict[int, socket.socket],
+           num_processes: int) -> tuple[int, dict]:
+    """(pid, fingerprint) of a peer's HELLO; a wrong process count or an invalid/taken id refuses the start."""
+    pid, n = int(words[1]), int(words[2])
+    if n != num_processes:
+        _send(conn, f"ERR process 0 expects --num_processes={num_processes}, this process has {n}")
+        conn.close()
+        _refuse(peers, f"process {pid} was started with --num_processes={n}, process 0 with {num_processes}")
+    if not 0 < pid < num_processes or pid in peers:
+        _send(conn, f"ERR process id {pid} is invalid or taken")
+        conn.close()
+        _refuse(peers, f"a peer claims --process_id={pid}: must be unique in 1..{num_processes - 1}")
+    try:
+        return pid, json.loads(words[3]) if len(words) > 3 else {}
+    except ValueError:
+        return pid, {}
+
+
+def _join(address: str, where: tuple[str, int], num_processes: int, process_id: int, deadline: float,
+          timeout_s: float, fingerprint: dict) -> dict[int, socket.socket]:
+    """A peer: connect to process 0 (retrying until the deadline), send HELLO, wait for GO."""
     while True:
         try:
-            conn = socket.create_connection((host, port), timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+            conn = socket.create_connection(where, timeout=max(0.1, min(1.0, deadline - time.monotonic())))
             break
         except OSError as e:
             if time.monotonic() > deadline:

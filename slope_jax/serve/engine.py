@@ -13,7 +13,6 @@ One device runs the single-device reference path (`model.forward`). More devices
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
 import time
@@ -25,9 +24,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from slope_jax import compile_cache
-from slope_jax import kv as kvfmt
 from slope_jax.checkpoints import hf as ckpt_lib
 from slope_jax.checkpoints import orbax_store
+from slope_jax.kv.exporter import ExportFailed, KVExporter
 from slope_jax.kv.format import LayerKV
 from slope_jax.model import gpt_oss as model_lib
 from slope_jax.model.config import ModelConfig
@@ -37,6 +36,7 @@ from slope_jax.parallel import pipeline as pipe_lib
 from slope_jax.parallel import sharding, stages
 from slope_jax.parallel.config import ParallelConfig
 from slope_jax.parallel.mesh import format_device_map, make_mesh
+from slope_jax.serve import agreement
 from slope_jax.serve.requests import RequestError, check_request_id
 
 log = logging.getLogger(__name__)
@@ -99,8 +99,7 @@ class PrefillEngine:
                  allow_cross_host_ulysses: bool = False, _placed: bool = False, **option_fields):
         compile_cache.enable()  # the persistent XLA cache (default dir, SLOPE_JAX_COMPILE_CACHE, or the launcher's)
         devices = list(jax.devices() if devices is None else devices)
-        self.run_nonce = _agreed_run_nonce()  # names this run's KV export staging directories on every process
-        self._exports = 0  # export counter, advanced identically on every process
+        self.run_nonce = agreement.agreed_run_nonce()  # names this run's KV export staging directories and barriers
         self.cfg = cfg
         self.parallel = parallel.validate(cfg, len(devices) if parallel.num_devices > 1 else None)
         self.dtype = jnp.dtype(dtype)
@@ -126,6 +125,7 @@ class PrefillEngine:
                  "%d empty slot(s), options %s", parallel.pipeline, parallel.ring, parallel.ulysses,
                  parallel.expert_degree(cfg), parallel.seq_chunks, parallel.num_devices, self.dtype.name,
                  self.plan.empty_slots, self.options)
+        self._exporter = KVExporter(cfg, self.plan.flat, self.dtype.name, self.run_nonce)
 
     @property
     def impls(self) -> dict:
@@ -315,7 +315,7 @@ class PrefillEngine:
         """
         now = time.perf_counter()
         if jax.process_count() > 1:
-            _check_same_on_all_processes(prompts, ids, kv_dir is not None, kv_full, return_kv, top_k, overwrite)
+            agreement.check_same_on_all_processes(prompts, ids, kv_dir is not None, kv_full, return_kv, top_k, overwrite)
         tokens = [self.validate_prompt(i, p) for i, p in enumerate(prompts)]
         ids = [str(i) for i in range(len(tokens))] if ids is None else [str(x) for x in ids]
         if len(ids) != len(tokens) or len(set(ids)) != len(ids):
@@ -346,11 +346,7 @@ class PrefillEngine:
     def _refuse_existing_exports(kv_dir: str, ids: list[str]) -> None:
         """RequestError naming the first prompt whose export `kv_dir/<id>` exists (process 0 looks; in a
         multi-process run its answer is broadcast, so every process raises or none does)."""
-        exists = np.asarray([os.path.lexists(os.path.join(kv_dir, x)) for x in ids])
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            exists = np.asarray(multihost_utils.broadcast_one_to_all(exists))
+        exists = agreement.process0_answer(np.asarray([os.path.lexists(os.path.join(kv_dir, x)) for x in ids]))
         for i, x in enumerate(ids):
             if exists[i]:
                 raise RequestError(f"prompt {i}: KV export {os.path.join(kv_dir, x)!r} already exists: pass "
@@ -381,7 +377,7 @@ class PrefillEngine:
                 # Met even if compiling failed here, so that the peers are not held at the barrier.
                 self._met.add((t, m))
                 w0 = time.perf_counter()
-                _meet_peers(f"slope_jax-{self.run_nonce}-step-{t}x{m}")
+                agreement.meet_peers(f"slope_jax-{self.run_nonce}-step-{t}x{m}")
                 if (t, m) in self.compile_ms:
                     self.compile_ms[(t, m)] += (time.perf_counter() - w0) * 1e3  # ready = ready on every process
         compile_ms = 1e3 * (time.perf_counter() - c0)
@@ -401,7 +397,10 @@ class PrefillEngine:
                                      top_k=[(int(i), float(lg[i])) for i in top], compile_ms=compile_ms,
                                      queue_ms=1e3 * (t0 - arrival[j]), compute_ms=1e3 * (t1 - t0)))
         if kv_dir is not None:
-            self._export_batch(kv_dir, ids, batch, k, v, kv_full, out, overwrite)
+            try:
+                self._exporter.export_batch(kv_dir, ids, batch, k, v, positions, kv_full, out, overwrite)
+            except ExportFailed as e:  # a request's error: RequestError like every other
+                raise RequestError(str(e)) from e
         if return_kv:
             kh, vh = self._gather_kv(k, v)
             for j, res in enumerate(out):
@@ -433,143 +432,12 @@ class PrefillEngine:
             return layout.chunked_layout_positions(t, par.ring, par.ulysses, par.seq_chunks)
         return layout.layout_positions(t, par.ring, par.ulysses)
 
-    def _segments(self, index, rows_k, rows_v, j: int, n: int, full: bool, positions: np.ndarray):
-        """K/V pieces of request j in one shard (`index` into the global `[M, stack, T, K, H]`, data `rows_k/v`):
-        (layer, start, end, k, v) in natural token order, limited to the tokens an export keeps."""
-        stack_lo = index[1].indices(len(self.plan.flat))[0]
-        tok_lo = index[2].indices(len(positions))[0]
-        pos_local = positions[tok_lo:tok_lo + rows_k.shape[2]]
-        for e in range(rows_k.shape[1]):
-            layer = self.plan.flat[stack_lo + e]
-            if layer < 0:
-                continue
-            start, end = kvfmt.kept_range(n, self.cfg.layer_types[layer], self.cfg.sliding_window, full)
-            sel = np.nonzero((pos_local >= start) & (pos_local < end))[0]
-            sel = sel[np.argsort(pos_local[sel], kind="stable")]
-            for row0, a, b in kvfmt.runs(pos_local[sel]):
-                rows = sel[row0:row0 + (b - a)]
-                yield layer, a, b, rows_k[j, e, rows], rows_v[j, e, rows]
-
-    def _export_batch(self, kv_dir: str, ids: list[str], batch: list[np.ndarray], k, v, full: bool,
-                      out: list[PrefillResult], overwrite: bool) -> None:
-        """Export every request of a step (`slope_jax.kv.format`: staging directory, barrier, manifest, publish).
-
-        Each device shard of K/V is copied to the host once for the whole batch, not once per request. Per request,
-        every process writes its pieces into the same fresh staging directory (named from the run nonce and the
-        export counter); after a barrier process 0 writes the manifest and publishes. Sets `kv_path` and `export_ms`
-        (first token on the host → this request's export published). Raises RequestError naming the requests whose
-        export could not be published (in a multi-process run every process raises it).
-        """
-        e0 = time.perf_counter()
-        me, multi = jax.process_index(), jax.process_count() > 1
-        positions = self._layout_positions(k.shape[2])
-        host = [(sk.index, np.asarray(sk.data), np.asarray(sv.data))
-                for sk, sv in zip(k.addressable_shards, v.addressable_shards)]
-        failed: dict[str, str] = {}
-        for j, (rid, res) in enumerate(zip(ids, out)):
-            staging = kvfmt.staging_dir(kv_dir, rid, self.run_nonce, self._exports)
-            self._exports += 1
-            n = int(batch[j].size)
-            local = [seg for index, hk, hv in host for seg in self._segments(index, hk, hv, j, n, full, positions)]
-            if local:
-                kvfmt.write_shard_file(staging, me, local)
-            if multi:
-                from jax.experimental import multihost_utils
-
-                multihost_utils.sync_global_devices(f"slope_jax kv export {os.path.basename(staging)}")
-            if me == 0:
-                try:
-                    records = self._all_segment_records(k, j, n, full, positions)
-                    kvfmt.write_manifest(staging, request_id=rid, token_ids=batch[j], cfg=self.cfg,
-                                         dtype=self.dtype.name, full=full, segments=records,
-                                         files=[r["file"] for r in records], first_token=res.first_token,
-                                         run_nonce=self.run_nonce)
-                    kvfmt.publish(kv_dir, rid, staging, overwrite=overwrite)
-                except Exception as e:  # noqa: BLE001 - reported to every process below, then raised
-                    if not multi:
-                        raise
-                    failed[rid] = f"{type(e).__name__}: {e}"
-            res.kv_path = os.path.join(kv_dir, rid)
-            res.export_ms = 1e3 * (time.perf_counter() - e0)
-        if multi:  # every process learns which exports process 0 published (and waits for them)
-            from jax.experimental import multihost_utils
-
-            ok = multihost_utils.broadcast_one_to_all(np.asarray([rid not in failed for rid in ids]))
-            if not np.all(ok):
-                bad = [rid for rid, good in zip(ids, ok) if not good]
-                raise RequestError(f"KV export of request(s) {bad} failed on process 0"
-                                   + (f": {'; '.join(failed.values())}" if failed else "; see its log"))
-
-    def _all_segment_records(self, k, j: int, n: int, full: bool, positions: np.ndarray) -> list[dict]:
-        """Manifest records of every process's pieces, derived from the global sharding (no communication)."""
-        records, seen = [], set()
-        for device, index in k.sharding.devices_indices_map(k.shape).items():
-            key = tuple(s.indices(d) for s, d in zip(index, k.shape))
-            if key in seen:
-                continue
-            seen.add(key)
-            shape = [len(range(*sl)) for sl in key]
-            empty = np.zeros((shape[0], shape[1], shape[2], 0, 0), np.float32)  # shapes only: names, not data
-            fname = f"kv-p{device.process_index}.safetensors"
-            for layer, a, b, _, _ in self._segments(index, empty, empty, j, n, full, positions):
-                records.append({"layer": layer, "start": a, "end": b, "file": fname,
-                                "k": kvfmt.segment_name(layer, "k", a, b), "v": kvfmt.segment_name(layer, "v", a, b),
-                                "positions": kvfmt.segment_name(layer, "positions", a, b)})
-        return records
-
 
 def _step_options(options: StepOptions | None, fields: dict) -> StepOptions:
     """`options`, or a StepOptions built from its fields given one by one (ValueError when both are given)."""
     if options is not None and fields:
         raise ValueError(f"give options= or its fields ({sorted(fields)}), not both")
     return options if options is not None else StepOptions(**fields)
-
-
-def _inputs_digest(prompts, ids, *options) -> bytes:
-    """SHA-256 of a prefill call's prompts (as int64 token ids, or their repr when not numeric), ids and options."""
-    h = hashlib.sha256(repr((None if ids is None else [str(x) for x in ids], options)).encode())
-    for p in prompts:
-        try:
-            h.update(b"|" + np.ascontiguousarray(np.asarray(p, dtype=np.int64)).tobytes())
-        except Exception:  # noqa: BLE001 - an invalid prompt still hashes; validation reports it afterwards
-            h.update(b"|" + repr(p).encode())
-    return h.digest()
-
-
-def _check_same_on_all_processes(prompts, ids, *options) -> None:
-    """All-gather a digest of the call's inputs; raise RequestError on every process if any process differs."""
-    from jax.experimental import multihost_utils
-
-    mine = np.frombuffer(_inputs_digest(prompts, ids, *options), np.uint8)
-    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
-    groups: dict[bytes, list[int]] = {}
-    for pid, d in enumerate(every):
-        groups.setdefault(d.tobytes(), []).append(pid)
-    if len(groups) > 1:
-        desc = "; ".join(f"process(es) {pids} passed inputs {key[:4].hex()}" for key, pids in groups.items())
-        raise RequestError(f"prefill: the processes passed different prompts, ids or options ({desc}); under several "
-                           "processes every process must call prefill with the same arguments")
-
-
-def _agreed_run_nonce() -> str:
-    """A fresh run nonce, the same on every process (process 0's, broadcast once at engine start)."""
-    nonce = kvfmt.new_run_nonce()
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        raw = np.frombuffer(bytes.fromhex(nonce), np.uint8)
-        nonce = bytes(np.asarray(multihost_utils.broadcast_one_to_all(raw), np.uint8)).hex()
-    return nonce
-
-
-def _meet_peers(name: str, timeout_s: float = 3600.0) -> None:
-    """Wait until every process reaches the barrier `name` (JAX's coordination service, not a device collective,
-    so it waits as long as a compile may take; `timeout_s` bounds it)."""
-    from jax._src import distributed  # the client JAX's own multi-process set-up made
-
-    client = distributed.global_state.client
-    if client is not None:
-        client.wait_at_barrier(name, timeout_in_ms=int(timeout_s * 1e3))
 
 
 def _mib(nbytes: int) -> str:

@@ -119,6 +119,29 @@ def validate(body: bytes, headers: dict, number: int, *, model_name: str, vocab_
       top_k: the most `logprobs` a request may ask for (--top_k). kv_dir, overwrite: the export target rule.
       arrival: perf_counter() seconds of the request's arrival (default now).
     """
+    obj = _decode_body(body, number)
+    where = f"request {number}"
+    _check_fields(obj, where, model_name)
+    _check_first_token_only(obj, where)
+    logprobs = _check_answer_options(obj, where, top_k)
+    rid, param_id = _request_id(obj, headers, where)
+    line = {"id": rid, **({} if obj.get("ttft_slo_ms") is None else {"ttft_slo_ms": obj["ttft_slo_ms"]})}
+    line.update(_prompt_field(obj, where, tokenizer))
+    try:
+        req = requests.parse(json.dumps(line), number, vocab_size=vocab_size, max_tokens=max_tokens,
+                             tokenizer=tokenizer, seen_ids=seen_ids, arrival=arrival, label="request")
+    except requests.LineError as e:
+        message = str(e).replace("'tokens'", "'prompt'").replace("'text'", "'prompt'")
+        raise HttpError(400, message, param_id if _param_of(message) == "request_id" else _param_of(message)) from e
+    try:
+        kvfmt.check_target(kv_dir, req.id, overwrite)
+    except kvfmt.ExportExistsError as e:
+        raise HttpError(409, f"{where} ({req.id}): {e}", param_id) from e
+    return Validated(req, logprobs)
+
+
+def _decode_body(body: bytes, number: int) -> dict:
+    """The body as a JSON object (HttpError 400: not UTF-8, not strict JSON, not an object)."""
     try:
         obj = requests.loads_strict(body.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -127,7 +150,11 @@ def validate(body: bytes, headers: dict, number: int, *, model_name: str, vocab_
         raise HttpError(400, f"request {number}: the body is not valid JSON ({e})") from e
     if not isinstance(obj, dict):
         raise HttpError(400, f"request {number}: the body must be a JSON object, got {type(obj).__name__}")
-    where = f"request {number}"
+    return obj
+
+
+def _check_fields(obj: dict, where: str, model_name: str) -> None:
+    """Known fields only (400), and `model`, when given, is the served one (404)."""
     unknown = sorted(set(obj) - _FIELDS)
     if unknown:
         raise HttpError(400, f"{where}: unknown field(s) {requests._short(unknown, 120)}; the prefill endpoint "
@@ -139,6 +166,11 @@ def validate(body: bytes, headers: dict, number: int, *, model_name: str, vocab_
     if model is not None and model != model_name:
         raise HttpError(404, f"{where}: model {requests._short(model)} is not served here; this server serves "
                         f"{model_name!r}", "model")
+
+
+def _check_first_token_only(obj: dict, where: str) -> None:
+    """The fields that would ask for more than one greedy first token in one body: max_tokens /
+    max_completion_tokens 1, stream / echo false, n / best_of 1 (each may be absent)."""
     for name in ("max_tokens", "max_completion_tokens"):
         value = obj.get(name)
         if value is not None and (isinstance(value, bool) or value != 1):
@@ -153,6 +185,10 @@ def validate(body: bytes, headers: dict, number: int, *, model_name: str, vocab_
         if obj.get(name) not in (None, 1) or isinstance(obj.get(name), bool):
             raise HttpError(400, f"{where}: '{name}' must be 1 (or absent), got {requests._short(obj[name])}: one "
                             "greedy first token per request", name)
+
+
+def _check_answer_options(obj: dict, where: str, top_k: int) -> int | None:
+    """`logprobs` (an integer in [0, top_k] or null; returned) and `kv_transfer_params` (an object or null)."""
     logprobs = obj.get("logprobs")
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                  or not 0 <= logprobs <= top_k):
@@ -162,6 +198,12 @@ def validate(body: bytes, headers: dict, number: int, *, model_name: str, vocab_
     if ktp is not None and not isinstance(ktp, dict):
         raise HttpError(400, f"{where}: 'kv_transfer_params' must be an object or null, got "
                         f"{type(ktp).__name__}", "kv_transfer_params")
+    return logprobs
+
+
+def _request_id(obj: dict, headers: dict, where: str) -> tuple[str, str]:
+    """(id, the field it came from): `request_id`, else the X-Request-Id header, else a fresh "cmpl-<uuid>";
+    HttpError 400 when its format breaks the id rule (`requests.check_request_id`)."""
     rid = obj.get("request_id", headers.get("X-Request-Id"))
     param_id = "request_id" if "request_id" in obj else "X-Request-Id"
     if rid is None:
@@ -170,19 +212,7 @@ def validate(body: bytes, headers: dict, number: int, *, model_name: str, vocab_
         requests.check_request_id(rid, where)
     except requests.RequestError as e:
         raise HttpError(400, str(e), param_id) from e
-    line = {"id": rid, **({} if obj.get("ttft_slo_ms") is None else {"ttft_slo_ms": obj["ttft_slo_ms"]})}
-    line.update(_prompt_field(obj, where, tokenizer))
-    try:
-        req = requests.parse(json.dumps(line), number, vocab_size=vocab_size, max_tokens=max_tokens,
-                             tokenizer=tokenizer, seen_ids=seen_ids, arrival=arrival, label="request")
-    except requests.LineError as e:
-        message = str(e).replace("'tokens'", "'prompt'").replace("'text'", "'prompt'")
-        raise HttpError(400, message, param_id if _param_of(message) == "request_id" else _param_of(message)) from e
-    try:
-        kvfmt.check_target(kv_dir, req.id, overwrite)
-    except kvfmt.ExportExistsError as e:
-        raise HttpError(409, f"{where} ({req.id}): {e}", param_id) from e
-    return Validated(req, logprobs)
+    return rid, param_id
 
 
 def _prompt_field(obj: dict, where: str, tokenizer) -> dict:

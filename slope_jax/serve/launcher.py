@@ -47,6 +47,7 @@ from absl import app, flags, logging
 from slope_jax.model.options import CHOICES as STEP_OPTION_CHOICES  # no JAX: safe before exit_on_sigterm
 from slope_jax.model.options import FIELD_HELP as STEP_OPTION_HELP
 from slope_jax.model.options import StepOptions
+from slope_jax.parallel.config import ParallelConfig  # no JAX, no numpy: safe before exit_on_sigterm
 
 FLAGS = flags.FLAGS
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -145,10 +146,11 @@ flags.DEFINE_bool("summary", True, "Print a one-screen summary at the end (proce
 # library starts threads (see main()).
 
 # Flags that shape the compiled step or what it reads: every process must agree on them (start-up fingerprint).
-# The step options (StepOptions fields) are in by construction; a new flag of another kind must be added here.
-_STEP_FLAGS = ("layout", "expected_lengths", "ttft_slo_ms", "slo_percentile", "hardware", "pipeline", "ring",
-               "ulysses", "microbatches", "expert", "seq_chunks", "dtype", "kv_full", "overwrite", "cpu_devices",
-               "platform") + StepOptions.field_names()
+# The layout flags (one per ParallelConfig field) and the step options (StepOptions fields) are in by construction;
+# a new flag of another kind must be added here.
+_LAYOUT_FLAGS = tuple(f.name for f in dataclasses.fields(ParallelConfig))
+_STEP_FLAGS = (("layout", "expected_lengths", "ttft_slo_ms", "slo_percentile", "hardware", "dtype", "kv_full",
+                "overwrite", "cpu_devices", "platform") + _LAYOUT_FLAGS + StepOptions.field_names())
 _STATE: dict = {"watch": None}
 
 
@@ -477,32 +479,55 @@ def _result_record(req, res, engine, tokenizer, item=None) -> dict:
     return rec
 
 
-def _serve():
+def _serve() -> int:
+    """One run: the layout, the engine, process 0's intake, the broadcast/compute loop, the summary. Returns the exit
+    status (1: every request failed)."""
     import jax
-    import numpy as np
 
-    from slope_jax import kv as kvfmt
-    from slope_jax.checkpoints.orbax_store import model_config
-    from slope_jax.parallel.config import ParallelConfig
-    from slope_jax.serve import requests, slo, summary
-    from slope_jax.serve.batching import LineReader
-    from slope_jax.serve.scheduler import Scheduler
     from slope_jax.serve.engine import PrefillEngine
 
     t_start = time.perf_counter()
-    me = jax.process_index()
+    cfg, max_tokens, hardware = _limits()
+    parallel = _choose_layout(cfg, hardware, max_tokens)
+    engine = PrefillEngine.from_checkpoint(FLAGS.checkpoint, parallel, FLAGS.dtype,
+                                           progress=jax.process_index() == 0, options=_step_options())
+    if FLAGS.precompile:
+        engine.precompile([int(x) for x in FLAGS.precompile])
+    front = _Front.open(engine, cfg, max_tokens, hardware) if jax.process_index() == 0 else None
+    _compute_loop(engine, _Broadcast(jax.process_count() > 1), front)
+    return _finish(engine, front, t_start)
+
+
+def _limits():
+    """(model config, longest accepted prompt, hardware profile name), checked before any weight is read; process 0
+    also refuses an existing --results file here (before the weights are loaded)."""
+    import jax
+
+    from slope_jax.checkpoints.orbax_store import model_config
+    from slope_jax.serve import slo
+
     cfg = model_config(FLAGS.checkpoint)  # no weights read: check the limits before loading them
     if FLAGS.max_tokens is not None and FLAGS.max_tokens > cfg.max_position_embeddings:
         raise FlagError(f"--max_tokens={FLAGS.max_tokens} exceeds the model's max_position_embeddings="
                         f"{cfg.max_position_embeddings} ({FLAGS.checkpoint})")
     max_tokens = FLAGS.max_tokens or cfg.max_position_embeddings
-    if me == 0 and FLAGS.results != "-":
+    if jax.process_index() == 0 and FLAGS.results != "-":
         _refuse_existing_results(FLAGS.results, FLAGS.overwrite)  # before the weights are loaded
     device = jax.devices()[0]
     try:
         hardware = FLAGS.hardware or slo.hardware_for(device.device_kind, device.platform)
     except ValueError as e:
         raise FlagError(str(e)) from e
+    return cfg, max_tokens, hardware
+
+
+def _choose_layout(cfg, hardware: str, max_tokens: int) -> ParallelConfig:
+    """The layout: the flags' (--layout=manual) or the SLO planner's (--layout=auto, logged with its reason),
+    validated for this model and device count (LayoutError names the rule)."""
+    import jax
+
+    from slope_jax.serve import slo
+
     if FLAGS.layout == "auto":
         lengths = [int(x) for x in (FLAGS.expected_lengths or FLAGS.precompile)] or [min(max_tokens, 32768)]
         parallel, reason = slo.auto_layout(cfg, hardware, jax.device_count(), jax.local_device_count(), lengths,
@@ -513,99 +538,155 @@ def _serve():
         logging.info("--layout=auto on %d %s device(s), lengths %s, TTFT SLO %g ms: pipeline=%d ring=%d ulysses=%d "
                      "expert=%s seq_chunks=%d (%s)", jax.device_count(), hardware, lengths, FLAGS.ttft_slo_ms,
                      parallel.pipeline, parallel.ring, parallel.ulysses, parallel.expert, parallel.seq_chunks, reason)
-    else:
-        parallel = ParallelConfig(pipeline=FLAGS.pipeline, ring=FLAGS.ring, ulysses=FLAGS.ulysses,
-                                  microbatches=FLAGS.microbatches, expert=FLAGS.expert, seq_chunks=FLAGS.seq_chunks)
+    else:  # one flag per ParallelConfig field, same name
+        parallel = ParallelConfig(**{name: FLAGS[name].value for name in _LAYOUT_FLAGS})
     parallel.validate(cfg, jax.device_count() if parallel.num_devices > 1 else None)
-    engine = PrefillEngine.from_checkpoint(FLAGS.checkpoint, parallel, FLAGS.dtype, progress=me == 0,
-                                           options=_step_options())
-    if FLAGS.precompile:
-        engine.precompile([int(x) for x in FLAGS.precompile])
-    broadcast = _Broadcast(jax.process_count() > 1)
-    records: list[dict] = []
-    out = intake = tokenizer = None
-    pending: dict[str, requests.Request] = {}
-    if me == 0:
+    return parallel
+
+
+class _Front:
+    """Process 0's side of a run: the request source (stdin/file `LineReader` or the HTTP intake), parsing, the
+    scheduler and its cost model, and the result records (`emit`). Other processes only compute."""
+
+    def __init__(self, engine, cfg, max_tokens: int, tokenizer, out):
+        self.engine, self.cfg, self.max_tokens, self.tokenizer, self.out = engine, cfg, max_tokens, tokenizer, out
+        self.budget = None if FLAGS.device_memory_gib is None else int(FLAGS.device_memory_gib * 2**30)
+        self.records: list[dict] = []
+        self.seen: set[str] = set()
+        self.lineno = 0
+        self.source = self.intake = self.scheduler = self.predict_ms = None
+
+    @classmethod
+    def open(cls, engine, cfg, max_tokens: int, hardware: str) -> _Front:
+        """Load the tokenizer, open the requests and the results, build the scheduler, start the source."""
+        import jax
+
+        from slope_jax.serve import slo
+        from slope_jax.serve.scheduler import Scheduler
+
         tok_path = os.path.join(FLAGS.checkpoint, "tokenizer.json")
+        tokenizer = None
         if os.path.exists(tok_path):
             from tokenizers import Tokenizer
 
             tokenizer = Tokenizer.from_file(tok_path)
-        if FLAGS.http_port is not None:
-            src = None
-        elif FLAGS.requests == "-":
-            logging.info("reading requests from stdin, one JSON object per line (end of input ends the run)")
-            src = sys.stdin.buffer
-        else:
-            src = open(FLAGS.requests, "rb")
+        src = _request_stream()
         out = sys.stdout if FLAGS.results == "-" else _open_results(FLAGS.results, FLAGS.overwrite)
         if FLAGS.logits_dir:
             os.makedirs(FLAGS.logits_dir, exist_ok=True)
-        budget = None if FLAGS.device_memory_gib is None else int(FLAGS.device_memory_gib * 2**30)
-        seen: set[str] = set()
-        lineno = [0]
+        front = cls(engine, cfg, max_tokens, tokenizer, out)
+        front.predict_ms = slo.batch_model(engine, hardware, FLAGS.dtype, jax.local_device_count())
+        front.scheduler = Scheduler(front.predict_ms, batch_size=FLAGS.batch_size, batch_wait_ms=FLAGS.batch_wait_ms,
+                                    order=FLAGS.order, slo_policy=FLAGS.slo_policy,
+                                    default_slo_ms=FLAGS.ttft_slo_ms, bucket=engine.bucket,
+                                    per_step=front.predict_ms.per_step, compile_ms=front.predict_ms.compile_ms)
+        front.source = _start_source(src, cfg, max_tokens, tok_path if tokenizer is not None else None)
+        front.intake = _Intake(front.source, front.scheduler, front.parse_line, front.emit)
+        return front
 
-        def emit(rec):
-            try:
-                text = json.dumps(rec, allow_nan=False)
-            except ValueError:  # a non-finite number: never written as NaN/Infinity
-                rec = {"id": rec.get("id"), "line": rec.get("line"), "error": "result had non-finite numbers",
-                       **({"ttft_slo_ms": rec["ttft_slo_ms"], "slo_met": False} if "ttft_slo_ms" in rec else {})}
-                text = json.dumps(rec)
-            records.append(rec)
-            out.write(text + "\n")
-            out.flush()
-            source.deliver(rec)  # an HTTP request waits for its record
+    def emit(self, rec: dict) -> None:
+        """Write one result record (strict JSON, flushed) and hand it to the source (an HTTP request waits for it)."""
+        try:
+            text = json.dumps(rec, allow_nan=False)
+        except ValueError:  # a non-finite number: never written as NaN/Infinity
+            rec = {"id": rec.get("id"), "line": rec.get("line"), "error": "result had non-finite numbers",
+                   **({"ttft_slo_ms": rec["ttft_slo_ms"], "slo_met": False} if "ttft_slo_ms" in rec else {})}
+            text = json.dumps(rec)
+        self.records.append(rec)
+        self.out.write(text + "\n")
+        self.out.flush()
+        self.source.deliver(rec)
 
-        def parse_line(raw, arrival):
-            lineno[0] += 1
-            if isinstance(raw, OSError):
-                emit({"id": None, "line": lineno[0], "error": f"reading the requests failed: {raw}"})
-                return []
-            if not raw.strip():
-                return []
-            try:
-                req = requests.parse(raw, lineno[0], vocab_size=cfg.vocab_size, max_tokens=max_tokens,
-                                     tokenizer=tokenizer, seen_ids=seen, arrival=arrival)
-            except requests.LineError as e:
-                emit(requests.error_record(e))
-                return []
-            if FLAGS.kv_dir is not None:  # an existing export is this request's error, found before any compute
-                try:
-                    kvfmt.check_target(FLAGS.kv_dir, req.id, FLAGS.overwrite)
-                except kvfmt.ExportExistsError as e:
-                    emit(_request_error(req, f"line {req.line} ({req.id}): {e}"))
-                    return []
-            try:
-                engine.check_fits(req.tokens.size, budget)
-            except Exception as e:  # noqa: BLE001 - RequestError, or a failure compiling its bucket: its own error
-                emit(_request_error(req, f"line {req.line} ({req.id}): {e}"))
-                return []
-            return [req]
+    def parse_line(self, raw, arrival) -> list:
+        """One request line → [Request], or [] after emitting its error record (bad line, existing export, too
+        big for the device memory budget)."""
+        from slope_jax import kv as kvfmt
+        from slope_jax.serve import requests
 
-        predict_ms = slo.batch_model(engine, hardware, FLAGS.dtype, jax.local_device_count())
-        scheduler = Scheduler(predict_ms, batch_size=FLAGS.batch_size, batch_wait_ms=FLAGS.batch_wait_ms,
-                              order=FLAGS.order, slo_policy=FLAGS.slo_policy, default_slo_ms=FLAGS.ttft_slo_ms,
-                              bucket=engine.bucket, per_step=predict_ms.per_step, compile_ms=predict_ms.compile_ms)
-        if src is None:
-            from slope_jax.serve.http import HttpIntake
-
-            name = FLAGS.http_model_name or os.path.basename(os.path.normpath(FLAGS.checkpoint))
-            source = HttpIntake(FLAGS.http_host, FLAGS.http_port, vocab_size=cfg.vocab_size, max_tokens=max_tokens,
-                                model_name=name,
-                                tokenizer_path=tok_path if tokenizer is not None else None, top_k=FLAGS.top_k,
-                                kv_dir=FLAGS.kv_dir, overwrite=FLAGS.overwrite)
+        self.lineno += 1
+        if isinstance(raw, OSError):
+            self.emit({"id": None, "line": self.lineno, "error": f"reading the requests failed: {raw}"})
+            return []
+        if not raw.strip():
+            return []
+        try:
+            req = requests.parse(raw, self.lineno, vocab_size=self.cfg.vocab_size, max_tokens=self.max_tokens,
+                                 tokenizer=self.tokenizer, seen_ids=self.seen, arrival=arrival)
+        except requests.LineError as e:
+            self.emit(requests.error_record(e))
+            return []
+        if FLAGS.kv_dir is not None:  # an existing export is this request's error, found before any compute
             try:
-                source.start()
-            except OSError as e:
-                raise FlagError(f"--http_host={FLAGS.http_host} --http_port={FLAGS.http_port}: cannot listen ({e})")
-        else:
-            source = LineReader(src)
-        intake = _Intake(source, scheduler, parse_line, emit)
+                kvfmt.check_target(FLAGS.kv_dir, req.id, FLAGS.overwrite)
+            except kvfmt.ExportExistsError as e:
+                self.emit(_request_error(req, f"line {req.line} ({req.id}): {e}"))
+                return []
+        try:
+            self.engine.check_fits(req.tokens.size, self.budget)
+        except Exception as e:  # noqa: BLE001 - RequestError, or a failure compiling its bucket: its own error
+            self.emit(_request_error(req, f"line {req.line} ({req.id}): {e}"))
+            return []
+        return [req]
+
+    def observe(self, lengths: list[int], busy_ms: float) -> None:
+        """Online correction: the cost model learns the batch's measured busy time; the scheduler frees the engine."""
+        self.predict_ms.observe(lengths, busy_ms)
+        self.scheduler.finished(time.perf_counter())
+
+    def record_batch(self, ids: list[str], outcomes: list, pending: dict) -> None:
+        """One record per request of a finished batch (and its logits file with --logits_dir)."""
+        import numpy as np
+
+        for rid, res in zip(ids, outcomes):
+            item = pending[rid]
+            req = item.request
+            if isinstance(res, str):
+                self.emit(_request_error(req, res))
+                continue
+            if FLAGS.logits_dir:
+                np.save(os.path.join(FLAGS.logits_dir, f"{rid}.npy"), res.logits)
+            self.emit(_result_record(req, res, self.engine, self.tokenizer, item))
+
+
+def _request_stream():
+    """The byte stream of request lines (stdin or --requests), or None with --http_port."""
+    if FLAGS.http_port is not None:
+        return None
+    if FLAGS.requests == "-":
+        logging.info("reading requests from stdin, one JSON object per line (end of input ends the run)")
+        return sys.stdin.buffer
+    return open(FLAGS.requests, "rb")
+
+
+def _start_source(src, cfg, max_tokens: int, tokenizer_path: str | None):
+    """The request source: a `LineReader` thread over `src`, or (src None) the started HTTP intake."""
+    if src is not None:
+        from slope_jax.serve.batching import LineReader
+
+        return LineReader(src)
+    from slope_jax.serve.http import HttpIntake
+
+    name = FLAGS.http_model_name or os.path.basename(os.path.normpath(FLAGS.checkpoint))
+    source = HttpIntake(FLAGS.http_host, FLAGS.http_port, vocab_size=cfg.vocab_size, max_tokens=max_tokens,
+                        model_name=name, tokenizer_path=tokenizer_path, top_k=FLAGS.top_k, kv_dir=FLAGS.kv_dir,
+                        overwrite=FLAGS.overwrite)
+    try:
+        source.start()
+    except OSError as e:
+        raise FlagError(f"--http_host={FLAGS.http_host} --http_port={FLAGS.http_port}: cannot listen ({e})")
+    return source
+
+
+def _compute_loop(engine, broadcast, front: _Front | None) -> None:
+    """Every process: process 0 (`front`) takes the next batch from the scheduler and broadcasts it; all compute it;
+    process 0 corrects the cost model online and writes the records. Ends when process 0 broadcasts None."""
+    import numpy as np
+
+    pending: dict = {}
     while True:
         payload = None
-        if me == 0:
-            batch = intake.next_batch()
+        if front is not None:
+            batch = front.intake.next_batch()
             if batch is not None:
                 pending = {item.id: item for item in batch}
                 payload = [[item.id, item.request.tokens.tolist()] for item in batch]
@@ -614,37 +695,38 @@ def _serve():
             break
         ids = [p[0] for p in payload]
         prompts = [np.asarray(p[1], np.int32) for p in payload]
-        arrivals = [pending[i].arrival_s for i in ids] if me == 0 else None
+        arrivals = [pending[i].arrival_s for i in ids] if front is not None else None
         t_batch, compiled_before = time.perf_counter(), set(engine.compile_ms)
         outcomes = _prefill_isolated(engine, prompts, ids, arrivals, kv_dir=FLAGS.kv_dir, kv_full=FLAGS.kv_full,
                                      return_kv=False, top_k=FLAGS.top_k, overwrite=FLAGS.overwrite)
-        if me == 0:
+        if front is not None:
             # the engine's busy time for the cost model's online correction: wall time less first-time compilation
             busy_ms = (time.perf_counter() - t_batch) * 1e3 - sum(ms for key, ms in engine.compile_ms.items()
                                                                   if key not in compiled_before)
-            predict_ms.observe([len(p) for p in prompts], busy_ms)
-            scheduler.finished(time.perf_counter())
-            for rid, res in zip(ids, outcomes):
-                item = pending[rid]
-                req = item.request
-                if isinstance(res, str):
-                    emit(_request_error(req, res))
-                    continue
-                if FLAGS.logits_dir:
-                    np.save(os.path.join(FLAGS.logits_dir, f"{rid}.npy"), res.logits)
-                emit(_result_record(req, res, engine, tokenizer, item))
-    if me == 0:
-        if out is not sys.stdout:
-            out.close()
+            front.observe([len(p) for p in prompts], busy_ms)
+            front.record_batch(ids, outcomes, pending)
+
+
+def _finish(engine, front: _Front | None, t_start: float) -> int:
+    """Close the results, print the summary (process 0), wait for every process; 1 when every request failed."""
+    import jax
+
+    from slope_jax.serve import summary
+
+    if front is not None:
+        if front.out is not sys.stdout:
+            front.out.close()
         if FLAGS.summary:
             wall_s = time.perf_counter() - t_start
-            print(summary.format_summary(records, wall_s, shutil.get_terminal_size((120, 24)).columns) + "\n"
+            print(summary.format_summary(front.records, wall_s, shutil.get_terminal_size((120, 24)).columns) + "\n"
                   + _compile_line(engine), file=sys.stderr)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("slope_jax launcher done")
+    me = jax.process_index()
     logging.info("process %d done", me)
+    records = front.records if front is not None else []
     if me == 0 and records and all("error" in r for r in records):
         print(f"slope_jax: every request failed ({len(records)} error record(s)); exit status 1", file=sys.stderr,
               flush=True)
