@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 from collections import defaultdict
 from typing import NamedTuple
 
@@ -52,6 +53,7 @@ class WorkCounter:
     def __init__(self, axes: dict[str, int]):
         self.axes = dict(axes)  # mesh axis name -> size, major to minor
         self.work: dict[int, float] = defaultdict(float)
+        self._lock = threading.Lock()  # callbacks of one program run on several runtime threads at once
 
     def _device_index(self):
         idx = jnp.int32(0)
@@ -60,7 +62,8 @@ class WorkCounter:
         return idx
 
     def _record(self, device, work):
-        self.work[int(device)] += float(work)
+        with self._lock:  # `+=` on a dict item is a read-modify-write: unlocked, concurrent callbacks lose counts
+            self.work[int(device)] += float(work)
 
     def emit(self, work: jax.Array) -> None:
         jax.debug.callback(self._record, self._device_index(), work)
