@@ -76,6 +76,14 @@ class ParallelConfig:
             raise LayoutError(f"unknown ParallelConfig field(s) {unknown}: expected some of {sorted(names)}")
         return cls(**d)
 
+    @classmethod
+    def from_row(cls, row: dict, **overrides) -> ParallelConfig:
+        """The layout a planner/calibration table row describes: the row's ParallelConfig fields (other keys, such as
+        predicted times, are ignored; missing fields take their defaults), then `overrides`. Raises LayoutError as
+        the constructor does."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls.from_dict({**{k: v for k, v in row.items() if k in names}, **overrides})
+
     def expert_degree(self, cfg: ModelConfig) -> int:
         """The EP degree for this model: `expert` if set, else R·U when it divides num_experts, else 1."""
         if self.expert is not None:

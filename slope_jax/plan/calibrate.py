@@ -29,8 +29,7 @@ _N = 5  # coefficients: 1/e_mm, 1/e_att (sharded), 1/e_att (one device), overhea
 def _features(cfg: ModelConfig, hw: Hardware, row: dict, devices_per_host: int) -> tuple[np.ndarray, float]:
     """Row of the linear system at unit efficiency, and its communication time; the exposed part of the ring
     transfer (max(compute, transfer) − compute) depends on the efficiency, so it is taken at `hw`'s."""
-    par = ParallelConfig(pipeline=row["pipeline"], ring=row["ring"], ulysses=row["ulysses"],
-                         expert=row.get("expert"))
+    par = ParallelConfig.from_row(row)
     kw = dict(batch=row.get("batch", 1), devices_per_host=devices_per_host)
     p = predict(cfg, par, row["length"], dataclasses.replace(hw, efficiency=_UNIT), **kw)
     tb = p.time_breakdown_ms
@@ -56,7 +55,7 @@ def fit(cfg: ModelConfig, hw: Hardware, rows: list[dict], *, devices_per_host: i
     fitted = dataclasses.replace(hw, efficiency=eff)
     table = []
     for r in rows:
-        par = ParallelConfig(pipeline=r["pipeline"], ring=r["ring"], ulysses=r["ulysses"], expert=r.get("expert"))
+        par = ParallelConfig.from_row(r)
         p = predict(cfg, par, r["length"], fitted, batch=r.get("batch", 1), devices_per_host=devices_per_host)
         table.append({"layout": p.layout, "length": r["length"], "measured_ms": r["ms"], "predicted_ms": p.ttft_ms,
                       "error": p.ttft_ms / r["ms"] - 1})

@@ -153,8 +153,7 @@ def write(path: str) -> None:
           f"efficiency of ≥ {eff.matmul * ideal / (SLO_MS / 1e3):.2f} of peak on 32 GCDs (FlashAttention-2 reports "
           "50-73% of peak for the attention kernel on A100, arXiv:2307.08691).")
         if best:
-            par = ParallelConfig(pipeline=best["pipeline"], ring=best["ring"], ulysses=best["ulysses"],
-                                 expert=best["expert"], seq_chunks=best.get("seq_chunks", 1))
+            par = ParallelConfig.from_row(best)
             exact = predict(cfg, par, LENGTHS[-1], hw, bucket=-(-LENGTHS[-1] // par.token_multiple)
                             * par.token_multiple)
             w(f"- **No bucket padding**: the engine pads {LENGTHS[-1]} tokens to its {best['bucket']}-token bucket "
@@ -173,10 +172,9 @@ def write(path: str) -> None:
             n = LENGTHS[-1]
             cands = []
             for r in ep:
-                par = ParallelConfig(pipeline=r["pipeline"], ring=r["ring"], ulysses=r["ulysses"], expert=r["expert"])
-                cands.append((predict(cfg, par, n, hw, bucket=-(-n // par.token_multiple) * par.token_multiple), r))
-            exact, padded = min(cands, key=lambda x: x[0].ttft_ms)
-            par = ParallelConfig(pipeline=exact.pipeline, ring=exact.ring, ulysses=exact.ulysses, expert=exact.expert)
+                par = ParallelConfig.from_row(r, seq_chunks=1)  # one request's unchunked step, exact bucket
+                cands.append((predict(cfg, par, n, hw, bucket=-(-n // par.token_multiple) * par.token_multiple), r, par))
+            exact, padded, par = min(cands, key=lambda x: x[0].ttft_ms)
             t = exact.time_breakdown_ms
             a2a_ms = _ep_all_to_all_ms(cfg, par, exact.bucket, hw)
             w(f"- **Expert parallelism, exact bucket, all-to-all dispatch together**: {exact.layout} holds one stage "

@@ -141,8 +141,7 @@ def choose_layout(cfg: ModelConfig, hardware: str | Hardware, num_devices: int, 
         if not fitting:
             raise LayoutError(hardest["reason"])
         row = min(fitting, key=lambda r: r["ttft_ms"])
-    par = ParallelConfig(pipeline=row["pipeline"], ring=row["ring"], ulysses=row["ulysses"], expert=row["expert"],
-                         seq_chunks=row.get("seq_chunks", 1))
+    par = ParallelConfig.from_row(row)
     return par, f"{row['layout']} at {lengths[-1]} tokens: {hardest['reason']}", table
 
 
