@@ -94,6 +94,25 @@ def _moe_hlo_bytes(hlo: str) -> dict:
     return out
 
 
+def _assert_expert_bytes_split(eng, par, length: int):
+    """Per-device expert bytes = total / (P·R·U): exactly in the placed arrays, ±2 % in the compiled program's
+    arguments (what is left after tokens, positions and the other parameters). Returns the compiled step."""
+    p, r, u = par.pipeline, par.ring, par.ulysses
+    layers = eng.params["layers"]
+    experts = {k: layers[k] for k in EXPERT_PARAMS}
+    expert_total = sum(x.nbytes for x in experts.values())
+    devices = list(eng.mesh.devices.reshape(-1))
+    for d in devices:
+        assert _device_bytes(experts, d) * p * r * u == expert_total
+    t, m = eng.bucket(length), par.in_flight
+    compiled = eng.compiled(t, m)
+    args = compiled.memory_analysis().argument_size_in_bytes
+    inputs = (m * t + t) * 4 // (r * u) + 4 * m  # tokens, positions (sharded over ring·ulysses), num_tokens
+    other = _device_bytes(eng.params, devices[0]) - _device_bytes(experts, devices[0])
+    assert abs((args - inputs - other) - expert_total / (p * r * u)) <= 0.02 * expert_total / (p * r * u)
+    return compiled
+
+
 @pytest.mark.parametrize("layout", [(1, 2, 4), (1, 4, 2), (2, 2, 2), (1, 8, 1)])
 def test_ep_equals_single_device(layout, setup, monkeypatch):
     ckpt, prompts, expected = setup
@@ -122,20 +141,11 @@ def test_ep_equals_single_device(layout, setup, monkeypatch):
     assert_prefill_close(expected, eng.prefill(prompts), F32_TOL)
 
     # per-device expert bytes = total / (P·R·U), exactly in the arrays, ±2 % in the compiled program
-    layers = eng.params["layers"]
-    expert_total = sum(layers[k].nbytes for k in EXPERT_PARAMS)
-    devices = list(eng.mesh.devices.reshape(-1))
-    for d in devices:
-        assert _device_bytes({k: layers[k] for k in EXPERT_PARAMS}, d) * p * r * u == expert_total
-    t, m = eng.bucket(len(prompts[0])), par.in_flight
-    compiled = eng.compiled(t, m)
-    args = compiled.memory_analysis().argument_size_in_bytes
-    inputs = (m * t + t) * 4 // (r * u) + 4 * m  # tokens, positions (sharded over ring·ulysses), num_tokens
-    other = _device_bytes(eng.params, devices[0]) - _device_bytes({k: layers[k] for k in EXPERT_PARAMS}, devices[0])
-    assert abs((args - inputs - other) - expert_total / (p * r * u)) <= 0.02 * expert_total / (p * r * u)
+    compiled = _assert_expert_bytes_split(eng, par, len(prompts[0]))
 
     # MoE collective bytes in the HLO = plan.moe_traffic (float32 activations)
-    pred = moe_traffic.moe_traffic(CONFIG_E, par, t, m, eng.plan.slots_per_stage, 4)
+    pred = moe_traffic.moe_traffic(CONFIG_E, par, eng.bucket(len(prompts[0])), par.in_flight,
+                                   eng.plan.slots_per_stage, 4)
     meas = _moe_hlo_bytes(compiled.as_text())
     assert set(meas) == {"all-gather", "reduce-scatter"}, meas
     assert abs(meas["all-gather"] - pred.all_gather_block) <= 0.02 * pred.all_gather_block, (meas, pred)
@@ -252,17 +262,8 @@ def test_ep_with_seq_chunks(layout, chunks, setup):
                                         devices=jax.devices()[:p * r * u], **TILES)
     assert_prefill_close(expected, eng.prefill(prompts), F32_TOL)
 
+    compiled = _assert_expert_bytes_split(eng, par, len(prompts[0]))
     layers = eng.params["layers"]
-    expert_total = sum(layers[k].nbytes for k in EXPERT_PARAMS)
-    devices = list(eng.mesh.devices.reshape(-1))
-    for d in devices:
-        assert _device_bytes({k: layers[k] for k in EXPERT_PARAMS}, d) * p * r * u == expert_total
-    t, m = eng.bucket(len(prompts[0])), par.in_flight
-    compiled = eng.compiled(t, m)
-    args = compiled.memory_analysis().argument_size_in_bytes
-    inputs = (m * t + t) * 4 // (r * u) + 4 * m  # tokens, positions (sharded over ring·ulysses), num_tokens
-    other = _device_bytes(eng.params, devices[0]) - _device_bytes({k: layers[k] for k in EXPERT_PARAMS}, devices[0])
-    assert abs((args - inputs - other) - expert_total / (p * r * u)) <= 0.02 * expert_total / (p * r * u)
 
     collectives = [x for x in compiled.as_text().splitlines()
                    if any(f" {c}(" in x or f" {c}-start(" in x for c in traffic.COLLECTIVES)]
