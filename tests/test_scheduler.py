@@ -314,8 +314,8 @@ class _FakeEngine:
 
 
 def test_main_job_replay_rejects_what_compilation_makes_late():
-    """The README main job on a loaded host: buckets 48 (two texts, 30 s SLO), 32 (one, 30 s), 768 (60 s),
-    1536 (no SLO); every bucket compiles for ~45 s, compute is ~1 s. Before, every prediction was ~1.5 s and nothing
+    """The README main job on a loaded host: buckets 48 (two texts, 30 s SLO), 32 (one, 30 s), 608 (60 s),
+    1408 (no SLO); every bucket compiles for ~45 s, compute is ~1 s. Before, every prediction was ~1.5 s and nothing
     was rejected; now the first compile is expected (the prior) and every later one is the last measured."""
     from slope_jax.serve.slo import BatchModel, compile_prior_ms
 
@@ -365,4 +365,4 @@ def test_compile_estimate_follows_the_latest_measured_compile():
     engine.compile_ms[(32, 1)] = 41_000.0  # a cold compile
     assert model.compile_ms((32, 1)) == 0.0 and model.compile_ms((768, 1)) == 41_000.0
     engine.compile_ms[(48, 1)] = 900.0  # a persistent-cache hit compiles fast: the estimate drops with it
-    assert model.compile_ms((768, 1)) == 900.0 and model([40, 600]) == pytest.approx(48.0 + 768.0, abs=1e-9)
+    assert model.compile_ms((768, 1)) == 900.0 and model([40, 600]) == pytest.approx(48.0 + 608.0, abs=1e-9)
