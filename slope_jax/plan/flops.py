@@ -106,6 +106,13 @@ def visited_tiles(q_pos: np.ndarray, k_pos: np.ndarray, window: int, q_tile: int
     return int((hi - lo).sum()), bq, bk
 
 
+@functools.lru_cache(maxsize=4096)
+def _visited_tiles_in_order(t: int, window: int, q_tile: int, kv_tile: int) -> tuple[int, int, int]:
+    """`visited_tiles` of the single-device path: queries and keys at positions 0..t−1 (cached per shape)."""
+    pos = np.arange(t)
+    return visited_tiles(pos, pos, window, q_tile, kv_tile)
+
+
 def _layout_positions(t: int, ring: int, ulysses: int) -> np.ndarray:
     from slope_jax.parallel import layout  # numpy only
 
@@ -199,14 +206,10 @@ def per_device(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int,
     P, R, U = pipeline, ring, ulysses
     D, V = cfg.hidden_size, cfg.vocab_size
     if P * R * U == 1:
-        pos = np.arange(t)
         cls = {"sliding": [0.0, 0.0], "step0": [0.0, 0.0]}
-        seen: dict[int, tuple[int, int, int]] = {}
         for layer in range(cfg.num_hidden_layers):
             w = cfg.sliding_window if cfg.is_sliding(layer) else NO_WINDOW
-            if w not in seen:
-                seen[w] = visited_tiles(pos, pos, w, tiles.q_tile, tiles.kv_tile)
-            nt, bq, bk = seen[w]
+            nt, bq, bk = _visited_tiles_in_order(t, w, tiles.q_tile, tiles.kv_tile)
             per_tile = 4 * bq * bk * cfg.num_attention_heads * cfg.head_dim
             c = cls["sliding" if cfg.is_sliding(layer) else "step0"]
             c[0] += m * nt * per_tile
@@ -241,6 +244,19 @@ def per_device(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int,
                       "moe": (out["moe"], float(ticks * S * (cfg.num_experts // expert) * tile
                                                 * _expert_per_row(cfg)))}
     return out
+
+
+def padding_ratio(cfg: ModelConfig, n: int, tiles: Tiles = Tiles(), bucket: int | None = None) -> float:
+    """Executed FLOPs of an n-token prompt in its bucket over the FLOPs of the same prompt compiled at exactly n
+    tokens, on one device (`per_device`, P = R = U = 1): the work spent on padding. bucket: the padded length
+    (default `parallel.layout.bucket_length(n)`). The bucket rule bounds this by (1 + 1/32)² ≤ 1.07 for n ≥ 256
+    (`layout.bucket_length`); `benchmarks/bucket_waste.py` checks every length. Raises ValueError if bucket < n."""
+    from slope_jax.parallel import layout  # numpy only
+
+    t = layout.bucket_length(n) if bucket is None else bucket
+    if t < n:
+        raise ValueError(f"bucket {t} is shorter than the prompt ({n} tokens)")
+    return per_device(cfg, 1, 1, 1, t, n, 1, tiles)["total"] / per_device(cfg, 1, 1, 1, n, n, 1, tiles)["total"]
 
 
 def model_flops(cfg: ModelConfig, n: int) -> float:

@@ -29,16 +29,21 @@ def _loop_class(op_name: str) -> str:
     return "attention"  # the single-device layer scan: sliding and full layers share one loop
 
 
-def compare(engine, n: int, m: int | None = None) -> dict:
+def compare(engine, n: int, m: int | None = None, t: int | None = None) -> dict:
     """Model vs compiled program for `engine` (a PrefillEngine) at an n-token prompt, `m` requests per step
-    (default the layout's in-flight count). Returns a JSON-ready row with both sides and their ratios."""
+    (default the layout's in-flight count), compiled at length `t` (default the engine's bucket; any t >= n on one
+    device, else a multiple of `parallel.token_multiple`). Returns a JSON-ready row with both sides and their ratios.
+    Raises ValueError for a t the layout cannot compile."""
     import jax
 
     par = engine.parallel
     cfg = engine.cfg
     single = par.num_devices == 1
     m = 1 if single else (m or par.in_flight)
-    t = engine.bucket(n)
+    t = engine.bucket(n) if t is None else t
+    if t < n or (not single and t % par.token_multiple):
+        raise ValueError(f"compiled length t={t} must be >= n={n}" + ("" if single else
+                         f" and a multiple of 2*ring*ulysses*seq_chunks = {par.token_multiple}"))
     compiled = engine.compiled(t, m)
     text = compiled.as_text()
     tiles = _tiles(engine)
@@ -72,6 +77,31 @@ def compare(engine, n: int, m: int | None = None) -> dict:
             "bytes_ratio": ratio(pred_bytes, xla_bytes),
             "model_memory_bytes": pred_mem, "xla_argument_bytes": int(mem.argument_size_in_bytes),
             "xla_temp_bytes": int(mem.temp_size_in_bytes), "memory_ratio": ratio(pred_mem, xla_mem)}
+
+
+def padding_work(engine, n: int) -> dict:
+    """Compiled work of an n-token prompt in its bucket vs the same prompt compiled at exactly n tokens (one device:
+    `engine.parallel` must be 1×1×1, the only layout that admits every length). Two measures of each program:
+    `compare`'s XLA FLOPs (HLO dots × known trip counts, dynamic loops × the model's trip counts) and XLA's own
+    `cost_analysis()["flops"]` (every loop body counted once). Returns a JSON-ready row with both ratios
+    (bucket / exact). Raises ValueError on a multi-device engine."""
+    if engine.parallel.num_devices != 1:
+        raise ValueError(f"padding_work needs a one-device engine (got {engine.parallel.num_devices} devices): "
+                         "only there can a program be compiled at any exact length")
+    t = engine.bucket(n)
+    rows = {"bucket": compare(engine, n, 1, t), "exact": compare(engine, n, 1, n)}
+
+    def cost_flops(length):
+        ca = engine.compiled(length, 1).cost_analysis()
+        return float((ca[0] if isinstance(ca, list) else ca)["flops"])
+
+    cost = {"bucket": cost_flops(t), "exact": cost_flops(n)}
+    return {"tokens": n, "bucket": t, "xla_flops_bucket": rows["bucket"]["xla_flops"],
+            "xla_flops_exact": rows["exact"]["xla_flops"],
+            "xla_ratio": rows["bucket"]["xla_flops"] / rows["exact"]["xla_flops"],
+            "model_ratio": rows["bucket"]["model_flops"] / rows["exact"]["model_flops"],
+            "cost_analysis_flops_bucket": cost["bucket"], "cost_analysis_flops_exact": cost["exact"],
+            "cost_analysis_ratio": cost["bucket"] / cost["exact"]}
 
 
 def attention_work(engine, n: int) -> tuple[float, float]:
