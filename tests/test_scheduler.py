@@ -232,7 +232,7 @@ def test_batch_predictor_groups_by_bucket_like_the_engine():
 
 # ---- batches that follow deadlines, buckets and compilation (issue 17 (4)) ------------------------------------------
 def per_token_step(t, m):
-    """Step model: 1 ms per padded token per prompt (a 100-token prompt, bucket 128: 128 ms; 1000 tokens: 1024 ms)."""
+    """Step model: 1 ms per padded token per prompt (a 100-token prompt, bucket 128: 128 ms; 1000 tokens: 1008 ms)."""
     return float(t * m)
 
 
@@ -253,7 +253,7 @@ def test_urgent_short_request_leaves_first_and_alone_behind_seven_long_ones():
         s.finished(0.129)
         batch, rejected, _ = s.take_batch(0.129, closed=True)
         assert rejected == [] and [p.id for p in batch] == [f"long{i}" for i in range(7)]
-        assert batch[0].predicted_compute_ms == pytest.approx(7 * 1024.0, abs=1e-6)
+        assert batch[0].predicted_compute_ms == pytest.approx(7 * 1008.0, abs=1e-6)  # bucket 1008
 
 
 def test_batch_rides_only_in_free_step_slots_past_other_buckets():
