@@ -120,7 +120,7 @@ def measured(layout) -> dict:
             or not any(f" {c}(" in x or f" {c}-start(" in x for c in traffic.COLLECTIVES)]
     meas = sum(c.total for c in traffic.hlo_collectives("\n".join(keep)))
     width = traffic.collective_element_bytes(np.dtype("bfloat16"), jax.default_backend())
-    pred = moe_traffic.moe_traffic(cfg, par, t, m, eng.plan.slots_per_stage, width)
+    pred = moe_traffic.moe_traffic(cfg, par, t, m, eng.plan.slots_per_stage, width, eng.options)
     return {"layout": {"pipeline": p, "ring": r, "ulysses": u}, "expert_degree": par.expert_degree(cfg),
             "total_expert_bytes": total, "per_device_expert_bytes": per_dev, "ideal": total / (p * r * u),
             "memory_analysis_expert_bytes": int(args - inputs - other),

@@ -70,7 +70,8 @@ def _stage_forward(x, layers, cfg: ModelConfig, parallel: ParallelConfig, *, pos
     if parallel.expert_degree(cfg) > 1:
         moe_fn = functools.partial(expert_parallel.moe_expert_parallel, ulysses=U,
                                    experts_per_token=cfg.experts_per_token, alpha=cfg.swiglu_alpha,
-                                   limit=cfg.swiglu_limit, tile=options.moe_tile, impl=options.moe_impl)
+                                   limit=cfg.swiglu_limit, tile=options.moe_tile, impl=options.moe_impl,
+                                   dispatch=options.ep_dispatch, capacity=options.ep_capacity)
 
     def run(x, i, act, attend, window):
         p = jax.tree.map(lambda a: a[i], layers)

@@ -99,10 +99,11 @@ def temp_bytes(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int,
     # the dequantized weights of one expert, twice: as dequantized from MXFP4 and as laid out for the dot; they share
     # buffers with the attention weight copies (the larger of the two counts)
     moe = 2 * (2 * cfg.intermediate_size * D + D * cfg.intermediate_size) * b
-    # expert parallelism: the block sees the stage's T_stage = EP·T_local tokens — the gathered hidden states
-    # [T_stage, D] (b) and the float32 partial sums [T_stage, D] twice (the expert loop's carry and the
-    # reduce-scatter operand)
-    ep_tokens = 0 if single or expert == 1 else (b + 2 * 4) * expert * tl * D
+    # expert parallelism: the block sees EP·c received rows (all_to_all, c = tiles.ep_rows) or the stage's
+    # T_stage = EP·T_local tokens (all_gather) — their hidden states (b) and two float32 partial-sum buffers of that
+    # size (the expert loop's carry and the combine's operand)
+    rows = tiles.ep_rows(tl, cfg.experts_per_token, expert) if tiles.resolve("").ep_dispatch == "all_to_all" else tl
+    ep_tokens = 0 if single or expert == 1 else (b + 2 * 4) * expert * rows * D
     out = {"kv": float(kv), "inputs": float(m * tl * D * b), "layer": float(layer), "scores": float(scores),
            "expert_params": float(exp_slices), "stage_weights": float(stack_copy),
            "attention_params_or_dequantized_expert": float(max(att_slices, moe)),
