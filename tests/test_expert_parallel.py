@@ -4,8 +4,8 @@ Checked against the single-device path (float32): logits and K/V of whole prefil
 dispatch, the default, and the all-gather dispatch), the per-device expert bytes (arrays and the compiled program's
 memory analysis), the MoE collective bytes in the compiled HLO against `plan.moe_traffic` (and the all-to-all's
 against the all-gather's), which expert rows the loader reads, skewed routing that takes several all-to-all rounds,
-pad tokens, the expert output bias, and the layout errors; with sequence chunks too (`test_ep_with_seq_chunks`: the experts stay split inside the
-chunked step). CONFIG_E has 8 experts, so EP = R·U for R·U ∈ {2, 4, 8}.
+pad tokens, the expert output bias, and the layout errors; with sequence chunks too (`test_ep_with_seq_chunks`: the
+experts stay split inside the chunked step). CONFIG_E has 8 experts, so EP = R·U for R·U ∈ {2, 4, 8}.
 """
 
 import functools

@@ -22,8 +22,9 @@ memory-usage report of compiled steps, `--xla_dump_to`):
   - the dequantized weights of one expert, `[2I·D + D·I]`, twice (as dequantized from MXFP4 and in the dot's layout).
     They share their buffers with the attention weight copies (same size class, disjoint live ranges: the attention
     and the MoE block of a layer run one after the other), so the larger of the two counts;
-  - under expert parallelism the stage's gathered tokens `[EP·T_local, D]` and two float32 partial-sum buffers of that
-    size (the expert loop's carry and the reduce-scatter operand).
+  - under expert parallelism the rows a device computes — `[EP·c, D]` received by the all-to-all dispatch
+    (c = `StepOptions.ep_rows`), or the stage's gathered tokens `[EP·T_local, D]` — and two float32 partial-sum
+    buffers of that size (the expert loop's carry and the combine's operand).
 Checked against `compiled.memory_analysis()` by benchmarks/plan_vs_xla.py (tiny and mid configs, 7 layouts incl.
 pipeline 2 and 4, 1 to 8192 tokens: within 12.2 %, every layout's EP default included). XLA's buffer sharing is a heap
 simulation, so this is an estimate of its live set, not a replay of it.

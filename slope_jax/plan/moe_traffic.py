@@ -37,7 +37,8 @@ from slope_jax.parallel.config import ParallelConfig
 class MoeTraffic:
     """Bytes per device for one step (all_to_all: one round per MoE block). `*_block`: what the HLO reader counts
     for each kind of collective (all-to-all operand, all-reduce operand, all-gather input, reduce-scatter output),
-    summed over the step's MoE blocks; `operand` and `wire` as in the module docstring. `rows`: c (all_to_all), else 0."""
+    summed over the step's MoE blocks; `operand` and `wire` as in the module docstring. `rows`: c (all_to_all),
+    else 0."""
 
     expert_degree: int
     moe_blocks: int

@@ -78,8 +78,9 @@ def write(path: str) -> None:
     w(f"- **Efficiency assumption**: matmul {eff.matmul:.4g}, attention {eff.attention:.4g} of peak — {eff.source}. "
       "MI250 has no FP4/FP8 matrix units: MXFP4 experts are dequantized and computed in bf16.")
     w(f"- SLO: TTFT ≤ {SLO_MS:g} ms at p{PCT * 100:g}. Layouts: every (pipeline, ring, ulysses) of {n_dev} GCDs with "
-      "Ulysses inside a host, each with and without expert parallelism (EP = ring × ulysses; dispatch = all-gather "
-      "tokens + reduce-scatter outputs over the EP group), and for pipeline > 1 with C ∈ {1, 4, 8, 16} sequence "
+      "Ulysses inside a host, each with and without expert parallelism (EP = ring × ulysses; dispatch = all-to-all "
+      "of each token to its experts' owners, one round of c = ⌈1.25·T_local·k/EP⌉ rows per device pair, "
+      "`plan.moe_traffic`), and for pipeline > 1 with C ∈ {1, 4, 8, 16} sequence "
       "chunks (sequence-pipelined prefill, `+C…` in the layout names).")
     w("")
     w("## Model FLOPs and the floor")

@@ -2,7 +2,8 @@
 
 Both count **operand bytes per device**: what one device hands to each collective (for an all-gather its input,
 not the gathered output), summed over every execution — ops inside loops count once per trip (`known_trip_count`
-of each `while`, nested multiplicatively). `wire` bytes (what leaves the device) are also given analytically: an
+of each `while`, nested multiplicatively; a loop of data-dependent trip count, the EP all-to-all's rounds, counts
+once). `wire` bytes (what leaves the device) are also given analytically: an
 all-to-all keeps 1/U of its operand, a ppermute sends all of it.
 
 Per step of M requests, P stages of S slots (S/2 sliding + S/2 full), T tokens, Pz = T/(2RU), C = U·Pz, dtype of b
