@@ -249,6 +249,27 @@ def test_skewed_routing_and_pads():
         _ep_moe(h, valid, p, 2, 4, k, dispatch="auto")
 
 
+def test_hlo_reader_counts_the_round_loop_once():
+    """A collective inside a loop of unknown trip count (the all-to-all's rounds) counts one pass of that loop times
+    the known trip counts around it, and names the loop; one outside it counts as usual."""
+    hlo = """HloModule m
+%rounds (p: f32[4]) -> f32[4] {
+  %a = (f32[1,2,3]{2,1,0}, f32[1,2,3]{2,1,0}) all-to-all(%x, %y), channel_id=1, replica_groups={{0,1}}
+}
+%layers (p: f32[4]) -> f32[4] {
+  %w = f32[4] while(%p), condition=%c, body=%rounds, metadata={op_name="s/expert_parallel/while"}
+  %m = s32[] all-reduce(%n), channel_id=2, replica_groups={{0,1}}, to_apply=%max
+}
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %l = f32[4] while(%x), condition=%c, body=%layers, backend_config={"known_trip_count":{"n":"3"}}
+}
+"""
+    by_kind = {c.kind: c for c in traffic.hlo_collectives(hlo)}
+    a2a, ar = by_kind["all-to-all"], by_kind["all-reduce"]
+    assert (a2a.bytes, a2a.executions, a2a.loop) == (2 * 6 * 4, 3, "s/expert_parallel/while")
+    assert (ar.total, ar.loop) == (3 * 4, "")
+
+
 def test_expert_bias_added_once_weighted():
     """pitfalls.md: zero expert weights, bias 1 → output exactly 1.0 per channel; bias[e] = e → Σ_k w_k·e_k."""
     rng = np.random.default_rng(4)
