@@ -29,6 +29,7 @@ contributions differs. Exact ties in the router go to the lower expert index (`m
 
 Traffic per device and MoE block (`slope_jax.plan.moe_traffic`, b = activation bytes, per round for all_to_all):
   all_to_all   operand  EP·c·(D·b + 8k) (out)  +  EP·c·D·4 (back)       wire  (EP−1)/EP of the operand
+               + once per block 4 bytes (the rounds' int32 `pmax`)        wire  (EP−1)·4
   all_gather   operand  T_loc·(D·b + 8k)       +  EP·T_loc·D·4          wire  (EP−1)·T_loc·(D·b + 8k + 4D)
 so one all-to-all round moves c/T_loc ≈ capacity·k/EP of the all-gather's wire bytes.
 """
