@@ -12,7 +12,7 @@ bf16); whether parameters + K/V fit one device of --device_gb GB (activations an
 prefill step from `slope_jax.plan.moe_traffic` at T tokens.
 Part 2 (measured, 8 CPU devices, a small gpt-oss-shaped model): per-device expert bytes from the sharded arrays and
 from `compiled.memory_analysis()` against total/(P·R·U), and the MoE collective bytes read from the compiled HLO
-against the formula.
+against the formula, for the all-to-all and the all-gather dispatch.
 Prints tables and writes JSON (default benchmarks/results/ep_memory.json).
 """
 
@@ -86,7 +86,7 @@ def declared(cfg, name: str, layout, expert: int | None, tokens: int, device_gb:
             "moe_wire_bytes_per_step": tr.wire, "moe_operand_bytes_per_step": tr.operand}
 
 
-def measured(layout) -> dict:
+def measured(layout, dispatch: str) -> dict:
     import jax
     import numpy as np
 
@@ -100,7 +100,7 @@ def measured(layout) -> dict:
     host = checkpoint_writer.random_params(cfg, 0)
     p, r, u = layout
     par = ParallelConfig(pipeline=p, ring=r, ulysses=u)
-    eng = PrefillEngine(cfg, host, par, "bfloat16", q_tile=128, kv_tile=128, moe_tile=64)
+    eng = PrefillEngine(cfg, host, par, "bfloat16", q_tile=128, kv_tile=128, moe_tile=64, ep_dispatch=dispatch)
     layers = eng.params["layers"]
     names = [k for k in EXPERT_PARAMS if k in layers]
     total = sum(layers[k].nbytes for k in names)
@@ -120,8 +120,10 @@ def measured(layout) -> dict:
             or not any(f" {c}(" in x or f" {c}-start(" in x for c in traffic.COLLECTIVES)]
     meas = sum(c.total for c in traffic.hlo_collectives("\n".join(keep)))
     width = traffic.collective_element_bytes(np.dtype("bfloat16"), jax.default_backend())
-    pred = moe_traffic.moe_traffic(cfg, par, t, m, eng.plan.slots_per_stage, width)
+    pred = moe_traffic.moe_traffic(cfg, par, t, m, eng.plan.slots_per_stage, width, eng.options)
     return {"layout": {"pipeline": p, "ring": r, "ulysses": u}, "expert_degree": par.expert_degree(cfg),
+            "dispatch": dispatch, "rows_per_pair": pred.rows, "tokens_local": t // (r * u),
+            "formula_moe_wire_bytes": pred.wire,
             "total_expert_bytes": total, "per_device_expert_bytes": per_dev, "ideal": total / (p * r * u),
             "memory_analysis_expert_bytes": int(args - inputs - other),
             "hlo_moe_block_bytes": int(meas), "formula_moe_block_bytes": pred.block_total,
@@ -164,17 +166,19 @@ def main(argv):
                   f"(with {d['kv_bytes_per_device'] / gib:.2f} GiB K/V at T={FLAGS.tokens})")
     meas = []
     if FLAGS.measure:
-        meas = [measured(x) for x in ((1, 2, 4), (2, 2, 2), (1, 8, 1))]
+        meas = [measured(x, d) for x in ((1, 2, 4), (2, 2, 2), (1, 8, 1)) for d in ("all_to_all", "all_gather")]
         print("\nmeasured on 8 CPU devices (small model, bf16 + MXFP4): expert bytes per device and MoE collective "
-              "bytes (per-device blocks, the whole step)")
-        print(f"{'P,R,U':>7} {'EP':>3} {'arrays max KiB':>15} {'total/PRU KiB':>14} {'mem_analysis KiB':>17} "
-              f"{'HLO MoE KiB':>12} {'formula KiB':>12}")
+              "bytes (as the HLO reader counts them, the whole step, one all-to-all round); wire = formula bytes "
+              "leaving a device")
+        print(f"{'P,R,U':>7} {'EP':>3} {'dispatch':>10} {'c/T_loc':>8} {'arrays max KiB':>15} {'total/PRU KiB':>14} "
+              f"{'mem_analysis KiB':>17} {'HLO MoE KiB':>12} {'formula KiB':>12} {'wire KiB':>9}")
         for m in meas:
             lay = m["layout"]
-            print(f"{lay['pipeline']},{lay['ring']},{lay['ulysses']:<3} {m['expert_degree']:>3} "
-                  f"{max(m['per_device_expert_bytes']) / 1024:>15.1f} {m['ideal'] / 1024:>14.1f} "
+            share = f"{m['rows_per_pair']}/{m['tokens_local']}" if m["dispatch"] == "all_to_all" else "-"
+            print(f"{lay['pipeline']},{lay['ring']},{lay['ulysses']:<3} {m['expert_degree']:>3} {m['dispatch']:>10} "
+                  f"{share:>8} {max(m['per_device_expert_bytes']) / 1024:>15.1f} {m['ideal'] / 1024:>14.1f} "
                   f"{m['memory_analysis_expert_bytes'] / 1024:>17.1f} {m['hlo_moe_block_bytes'] / 1024:>12.1f} "
-                  f"{m['formula_moe_block_bytes'] / 1024:>12.1f}")
+                  f"{m['formula_moe_block_bytes'] / 1024:>12.1f} {m['formula_moe_wire_bytes'] / 1024:>9.1f}")
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
     from slope_jax.atomic import atomic_json
 

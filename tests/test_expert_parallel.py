@@ -1,10 +1,11 @@
 """Expert parallelism (EP): experts split over a stage's ring × Ulysses devices.
 
-Checked against the single-device path (float32): logits and K/V of whole prefills on every EP layout, the per-device
-expert bytes (arrays and the compiled program's memory analysis), the MoE collective bytes in the compiled HLO
-against `plan.moe_traffic`, which expert rows the loader reads, skewed routing, pad tokens, the expert output bias,
-and the layout errors; with sequence chunks too (`test_ep_with_seq_chunks`: the experts stay split inside the
-chunked step). CONFIG_E has 8 experts, so EP = R·U for R·U ∈ {2, 4, 8}.
+Checked against the single-device path (float32): logits and K/V of whole prefills on every EP layout (all-to-all
+dispatch, the default, and the all-gather dispatch), the per-device expert bytes (arrays and the compiled program's
+memory analysis), the MoE collective bytes in the compiled HLO against `plan.moe_traffic` (and the all-to-all's
+against the all-gather's), which expert rows the loader reads, skewed routing that takes several all-to-all rounds,
+pad tokens, the expert output bias, and the layout errors; with sequence chunks too (`test_ep_with_seq_chunks`: the
+experts stay split inside the chunked step). CONFIG_E has 8 experts, so EP = R·U for R·U ∈ {2, 4, 8}.
 """
 
 import functools
@@ -21,6 +22,7 @@ from slope_jax.checkpoints import writer as checkpoint_writer
 from slope_jax.model import gpt_oss as model_lib
 from slope_jax.model import moe as moe_lib
 from slope_jax.model.config import FULL, SLIDING, ModelConfig
+from slope_jax.model.options import StepOptions
 from slope_jax.parallel import expert_parallel
 from slope_jax.parallel.config import LayoutError, ParallelConfig
 from slope_jax.plan import moe_traffic, traffic
@@ -81,13 +83,17 @@ def _device_bytes(tree, device) -> int:
     return sum(s.data.nbytes for a in jax.tree.leaves(tree) for s in a.addressable_shards if s.device == device)
 
 
-def _moe_hlo_bytes(hlo: str) -> dict:
-    """Collective bytes of the EP dispatch/combine only (ops whose op_name has the `expert_parallel` scope), by kind,
-    counted by `plan.traffic.hlo_collectives` (per-device block: all-gather input, reduce-scatter output; × trips)."""
+def _moe_hlo_collectives(hlo: str) -> list:
+    """The collectives of the EP dispatch/combine only (ops whose op_name has the `expert_parallel` scope), as
+    `plan.traffic.hlo_collectives` counts them (all-to-all operand, all-gather input, reduce-scatter output; × trips;
+    one pass of the all-to-all's round loop)."""
     def other(line):
         return any(f" {c}(" in line or f" {c}-start(" in line for c in traffic.COLLECTIVES) and \
             "/expert_parallel/" not in line
-    cols = traffic.hlo_collectives("\n".join(x for x in hlo.splitlines() if not other(x)))
+    return traffic.hlo_collectives("\n".join(x for x in hlo.splitlines() if not other(x)))
+
+
+def _moe_hlo_bytes(cols: list) -> dict:
     out: dict = {}
     for c in cols:
         out[c.kind] = out.get(c.kind, 0) + c.total
@@ -113,8 +119,10 @@ def _assert_expert_bytes_split(eng, par, length: int):
     return compiled
 
 
-@pytest.mark.parametrize("layout", [(1, 2, 4), (1, 4, 2), (2, 2, 2), (1, 8, 1)])
-def test_ep_equals_single_device(layout, setup, monkeypatch):
+# the all-gather dispatch on one layout, the default all-to-all on the others (one compile each)
+@pytest.mark.parametrize("layout,dispatch", [((1, 2, 4), "auto"), ((1, 4, 2), "auto"), ((2, 2, 2), "auto"),
+                                             ((1, 8, 1), "all_gather")])
+def test_ep_equals_single_device(layout, dispatch, setup, monkeypatch):
     ckpt, prompts, expected = setup
     p, r, u = layout
     par = ParallelConfig(pipeline=p, ring=r, ulysses=u)
@@ -124,8 +132,9 @@ def test_ep_equals_single_device(layout, setup, monkeypatch):
     log = _ReadLog()
     orig = ckpt_lib.TensorSource.handle
     monkeypatch.setattr(ckpt_lib.TensorSource, "handle", lambda self, name: log.wrap(orig(self, name)))
-    eng = PrefillEngine.from_checkpoint(ckpt, par, dtype="float32", progress=False, **TILES)
+    eng = PrefillEngine.from_checkpoint(ckpt, par, dtype="float32", progress=False, ep_dispatch=dispatch, **TILES)
     monkeypatch.undo()
+    assert eng.options.ep_dispatch == ("all_to_all" if dispatch == "auto" else dispatch)  # auto: all_to_all on CPU
 
     # the loader read each expert tensor's rows exactly once over all devices, never the whole tensor
     experts = {}
@@ -144,25 +153,50 @@ def test_ep_equals_single_device(layout, setup, monkeypatch):
     compiled = _assert_expert_bytes_split(eng, par, len(prompts[0]))
 
     # MoE collective bytes in the HLO = plan.moe_traffic (float32 activations)
-    pred = moe_traffic.moe_traffic(CONFIG_E, par, eng.bucket(len(prompts[0])), par.in_flight,
-                                   eng.plan.slots_per_stage, 4)
-    meas = _moe_hlo_bytes(compiled.as_text())
-    assert set(meas) == {"all-gather", "reduce-scatter"}, meas
-    assert abs(meas["all-gather"] - pred.all_gather_block) <= 0.02 * pred.all_gather_block, (meas, pred)
-    assert abs(meas["reduce-scatter"] - pred.reduce_scatter_block) <= 0.02 * pred.reduce_scatter_block, (meas, pred)
+    t, m, k = eng.bucket(len(prompts[0])), par.in_flight, CONFIG_E.experts_per_token
+    pred = moe_traffic.moe_traffic(CONFIG_E, par, t, m, eng.plan.slots_per_stage, 4, eng.options)
+    cols = _moe_hlo_collectives(compiled.as_text())
+    meas = _moe_hlo_bytes(cols)
+    gather = moe_traffic.moe_traffic(CONFIG_E, par, t, m, eng.plan.slots_per_stage, 4,
+                                     StepOptions(ep_dispatch="all_gather"))
+    if eng.options.ep_dispatch == "all_gather":
+        assert set(meas) == {"all-gather", "reduce-scatter"}, meas
+        assert meas["all-gather"] == pred.all_gather_block, (meas, pred)  # measured: exact
+        assert meas["reduce-scatter"] == pred.reduce_scatter_block, (meas, pred)
+        return
+    # all-to-all: the EP collectives are all-to-alls inside the round loop (bytes per round exact) and the round
+    # count's all-reduce (4 bytes per block, outside the loop)
+    assert set(meas) == {"all-to-all", "all-reduce"}, meas
+    assert all(bool(x.loop) == (x.kind == "all-to-all") for x in cols), cols
+    assert meas["all-to-all"] == pred.all_to_all_block, (meas, pred)  # measured: exact
+    assert meas["all-reduce"] == pred.all_reduce_block == 4 * pred.moe_blocks, (meas, pred)
+    t_loc = t // (r * u)
+    c = pred.rows
+    assert c == min(t_loc, -(-5 * t_loc * k // (4 * ep)))  # ⌈1.25·T_loc·k/EP⌉ rows per pair and round
+    # wire bytes of one round against today's all-gather dispatch: exactly c/T_loc (≈ 1.25·k/EP)
+    rounds_wire = pred.wire - pred.moe_blocks * (ep - 1) * 4
+    assert rounds_wire * t_loc == gather.wire * c, (pred, gather)
+    assert rounds_wire <= gather.wire * (1.25 * k / ep + 1 / t_loc)
+    print(f"{layout}: T_loc {t_loc}, c {c}, one round {pred.wire} B vs all-gather {gather.wire} B "
+          f"({pred.wire / gather.wire:.3f}; 1.25·k/EP = {1.25 * k / ep:.3f})")
 
 
-def _ep_moe(h, valid, p, ring, ulysses, k):
+def _ep_moe(h, valid, p, ring, ulysses, k, **dispatch):
     """Run `moe_expert_parallel` under a (ring, ulysses) shard_map on the first R·U devices: tokens split over the
-    devices, expert parameters split by experts, router replicated."""
+    devices, expert parameters split by experts, router replicated. `dispatch`: its dispatch / capacity keywords."""
+    return np.asarray(_ep_moe_fn(ring, ulysses, k, tuple(sorted(p)), tuple(sorted(dispatch.items())))(h, valid, p))
+
+
+@functools.lru_cache(maxsize=None)
+def _ep_moe_fn(ring, ulysses, k, names, dispatch):
+    """The jitted `_ep_moe` program, one per configuration (calls with new parameter values reuse its compilation)."""
     mesh = jax.make_mesh((ring, ulysses), ("ring", "ulysses"), devices=jax.devices()[:ring * ulysses],
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
     cp = ("ring", "ulysses")
-    pspec = {name: Ps() if name.startswith("router") else Ps(cp) for name in p}
+    pspec = {name: Ps() if name.startswith("router") else Ps(cp) for name in names}
     fn = functools.partial(expert_parallel.moe_expert_parallel, ulysses=ulysses, experts_per_token=k, alpha=1.702,
-                           limit=7.0, tile=4)
-    return np.asarray(jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(Ps(cp), Ps(cp), pspec), out_specs=Ps(cp),
-                                            check_vma=False))(h, valid, p))
+                           limit=7.0, tile=4, **dict(dispatch))
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(Ps(cp), Ps(cp), pspec), out_specs=Ps(cp), check_vma=False))
 
 
 def _dense_moe_params(rng, e, d, i, scale=0.3):
@@ -174,41 +208,86 @@ def _dense_moe_params(rng, e, d, i, scale=0.3):
             "b2": jnp.asarray(0.1 * rng.standard_normal((e, d)), jnp.float32)}
 
 
+def _rounds(ids, devices: int, experts_local: int, rows: int) -> int:
+    """All-to-all rounds for routing `ids [T, k]` split over `devices` in order: ⌈largest (source, destination)
+    token count / rows⌉ (a token counts once per destination, however many of its experts live there)."""
+    t_loc = ids.shape[0] // devices
+    owner = ids.reshape(devices, t_loc, -1) // experts_local
+    pair = [[np.any(owner[s] == j, axis=1).sum() for j in range(devices)] for s in range(devices)]
+    return -(-int(np.max(pair)) // rows)
+
+
 def test_skewed_routing_and_pads():
-    """Every token picks expert 5 first (router bias 50): one device does all top-1 work; the result stays equal to
-    the single-device MoE. Pad tokens (last 5) get exactly zero output."""
+    """Every token picks expert 5 first (router bias 50): one device does all top-1 work and is sent every token —
+    T_loc rows per source, over twice its all-to-all share (1.25·T_loc·k/EP) — so the all-to-all takes several
+    rounds, and the result stays equal to the single-device MoE (dropless), on every dispatch. Pad tokens (last 5,
+    one device's whole block) get exactly zero output."""
     rng = np.random.default_rng(3)
     e, d, i, k, t = 8, 24, 10, 3, 40
     p = _dense_moe_params(rng, e, d, i)
-    p["router_b"] = p["router_b"].at[5].set(50.0)
     h = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
     valid = jnp.arange(t) < t - 5
-    ref = np.asarray(moe_lib.moe(h, valid, p, experts_per_token=k, alpha=1.702, limit=7.0, tile=4))
-    _, ids = moe_lib.route(h, p["router_w"], p["router_b"], k)
-    assert (np.asarray(ids)[:, 0] == 5).all()
-    for ring, ulysses in ((2, 4),):
-        out = _ep_moe(h, valid, p, ring, ulysses, k)
-        assert np.abs(out - ref).max() < 1e-6  # measured 0.0 (bit-exact here; the k-term sum order may differ)
+    for skew in (False, True):
+        if skew:
+            p["router_b"] = p["router_b"].at[5].set(50.0)
+        ref = np.asarray(moe_lib.moe(h, valid, p, experts_per_token=k, alpha=1.702, limit=7.0, tile=4))
+        _, ids = moe_lib.route(h, p["router_w"], p["router_b"], k)
+        ids = np.where(np.asarray(valid)[:, None], np.asarray(ids), e)
+        assert (ids[:35, 0] == 5).all() == skew
+        ep, t_loc = 8, t // 8  # ring 2 × Ulysses 4
+        rows = StepOptions().ep_rows(t_loc, k, ep)  # default capacity 1.25: ⌈1.25·5·3/8⌉ = 3
+        rounds = _rounds(ids, ep, e // ep, rows)
+        if skew:  # the skewed peer gets T_loc rows from each source: ⌈T_loc / c⌉ = ⌈5/3⌉ = 2 rounds
+            assert rounds == -(-t_loc // rows) == 2, rounds
+        out = _ep_moe(h, valid, p, 2, 4, k, dispatch="all_to_all", capacity=1.25)
+        # measured ≤ 4.8e-7 (the order of a token's k-term float32 sum differs)
+        assert np.abs(out - ref).max() < 1e-6, (skew, rounds)
+        assert (out[t - 5:] == 0).all()
+        out = _ep_moe(h, valid, p, 2, 4, k, dispatch="all_gather")
+        assert np.abs(out - ref).max() < 1e-6  # measured 0.0
         assert (out[t - 5:] == 0).all()
     # an assignment to an expert outside the device's slice (or a pad's id E) does no work, whatever its weight
     skipped = moe_lib.experts(h, jnp.ones((t, k)), jnp.full((t, k), e, jnp.int32), p, alpha=1.702, limit=7.0)
     assert (np.asarray(skipped) == 0).all()
+    with pytest.raises(ValueError, match="ep_dispatch='auto'"):
+        _ep_moe(h, valid, p, 2, 4, k, dispatch="auto")
+
+
+def test_hlo_reader_counts_the_round_loop_once():
+    """A collective inside a loop of unknown trip count (the all-to-all's rounds) counts one pass of that loop times
+    the known trip counts around it, and names the loop; one outside it counts as usual."""
+    hlo = """HloModule m
+%rounds (p: f32[4]) -> f32[4] {
+  %a = (f32[1,2,3]{2,1,0}, f32[1,2,3]{2,1,0}) all-to-all(%x, %y), channel_id=1, replica_groups={{0,1}}
+}
+%layers (p: f32[4]) -> f32[4] {
+  %w = f32[4] while(%p), condition=%c, body=%rounds, metadata={op_name="s/expert_parallel/while"}
+  %m = s32[] all-reduce(%n), channel_id=2, replica_groups={{0,1}}, to_apply=%max
+}
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %l = f32[4] while(%x), condition=%c, body=%layers, backend_config={"known_trip_count":{"n":"3"}}
+}
+"""
+    by_kind = {c.kind: c for c in traffic.hlo_collectives(hlo)}
+    a2a, ar = by_kind["all-to-all"], by_kind["all-reduce"]
+    assert (a2a.bytes, a2a.executions, a2a.loop) == (2 * 6 * 4, 3, "s/expert_parallel/while")
+    assert (ar.total, ar.loop) == (3 * 4, "")
 
 
 def test_expert_bias_added_once_weighted():
     """pitfalls.md: zero expert weights, bias 1 → output exactly 1.0 per channel; bias[e] = e → Σ_k w_k·e_k."""
     rng = np.random.default_rng(4)
-    e, d, i, k, t = 8, 24, 10, 3, 16
+    e, d, i, k, t = 8, 24, 10, 3, 40  # the shapes of test_skewed_routing_and_pads: its compiled program
     p = _dense_moe_params(rng, e, d, i)
     p.update(w1=jnp.zeros_like(p["w1"]), w2=jnp.zeros_like(p["w2"]), b2=jnp.ones((e, d), jnp.float32))
     h = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
     valid = jnp.ones(t, bool)
-    out = _ep_moe(h, valid, p, 2, 4, k)
+    out = _ep_moe(h, valid, p, 2, 4, k, dispatch="all_to_all", capacity=1.25)
     assert np.abs(out - 1.0).max() <= 1e-6  # Σ_k w_k = 1 in float32
     p["b2"] = jnp.broadcast_to(jnp.arange(e, dtype=jnp.float32)[:, None], (e, d))
     w, ids = (np.asarray(x) for x in moe_lib.route(h, p["router_w"], p["router_b"], k))
     want = (w * ids).sum(1)
-    out = _ep_moe(h, valid, p, 2, 4, k)
+    out = _ep_moe(h, valid, p, 2, 4, k, dispatch="all_to_all", capacity=1.25)
     assert np.abs(out - want[:, None]).max() <= 1e-5
 
 
@@ -225,15 +304,41 @@ def test_layout_errors_name_the_expert_count():
 
 
 def test_moe_traffic_formula():
-    """The stated formula by hand for (P, R, U) = (2, 2, 2), T = 64, M = 2, S = 2, bf16: T_loc = 16."""
+    """The stated formulas by hand for (P, R, U) = (2, 2, 2), T = 64, M = 2, S = 2, bf16: T_loc = 16, EP = 4."""
     par = ParallelConfig(pipeline=2, ring=2, ulysses=2)
-    tr = moe_traffic.moe_traffic(CONFIG_E, par, 64, 2, 2, 2)
     blocks = (2 + 2 - 1) * 2
+    tr = moe_traffic.moe_traffic(CONFIG_E, par, 64, 2, 2, 2, StepOptions(ep_dispatch="all_gather"))
     ag, rs = 16 * (96 * 2 + 8 * 3), 16 * 96 * 4
-    assert (tr.expert_degree, tr.moe_blocks) == (4, blocks)
+    assert (tr.expert_degree, tr.moe_blocks, tr.dispatch) == (4, blocks, "all_gather")
     assert tr.all_gather_block == blocks * ag and tr.reduce_scatter_block == blocks * rs
     assert tr.wire == blocks * 3 * (ag + rs) and tr.operand == blocks * (ag + 4 * rs)
+    # all-to-all (the default): c = ⌈1.25·16·3/4⌉ = 15 rows per pair; a row out D·b + 8k, back D·4
+    a2a = moe_traffic.moe_traffic(CONFIG_E, par, 64, 2, 2, 2)
+    assert (a2a.dispatch, a2a.rows) == ("all_to_all", 15)
+    assert a2a.all_to_all_block == blocks * 4 * 15 * (96 * 2 + 8 * 3 + 96 * 4) and a2a.all_reduce_block == blocks * 4
+    assert a2a.operand == a2a.block_total == a2a.all_to_all_block + a2a.all_reduce_block
+    assert a2a.wire == blocks * 3 * (15 * (96 * 2 + 8 * 3 + 96 * 4) + 4)
+    assert (a2a.wire - blocks * 3 * 4) * 16 == tr.wire * 15  # one round: c/T_loc of the all-gather's wire bytes
+    assert moe_traffic.moe_traffic(CONFIG_E, par, 64, 2, 2, 2, StepOptions(ep_capacity=0.2)).rows == 3
+    assert moe_traffic.moe_traffic(CONFIG_E, par, 64, 2, 2, 2, StepOptions(ep_capacity=9.0)).rows == 16  # T_loc
     assert moe_traffic.moe_traffic(CONFIG_E, ParallelConfig(ring=3), 66, 1, 4, 2).wire == 0
+
+
+def test_ep_options_name_the_field():
+    """`ep_dispatch` resolves to all_to_all on every backend; bad values name the field; the options (and so the
+    launcher's fingerprint, `StepOptions.to_dict`) carry both EP fields."""
+    assert {StepOptions().resolve(pl).ep_dispatch for pl in ("cpu", "cuda", "rocm", "tpu")} == {"all_to_all"}
+    assert StepOptions(ep_dispatch="all_gather").resolve("cpu").ep_dispatch == "all_gather"
+    assert {"ep_dispatch", "ep_capacity"} <= set(StepOptions().to_dict())
+    with pytest.raises(ValueError, match="ep_dispatch='ragged'"):
+        StepOptions(ep_dispatch="ragged")
+    for bad in (0, -1.0, float("nan"), float("inf"), "1", True):
+        with pytest.raises(ValueError, match="ep_capacity"):
+            StepOptions(ep_capacity=bad)
+    with pytest.raises(ValueError, match="ep_dispatch"):
+        StepOptions(ep_dispatch="auto").require_resolved()
+    assert StepOptions(ep_capacity=1.0).ep_rows(12, 3, 4) == 9  # exact share, no float round-up to 10
+    assert StepOptions(ep_capacity=0.001).ep_rows(12, 3, 4) == 1
 
 
 def test_declared_expert_axes():

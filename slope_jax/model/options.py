@@ -11,9 +11,11 @@ cache keys on the lowered program, which these options shape, so it never mixes 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 ATTENTION_IMPLS = ("auto", "pallas", "xla")
 MOE_IMPLS = ("auto", "ragged", "loop")
+EP_DISPATCHES = ("auto", "all_to_all", "all_gather")
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 # one line of help per field (the launcher defines one flag per field from these)
@@ -25,8 +27,13 @@ FIELD_HELP = {
                       "blockwise reference elsewhere; pallas on CPU runs in interpret mode (slow, for testing).",
     "moe_impl": "MoE grouped expert compute: loop = per-expert tile loop, ragged = jax.lax.ragged_dot; auto = loop "
                 "(XLA runs ragged_dot as dense work over all experts on CPU and, measured, on H200).",
+    "ep_dispatch": "Expert-parallel dispatch: all_to_all = each token only to the devices that hold one of its "
+                   "experts, in rounds of static capacity (dropless); all_gather = every token to every device of "
+                   "the group; auto = all_to_all (plain all-to-alls: every backend).",
+    "ep_capacity": "All-to-all dispatch: rows per (source, destination) pair and round, as a multiple of the "
+                   "balanced share T_local*k/EP (capped at T_local); more rounds run when routing is skewed.",
 }
-CHOICES = {"attention_impl": ATTENTION_IMPLS, "moe_impl": MOE_IMPLS}
+CHOICES = {"attention_impl": ATTENTION_IMPLS, "moe_impl": MOE_IMPLS, "ep_dispatch": EP_DISPATCHES}
 
 
 def resolve_attention(impl: str, platform: str) -> str:
@@ -52,6 +59,28 @@ def resolve_moe(impl: str, platform: str) -> str:
     return "loop" if impl == "auto" else impl
 
 
+def resolve_ep_dispatch(dispatch: str, platform: str) -> str:
+    """`ep_dispatch` → the concrete expert-parallel dispatch. "auto" is "all_to_all" on every backend: it is built from
+    plain `all_to_all`s of static shapes in a loop of data-dependent trip count (`parallel.expert_parallel`), which
+    XLA:CPU, GPU and TPU all run; `jax.lax.ragged_all_to_all` is not used because XLA:CPU does not implement it
+    (jax 0.10.2: "HLO opcode `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter"). `platform` is accepted
+    so that a backend where the gather measures faster can be switched here.
+    Raises ValueError naming the field for an unknown value."""
+    if dispatch not in EP_DISPATCHES:
+        raise ValueError(f"ep_dispatch={dispatch!r}: expected one of {EP_DISPATCHES}")
+    del platform
+    return "all_to_all" if dispatch == "auto" else dispatch
+
+
+def ep_rows(capacity: float, tokens_local: int, experts_per_token: int, expert_degree: int) -> int:
+    """Static rows c per (source, destination) pair and round of the all-to-all expert dispatch:
+    `min(T_local, ⌈capacity · T_local · k / EP⌉)`, at least 1 (T_local tokens per device, k experts per token, EP
+    devices). A device sends a token at most once to each peer, so c = T_local always takes one round; under
+    uniform routing a peer's expected share is ≤ T_local·k/EP rows."""
+    share = capacity * tokens_local * experts_per_token / expert_degree
+    return max(1, min(tokens_local, math.ceil(share - 1e-9)))  # 1e-9: an exact product's float rounding
+
+
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
     """Compute options of the compiled step.
@@ -60,7 +89,10 @@ class StepOptions:
     moe_tile: rows per expert matmul tile (clipped to tokens × experts_per_token).
     attention_impl: "auto" | "pallas" | "xla" (`model.attention.attend`); moe_impl: "auto" | "ragged" | "loop"
       (`model.moe.experts`). The step runs only resolved options (`resolve`).
-    Raises ValueError naming the field: a tile that is not a positive int, an unknown implementation.
+    ep_dispatch: "auto" | "all_to_all" | "all_gather" (`parallel.expert_parallel`); ep_capacity: the all-to-all's
+      rows per peer and round over the balanced share (`ep_rows`), a float > 0.
+    Raises ValueError naming the field: a tile that is not a positive int, an unknown implementation, a capacity
+    that is not a positive finite number.
     """
 
     q_tile: int = 256
@@ -68,12 +100,17 @@ class StepOptions:
     moe_tile: int = 128
     attention_impl: str = "auto"
     moe_impl: str = "auto"
+    ep_dispatch: str = "auto"
+    ep_capacity: float = 1.25
 
     def __post_init__(self):
         for name in ("q_tile", "kv_tile", "moe_tile"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}={v!r}: must be a positive integer (tokens)")
+        c = self.ep_capacity
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
+            raise ValueError(f"ep_capacity={c!r}: must be a positive finite number (multiple of T_local*k/EP)")
         for name, choices in CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {choices}")
@@ -86,17 +123,23 @@ class StepOptions:
 
             platform = jax.default_backend()
         return dataclasses.replace(self, attention_impl=resolve_attention(self.attention_impl, platform),
-                                   moe_impl=resolve_moe(self.moe_impl, platform))
+                                   moe_impl=resolve_moe(self.moe_impl, platform),
+                                   ep_dispatch=resolve_ep_dispatch(self.ep_dispatch, platform))
 
     @property
     def resolved(self) -> bool:
-        return "auto" not in (self.attention_impl, self.moe_impl)
+        return "auto" not in (self.attention_impl, self.moe_impl, self.ep_dispatch)
+
+    def ep_rows(self, tokens_local: int, experts_per_token: int, expert_degree: int) -> int:
+        """`ep_rows` with this `ep_capacity`."""
+        return ep_rows(self.ep_capacity, tokens_local, experts_per_token, expert_degree)
 
     def require_resolved(self) -> StepOptions:
         """self; raises ValueError when an implementation is still "auto" (a step must be built from `resolve`d
         options, so that what is logged and fingerprinted is what runs)."""
         if not self.resolved:
-            raise ValueError(f"{self}: attention_impl/moe_impl 'auto' must be resolved first (StepOptions.resolve)")
+            raise ValueError(f"{self}: attention_impl/moe_impl/ep_dispatch 'auto' must be resolved first "
+                             "(StepOptions.resolve)")
         return self
 
     def to_dict(self) -> dict:

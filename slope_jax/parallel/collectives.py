@@ -174,3 +174,11 @@ def expert_combine(y: jax.Array, axes=("ring", "ulysses")) -> jax.Array:
     wire bytes: (EP−1)/EP of `y`.
     """
     return jax.lax.psum_scatter(y, axes, scatter_dimension=0, tiled=True)
+
+
+def expert_exchange(x, axes=("ring", "ulysses")):
+    """Expert-parallel all-to-all: a pytree of `[EP, c, …]` send buffers (row block j for device j) →
+    `[EP, c, …]` receive buffers (row block i from device i), device index linear over `axes` (r·U + u). Used both
+    ways: tokens out to their experts' owners, partial outputs back. Operand bytes per device: the whole buffer;
+    wire bytes: (EP−1)/EP of it (block j = self stays)."""
+    return jax.tree.map(lambda a: jax.lax.all_to_all(a, axes, split_axis=0, concat_axis=0, tiled=True), x)

@@ -70,7 +70,8 @@ def _stage_forward(x, layers, cfg: ModelConfig, parallel: ParallelConfig, *, pos
     if parallel.expert_degree(cfg) > 1:
         moe_fn = functools.partial(expert_parallel.moe_expert_parallel, ulysses=U,
                                    experts_per_token=cfg.experts_per_token, alpha=cfg.swiglu_alpha,
-                                   limit=cfg.swiglu_limit, tile=options.moe_tile, impl=options.moe_impl)
+                                   limit=cfg.swiglu_limit, tile=options.moe_tile, impl=options.moe_impl,
+                                   dispatch=options.ep_dispatch, capacity=options.ep_capacity)
 
     def run(x, i, act, attend, window):
         p = jax.tree.map(lambda a: a[i], layers)
@@ -206,7 +207,9 @@ def _tick_fn(cfg: ModelConfig, parallel: ParallelConfig, plan: stages.StagePlan,
             prefix = (kb[m].reshape(n, C * two_pz, kh, hd), vb[m].reshape(n, C * two_pz, kh, hd), prefix_pos)
         x_in = jnp.where(p == 0, x_all[m, i], x_buf)
         with jax.named_scope("stage"):
-            x_out, k, v = _stage_forward(x_in, layers, cfg, parallel, positions=cp_pos, valid=pos_i < n_tok,
+            # an idle tick's tokens (pipeline fill/drain) are pads: routed nowhere, no expert work and, under the
+            # all-to-all EP dispatch, no round (its stale activations would otherwise route like skewed tokens)
+            x_out, k, v = _stage_forward(x_in, layers, cfg, parallel, positions=cp_pos, valid=live & (pos_i < n_tok),
                                          slot_index=slot_index, active=active, options=options, prefix=prefix)
         kb = kb.at[m, :, i].set(jnp.where(live, k, kb[m, :, i]))
         vb = vb.at[m, :, i].set(jnp.where(live, v, vb[m, :, i]))

@@ -22,8 +22,9 @@ memory-usage report of compiled steps, `--xla_dump_to`):
   - the dequantized weights of one expert, `[2I·D + D·I]`, twice (as dequantized from MXFP4 and in the dot's layout).
     They share their buffers with the attention weight copies (same size class, disjoint live ranges: the attention
     and the MoE block of a layer run one after the other), so the larger of the two counts;
-  - under expert parallelism the stage's gathered tokens `[EP·T_local, D]` and two float32 partial-sum buffers of that
-    size (the expert loop's carry and the reduce-scatter operand).
+  - under expert parallelism the rows a device computes — `[EP·c, D]` received by the all-to-all dispatch
+    (c = `StepOptions.ep_rows`), or the stage's gathered tokens `[EP·T_local, D]` — and two float32 partial-sum
+    buffers of that size (the expert loop's carry and the combine's operand).
 Checked against `compiled.memory_analysis()` by benchmarks/plan_vs_xla.py (tiny and mid configs, 7 layouts incl.
 pipeline 2 and 4, 1 to 8192 tokens: within 12.2 %, every layout's EP default included). XLA's buffer sharing is a heap
 simulation, so this is an estimate of its live set, not a replay of it.
@@ -99,10 +100,11 @@ def temp_bytes(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int,
     # the dequantized weights of one expert, twice: as dequantized from MXFP4 and as laid out for the dot; they share
     # buffers with the attention weight copies (the larger of the two counts)
     moe = 2 * (2 * cfg.intermediate_size * D + D * cfg.intermediate_size) * b
-    # expert parallelism: the block sees the stage's T_stage = EP·T_local tokens — the gathered hidden states
-    # [T_stage, D] (b) and the float32 partial sums [T_stage, D] twice (the expert loop's carry and the
-    # reduce-scatter operand)
-    ep_tokens = 0 if single or expert == 1 else (b + 2 * 4) * expert * tl * D
+    # expert parallelism: the block sees EP·c received rows (all_to_all, c = tiles.ep_rows) or the stage's
+    # T_stage = EP·T_local tokens (all_gather) — their hidden states (b) and two float32 partial-sum buffers of that
+    # size (the expert loop's carry and the combine's operand)
+    rows = tiles.ep_rows(tl, cfg.experts_per_token, expert) if tiles.resolve("").ep_dispatch == "all_to_all" else tl
+    ep_tokens = 0 if single or expert == 1 else (b + 2 * 4) * expert * rows * D
     out = {"kv": float(kv), "inputs": float(m * tl * D * b), "layer": float(layer), "scores": float(scores),
            "expert_params": float(exp_slices), "stage_weights": float(stack_copy),
            "attention_params_or_dequantized_expert": float(max(att_slices, moe)),

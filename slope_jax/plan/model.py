@@ -5,7 +5,7 @@ TTFT model (per compiled step of `M` requests, `P` stages of `S` slots, `M + P �
   attention have separate efficiencies (from the hardware profile: cited measurements, or `calibrate` on the CPU);
   full layer   = projections + MoE + Ulysses all-to-alls (not overlapped) + ring step 0 +
                  (R − 1) × max(ring step compute, K/V block transfer) (the next block's ppermute overlaps the current
-                 block's attention) + EP dispatch (not overlapped);
+                 block's attention) + EP dispatch (not overlapped; `plan.moe_traffic`, the step's `ep_dispatch`);
   sliding layer = projections + MoE + attention + halo hops (not overlapped) + EP dispatch;
   tick = S/2 × (sliding + full) + hand-off to the next stage + per-slot overhead; step = ticks × tick + overhead.
   A request's TTFT (idle server) is the step time with M = 1; the pipeline fill is the (P − 1) extra ticks.
@@ -133,7 +133,7 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
     if hw.shared_compute:  # virtual devices' collectives are copies through the one host's memory
         bw = {k: v / devices for k, v in bw.items()}
     if devices > 1:
-        lb = traffic.link_bytes(cfg, parallel, t, m, S, b, ep)
+        lb = traffic.link_bytes(cfg, parallel, t, m, S, b, ep, tiles)
     else:
         lb = {k: 0.0 for k in traffic.LINK_KINDS} | {"total": 0.0, "ring_step": 0.0}
     # ring: per step max(compute of the step's two blocks, transfer of the next K/V block)
@@ -172,7 +172,14 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
         "MoE routing balanced over experts (tile padding per expert); ring transfer overlapped with ring compute",
     ]
     if ep > 1:
-        assumptions.append(f"EP{ep}: all-gather tokens + reduce-scatter outputs, 2(EP-1)/EP x T_local x EP x D bytes")
+        if tiles.resolve("").ep_dispatch == "all_to_all":
+            rows = tiles.ep_rows(t // (R * U), cfg.experts_per_token, ep)
+            assumptions.append(f"EP{ep}: all-to-all dispatch, one round of c = {rows} rows per device pair "
+                               "(routing no more skewed than ep_capacity allows), (EP-1) x c x (D x b + 8k + 4D) "
+                               "bytes per MoE block (plan.moe_traffic)")
+        else:
+            assumptions.append(f"EP{ep}: all-gather tokens + reduce-scatter outputs, (EP-1) x T_local x "
+                               "(D x b + 8k + 4D) bytes per MoE block (plan.moe_traffic)")
     if C > 1 and P > 1:
         assumptions.append(f"seq_chunks={C}: compute scaled by the chunked critical path / the unchunked one "
                            f"({chunk_ratio:.3f}; plan.seq_chunks: lock-step ticks, fill and attention imbalance); the "

@@ -10,9 +10,10 @@ import os
 
 from slope_jax.atomic import atomic_write
 from slope_jax.model.config import ModelConfig
+from slope_jax.model.options import StepOptions
 from slope_jax.parallel import layout
 from slope_jax.parallel.config import ParallelConfig
-from slope_jax.plan import flops, hardware, memory, report, search, seq_chunks
+from slope_jax.plan import flops, hardware, memory, moe_traffic, report, search, seq_chunks
 from slope_jax.plan.model import predict, predict_tensor_parallel
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -78,8 +79,9 @@ def write(path: str) -> None:
     w(f"- **Efficiency assumption**: matmul {eff.matmul:.4g}, attention {eff.attention:.4g} of peak — {eff.source}. "
       "MI250 has no FP4/FP8 matrix units: MXFP4 experts are dequantized and computed in bf16.")
     w(f"- SLO: TTFT ≤ {SLO_MS:g} ms at p{PCT * 100:g}. Layouts: every (pipeline, ring, ulysses) of {n_dev} GCDs with "
-      "Ulysses inside a host, each with and without expert parallelism (EP = ring × ulysses; dispatch = all-gather "
-      "tokens + reduce-scatter outputs over the EP group), and for pipeline > 1 with C ∈ {1, 4, 8, 16} sequence "
+      "Ulysses inside a host, each with and without expert parallelism (EP = ring × ulysses; dispatch = all-to-all "
+      "of each token to its experts' owners, one round of c = ⌈1.25·T_local·k/EP⌉ rows per device pair, "
+      "`plan.moe_traffic`), and for pipeline > 1 with C ∈ {1, 4, 8, 16} sequence "
       "chunks (sequence-pipelined prefill, `+C…` in the layout names).")
     w("")
     w("## Model FLOPs and the floor")
@@ -179,15 +181,16 @@ def write(path: str) -> None:
                 cands.append((predict(cfg, par, n, hw, bucket=-(-n // par.token_multiple) * par.token_multiple), r, par))
             exact, padded, par = min(cands, key=lambda x: x[0].ttft_ms)
             t = exact.time_breakdown_ms
-            a2a_ms = _ep_all_to_all_ms(cfg, par, exact.bucket, hw)
-            w(f"- **Expert parallelism, exact bucket, all-to-all dispatch together**: {exact.layout} holds one stage "
+            ag_ms = _ep_dispatch_ms(cfg, par, exact.bucket, hw, "all_gather")
+            pad_note = (f" (in the padded bucket, {padded['ttft_ms']:.0f} ms)" if padded["bucket"] > exact.bucket
+                        else "")
+            w(f"- **Expert parallelism, exact bucket, all-to-all dispatch**: {exact.layout} holds one stage "
               f"in {exact.memory_bytes_per_device / 2**30:.1f} GiB per GCD. Compiled at the exact length its compute "
-              f"is {t['matmul'] + t['attention']:.0f} ms (matmul {t['matmul']:.0f}, attention {t['attention']:.0f}), "
-              f"but the all-gather dispatch moves {exact.link_bytes_per_device['ep_dispatch'] / 1e9:.1f} GB per GCD "
-              f"({t['ep_dispatch']:.0f} ms over the inter-host links). Sending each token only to its k experts' "
-              f"owners (all-to-all, ≈ 2·k·T_local·D bytes per layer) would take ~{a2a_ms:.0f} ms: "
-              f"~{exact.ttft_ms - t['ep_dispatch'] + a2a_ms:.0f} ms in all (the table's row, all-gather dispatch"
-              f"{' in the padded bucket' if padded['bucket'] > exact.bucket else ''}: {padded['ttft_ms']:.0f} ms).")
+              f"is {t['matmul'] + t['attention']:.0f} ms (matmul {t['matmul']:.0f}, attention {t['attention']:.0f}); "
+              f"the all-to-all dispatch (each token only to its experts' owners, one round of static capacity, "
+              f"`plan.moe_traffic`) moves {exact.link_bytes_per_device['ep_dispatch'] / 1e9:.1f} GB per GCD "
+              f"({t['ep_dispatch']:.0f} ms over the inter-host links) where the all-gather dispatch would take "
+              f"~{ag_ms:.0f} ms: {exact.ttft_ms:.0f} ms in all{pad_note}.")
     w("")
     w("## Sequence-pipelined prefill: one request's critical path on P = 4 stages")
     w("")
@@ -216,10 +219,9 @@ def write(path: str) -> None:
     atomic_write(path, lambda tmp: open(tmp, "w").write(text))
 
 
-def _ep_all_to_all_ms(cfg: ModelConfig, par: ParallelConfig, bucket: int, hw) -> float:
-    """Time of a k-owner all-to-all EP dispatch + combine over the inter-host link for one request: per MoE layer
-    slot `2·k·T_local·D·b·(EP−1)/EP` bytes (tokens out to their experts' owners and back), bf16."""
-    t_local = bucket // (par.ring * par.ulysses)
-    per_layer = 2 * cfg.experts_per_token * t_local * cfg.hidden_size * 2 * (par.expert - 1) / par.expert
+def _ep_dispatch_ms(cfg: ModelConfig, par: ParallelConfig, bucket: int, hw, dispatch: str) -> float:
+    """Time of one request's EP dispatch + combine (`dispatch`: "all_to_all" or "all_gather") over the inter-host
+    link: the wire bytes of `plan.moe_traffic` (bf16 activations) for every MoE layer slot of the step."""
     slots, _ = flops.stage_slots(cfg, par.pipeline)
-    return per_layer * slots * par.pipeline / hw.inter_host_bytes_per_s * 1e3
+    tr = moe_traffic.moe_traffic(cfg, par, bucket, 1, slots, 2, StepOptions(ep_dispatch=dispatch))
+    return tr.wire / hw.inter_host_bytes_per_s * 1e3

@@ -2,7 +2,8 @@
 
 Both count **operand bytes per device**: what one device hands to each collective (for an all-gather its input,
 not the gathered output), summed over every execution — ops inside loops count once per trip (`known_trip_count`
-of each `while`, nested multiplicatively). `wire` bytes (what leaves the device) are also given analytically: an
+of each `while`, nested multiplicatively; a loop of data-dependent trip count, the EP all-to-all's rounds, counts
+once). `wire` bytes (what leaves the device) are also given analytically: an
 all-to-all keeps 1/U of its operand, a ppermute sends all of it.
 
 Per step of M requests, P stages of S slots (S/2 sliding + S/2 full), T tokens, Pz = T/(2RU), C = U·Pz, dtype of b
@@ -26,8 +27,9 @@ import dataclasses
 import re
 
 from slope_jax.model.config import ModelConfig
+from slope_jax.model.options import StepOptions
 from slope_jax.parallel.config import ParallelConfig
-from slope_jax.plan import hlo
+from slope_jax.plan import hlo, moe_traffic
 
 COLLECTIVES = ("all-to-all", "collective-permute", "all-gather", "all-reduce", "reduce-scatter")
 _shape_bytes = hlo.shape_bytes
@@ -39,6 +41,7 @@ class HloCollective:
     bytes: int  # operand bytes per device, one execution
     executions: int  # trip-count multiplier
     scope: str  # sliding_layer, full_layer, head, positions, embed, logits, pipeline or other (op_name metadata)
+    loop: str = ""  # op_name of an enclosing loop of data-dependent trip count ("" if none): counted for one pass
 
     @property
     def total(self) -> int:
@@ -48,7 +51,9 @@ class HloCollective:
 def hlo_collectives(hlo_text: str) -> list[HloCollective]:
     """Every collective of a compiled module with its per-device operand bytes and execution count.
 
-    Raises ValueError if a collective sits in a loop whose trip count XLA does not know.
+    A collective inside a loop whose trip count depends on the data (the rounds of the all-to-all expert dispatch,
+    `parallel.expert_parallel`) is counted for one pass of that loop and names the loop in `loop`; its operand bytes
+    are static, the number of passes is the caller's to apply (`plan.moe_traffic` states bytes per round).
     """
     mod = hlo.parse(hlo_text)
     out = []
@@ -63,8 +68,6 @@ def hlo_collectives(hlo_text: str) -> list[HloCollective]:
             base = op[:-6] if op.endswith("-start") else op
             if base not in COLLECTIVES:
                 continue
-            if name in mod.dynamic:
-                raise ValueError(f"{base} in computation {name} runs an unknown number of times")
             sizes = _shape_bytes(m.group(3))
             if op.endswith("-start"):
                 nbytes = sizes[0]  # (operand, output, ...) of an async start
@@ -80,7 +83,7 @@ def hlo_collectives(hlo_text: str) -> list[HloCollective]:
                           if f"/{s}/" in op_name), None)
             if scope is None:
                 scope = "pipeline" if base == "collective-permute" else "other"
-            out.append(HloCollective(base, nbytes, int(mod.mult[name]), scope))
+            out.append(HloCollective(base, nbytes, int(mod.mult[name]), scope, mod.dynamic.get(name, "")))
     return out
 
 
@@ -172,23 +175,11 @@ def analytic_bytes(cfg: ModelConfig, parallel: ParallelConfig, t: int, m: int, s
 LINK_KINDS = ("ulysses_all_to_all", "ring_ppermute", "halo_ppermute", "pipeline_handoff", "ep_dispatch", "other")
 
 
-def ep_dispatch_bytes(cfg: ModelConfig, tokens_local: int, expert: int, dtype_bytes: int, factor: float = 2.0) -> float:
-    """Wire bytes per device of one MoE layer's expert-parallel dispatch + combine.
-
-    Stated formula (h10b's EP: all-gather the tokens of the EP group, local experts, reduce-scatter the outputs):
-    `factor·(EP−1)/EP · T_local·EP · D · b` — the all-gather and the reduce-scatter each move `(EP−1)/EP` of the
-    gathered `[T_local·EP, D]` array. `factor` (2: one gather + one scatter) is a parameter so that it can be matched
-    to the implementation's compiled HLO.
-    """
-    if expert <= 1:
-        return 0.0
-    return factor * (expert - 1) / expert * tokens_local * expert * cfg.hidden_size * dtype_bytes
-
-
 def link_bytes(cfg: ModelConfig, parallel: ParallelConfig, t: int, m: int, slots_per_stage: int, dtype_bytes: int,
-               expert: int = 1) -> dict[str, float]:
+               expert: int = 1, options: StepOptions = StepOptions()) -> dict[str, float]:
     """Wire bytes per device for one step, by link kind (LINK_KINDS), from `analytic_bytes`: an all-to-all sends
-    (U−1)/U of its operand, a ppermute all of it; `ep_dispatch` from `ep_dispatch_bytes` per MoE layer slot.
+    (U−1)/U of its operand, a ppermute all of it; `ep_dispatch`: the wire bytes of `moe_traffic` for the dispatch
+    `options.ep_dispatch` (all_to_all: one round per MoE block) when `expert` > 1.
     Also `ring_step`: the K/V block one ring step passes (bytes), and `total`."""
     P, R, U = parallel.pipeline, parallel.ring, parallel.ulysses
     a = analytic_bytes(cfg, parallel, t, m, slots_per_stage, dtype_bytes)
@@ -201,7 +192,8 @@ def link_bytes(cfg: ModelConfig, parallel: ParallelConfig, t: int, m: int, slots
     ring = ticks * pairs * (R - 1) * ring_step
     out = {"ulysses_all_to_all": a2a, "ring_ppermute": ring, "halo_ppermute": a["sliding_layer"],
            "pipeline_handoff": a["pipeline"],
-           "ep_dispatch": ticks * slots_per_stage * ep_dispatch_bytes(cfg, 2 * pz, expert, dtype_bytes),
+           "ep_dispatch": (moe_traffic.moe_traffic(cfg, parallel, t, m, slots_per_stage, dtype_bytes, options).wire
+                           if expert > 1 else 0.0),
            "other": a["head"] + a["positions"] + a["embed"] + a["logits"]}
     out["total"] = sum(out.values())
     out["ring_step"] = ring_step

@@ -9,7 +9,8 @@ FLOPs): their per-iteration shapes are XLA's, their trip counts the model's, and
 against the compiled program's own count (`attention.count_work`). Collectives: `traffic.hlo_bytes_by_scope`.
 Memory: `compiled.memory_analysis()` argument + temp bytes. Under expert parallelism (the engine's default when R·U
 divides the expert count) every count uses the engine's EP degree; the EP collectives are counted as the HLO counts
-them (all-gather and reduce-scatter by their per-device block: `moe_traffic.MoeTraffic.block_total`).
+them (`moe_traffic.MoeTraffic.block_total`: all-to-all by its operand, one round; all-gather and reduce-scatter by
+their per-device block).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def compare(engine, n: int, m: int | None = None, t: int | None = None) -> dict:
         width = traffic.collective_element_bytes(engine.dtype, jax.default_backend())
         xla_bytes = float(traffic.hlo_bytes_by_scope(text).get("total", 0))
         pred_bytes = (traffic.analytic_bytes(cfg, par, t, m, engine.plan.slots_per_stage, width)["total"]
-                      + moe_traffic.moe_traffic(cfg, par, t, m, engine.plan.slots_per_stage, width).block_total)
+                      + moe_traffic.moe_traffic(cfg, par, t, m, engine.plan.slots_per_stage, width,
+                                                 engine.options).block_total)
     mem = compiled.memory_analysis()
     xla_mem = float(mem.argument_size_in_bytes + mem.temp_size_in_bytes)
     pred_mem = (memory.param_bytes(cfg, b, par.pipeline, ep, ring=par.ring, ulysses=par.ulysses)["total"]

@@ -120,6 +120,8 @@ for _field in dataclasses.fields(StepOptions):  # one flag per step option, same
     if _field.name in STEP_OPTION_CHOICES:
         flags.DEFINE_enum(_field.name, _field.default, list(STEP_OPTION_CHOICES[_field.name]),
                           STEP_OPTION_HELP[_field.name])
+    elif isinstance(_field.default, float):
+        flags.DEFINE_float(_field.name, _field.default, STEP_OPTION_HELP[_field.name])
     else:
         flags.DEFINE_integer(_field.name, _field.default, STEP_OPTION_HELP[_field.name])
 flags.DEFINE_list("precompile", [], "Prompt lengths whose buckets are compiled before the first request is read "
