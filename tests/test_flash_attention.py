@@ -180,6 +180,21 @@ def _moe_both(cfg, p, impl, t=53, n_valid=47, tile=8):
     return float(jnp.abs(a - b)[:n_valid].max())
 
 
+def test_kernel_mxfp4_decode_is_bit_identical():
+    """The kernel's tile decoder (arithmetic E2M1, no table) == `mxfp4.decode` bit for bit, for every byte (both
+    nibbles) under every scale byte 0..255 (0: flushed to 0; 255: 0 and ±inf), in float32 (both end in the same cast
+    to the activation dtype); and the pitfall check: byte 0x72 with scale 129 decodes to [4.0, 24.0] at (2j, 2j+1)."""
+    from slope_jax.kernels import grouped_moe
+    from slope_jax.model import mxfp4
+
+    codes = jnp.tile(jnp.arange(256, dtype=jnp.int32).astype(jnp.uint8).reshape(1, 16, 16), (256, 1, 1))
+    scales = jnp.tile(jnp.arange(256, dtype=jnp.int32).astype(jnp.uint8)[:, None], (1, 16))  # row r: scale byte r
+    got, want = jax.jit(lambda c, s: (grouped_moe.decode_tile(c.reshape(256, 256), s, jnp.float32),
+                                      mxfp4.decode(c, s, jnp.float32)))(codes, scales)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert np.asarray(got)[129, 2 * 0x72: 2 * 0x72 + 2].tolist() == [4.0, 24.0]
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "dense"])
 @pytest.mark.parametrize("skew", [False, True])
 def test_ragged_moe_equals_loop(fmt, skew):

@@ -71,10 +71,24 @@ def _e2m1(c: jax.Array) -> jax.Array:
     return jnp.where(c >= 8, -mag, mag)
 
 
-def _pow2_scale(s: jax.Array) -> jax.Array:
-    """E8M0 byte (int32) → 2^(s−127) float32, built from exponent bits exactly as `model.mxfp4.decode` does."""
+def decode_tile(codes: jax.Array, scales: jax.Array, dtype) -> jax.Array:
+    """Packed MXFP4 tile → values, inside a kernel (also a plain jnp function; tested against `model.mxfp4.decode`).
+
+    Args:
+      codes: uint8 `[bn, nb·16]` (two E2M1 codes per byte); scales: uint8 `[bn, nb]` (E8M0).
+    Returns:
+      `[bn, nb·32]` in `dtype`: element 2j the low nibble of byte j, 2j+1 the high nibble, times 2^(s−127), the scale
+      built from exponent bits and applied in the same order as `mxfp4.decode` (so s = 255 gives 0 and ±inf, s = 0
+      gives 0), bit-identical to it.
+    """
+    bn, nb = scales.shape
+    c = codes.astype(jnp.int32)
+    s = scales.astype(jnp.int32)
+    # interleave: element 2j is the low nibble of byte j, 2j+1 the high nibble (spec §3.3)
+    vals = jnp.stack([_e2m1(c & 15), _e2m1(c >> 4)], axis=-1).reshape(bn, nb, MX_BLOCK)
     pow2 = jax.lax.bitcast_convert_type(jnp.left_shift(jnp.minimum(s, 254), 23), jnp.float32)
-    return pow2 * jnp.where(s == 255, 2.0, 1.0)
+    vals = vals * pow2[:, :, None] * jnp.where(s == 255, 2.0, 1.0)[:, :, None]
+    return vals.reshape(bn, nb * MX_BLOCK).astype(dtype)
 
 
 def _weight_tile(w_ref, s_ref, e, o0, k0, block_n: int, block_k: int, dtype) -> jax.Array:
@@ -84,11 +98,9 @@ def _weight_tile(w_ref, s_ref, e, o0, k0, block_n: int, block_k: int, dtype) -> 
     if s_ref is None:
         return w_ref[e, pl.ds(o0, block_n), pl.ds(k0, block_k)].astype(dtype)
     nb = block_k // MX_BLOCK
-    codes = w_ref[e, pl.ds(o0, block_n), pl.ds(k0 // 2, block_k // 2)].astype(jnp.int32)  # [bn, nb·16]
-    scales = s_ref[e, pl.ds(o0, block_n), pl.ds(k0 // MX_BLOCK, nb)].astype(jnp.int32)  # [bn, nb]
-    # interleave: element 2j is the low nibble of byte j, 2j+1 the high nibble (spec §3.3)
-    vals = jnp.stack([_e2m1(codes & 15), _e2m1(codes >> 4)], axis=-1).reshape(block_n, nb, MX_BLOCK)
-    return (vals * _pow2_scale(scales)[:, :, None]).reshape(block_n, block_k).astype(dtype)
+    codes = w_ref[e, pl.ds(o0, block_n), pl.ds(k0 // 2, block_k // 2)]  # [bn, nb·16]
+    scales = s_ref[e, pl.ds(o0, block_n), pl.ds(k0 // MX_BLOCK, nb)]  # [bn, nb]
+    return decode_tile(codes, scales, dtype)
 
 
 def _matmul(x_ref, w_ref, s_ref, e, o0, *, width: int, block_n: int, block_k: int) -> jax.Array:
