@@ -223,7 +223,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: ja
       window: keys visible to a query, itself included (static int or traced scalar); NO_WINDOW for full layers.
       state: partial state to continue (e.g. from earlier ring steps); default empty.
       q_tile, kv_tile: tile sizes (clipped to the lengths; the Pallas kernel also caps them at
-        PALLAS_MAX_BLOCK_Q / PALLAS_MAX_BLOCK_K).
+        PALLAS_MAX_BLOCK_Q / PALLAS_MAX_BLOCK_K, and q_tile·G at PALLAS_MAX_ROWS score rows per program).
       impl: "xla" (this module's `lax.map` × `fori_loop` over tiles: the reference), "pallas" (the fused kernel of
         `slope_jax.kernels.flash_attention`; its partial is merged into `state`); "auto" is resolved before
         (`options.StepOptions.resolve`) and raises ValueError here.
