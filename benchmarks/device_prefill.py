@@ -1,5 +1,6 @@
 """One-device prefill benchmark of a gpt-oss-20b-shaped model cut to a few layers: tokens/s, MFU, attention vs MoE
-split, peak device memory, and the Pallas-vs-XLA attention and ragged-vs-loop MoE implementations side by side.
+split, peak device memory, and the Pallas-vs-XLA attention and pallas-vs-loop-vs-ragged MoE implementations side by
+side, with issue 21's targets checked in the JSON (`targets`).
 
     PYTHONPATH=. python3 benchmarks/device_prefill.py --out /tmp/device_prefill.json      # GPU: 8K and 32K tokens
     PYTHONPATH=. python3 benchmarks/device_prefill.py --smoke --out /tmp/smoke.json       # CPU: tiny sizes, seconds
@@ -10,11 +11,16 @@ is recorded in the JSON and the run goes on) and each skipped when the time budg
   1. bf16 matmul peak: the best of several `jnp.dot` of two n×n bf16 matrices (n = 8192), FLOPs = 2n³.
   2. the model: real dims from configs/gpt-oss-20b.json cut to `--layers` layers (sliding, full, …), random
      parameters with random MXFP4 experts generated on the device (`model.gpt_oss.init_params`; not a trained model).
-  3. per length: one layer's attention (sliding and full) and one layer's MoE, each jitted alone, for every
-     implementation (pallas / xla, ragged / loop): the attention-vs-MoE split and the side-by-side comparison.
+  3. per length: one layer's attention (sliding and full, with its projections), the full-attention core alone
+     (FLOP rate over the visible pairs, 4·N·H per pair) and one layer's MoE (FLOP rate and fraction of the peak over
+     the useful FLOPs: router + k experts' three projections), each jitted alone, for every implementation
+     (pallas / xla; pallas / loop / ragged): the attention-vs-MoE split and the side-by-side comparison.
   4. per length and variant (attention_impl × moe_impl): the whole single-device prefill (`model.gpt_oss.forward`),
      compiled once (compile time recorded), best of `--repeats` timed runs; tokens/s and
      MFU = analytic model FLOPs (`slope_jax.plan.flops.prefill`) / time / measured matmul peak.
+Steps 3–4 run in two phases: first the first implementation of each list at every length (what `targets` needs:
+prefill MFU at 8K / 32K, MoE fraction of the peak, full-attention core FLOP/s at 32K), then the comparison, so a
+tight budget skips comparisons, not targets.
 Peak device memory: `memory_stats()['peak_bytes_in_use']` after each step (the allocator's peak since the process
 started, so it is monotone; where the backend has no allocator stats, e.g. CPU, it is null) and the compiled
 program's own `memory_analysis()` (arguments + outputs + temporaries).
@@ -45,8 +51,10 @@ flags.DEFINE_integer("repeats", 3, "Timed runs per measurement (the best is repo
 flags.DEFINE_float("budget_s", 270.0, "Time budget: a step that would not finish within it is skipped.")
 flags.DEFINE_float("grace_s", 30.0, "The watchdog exits this long after the budget (a compile cannot be interrupted).")
 flags.DEFINE_integer("matmul_n", 8192, "Size of the bf16 matmul peak measurement.")
-flags.DEFINE_list("attention_impls", ["pallas", "xla"], "Attention implementations to compare.")
-flags.DEFINE_list("moe_impls", ["loop", "ragged"], "MoE implementations to compare.")
+flags.DEFINE_list("attention_impls", ["pallas", "xla"], "Attention implementations to compare (the first one is "
+                  "measured first, for the targets).")
+flags.DEFINE_list("moe_impls", ["pallas", "loop", "ragged"], "MoE implementations to compare (the first one is "
+                  "measured first, for the targets).")
 flags.DEFINE_string("config", None, "Model config JSON (default configs/gpt-oss-20b.json).")
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -272,51 +280,96 @@ def main(argv):
         if res:
             cost[kind] = res["wall_s"]
 
-    prev = None
-    subs: dict[int, dict] = {}
-    for t_len in lengths:
-        x = (jax.random.normal(jax.random.key(t_len), (t_len, cfg.hidden_size), jnp.float32) * 0.5).astype(dtype)
-        tokens = jax.random.randint(jax.random.key(t_len + 1), (t_len,), 0, cfg.vocab_size, jnp.int32)
-        n = jnp.int32(t_len)
-        subs[t_len] = {}
-        # 3. sub-steps: one layer's attention (sliding, full) and one layer's MoE, per implementation
-        for impl in FLAGS.attention_impls:
-            for kind, li, window in (("sliding", sliding_i, cfg.sliding_window), ("full", full_i, attn_lib.NO_WINDOW)):
-                if li is None or (smoke and kind == "sliding"):
+    a0, m0 = FLAGS.attention_impls[0], FLAGS.moe_impls[0]
+    variants = [(a0, m0)] + [(a, m) for a in FLAGS.attention_impls for m in FLAGS.moe_impls if (a, m) != (a0, m0)]
+    variants.sort(key=lambda v: (v != (a0, m0), v != (FLAGS.attention_impls[-1], FLAGS.moe_impls[-1])))
+    if smoke:  # the fastest and the reference variant only
+        variants = variants[:2]
+    data: dict[int, tuple] = {}
+
+    def inputs(t_len):
+        if t_len not in data:
+            x = (jax.random.normal(jax.random.key(t_len), (t_len, cfg.hidden_size), jnp.float32) * 0.5).astype(dtype)
+            tokens = jax.random.randint(jax.random.key(t_len + 1), (t_len,), 0, cfg.vocab_size, jnp.int32)
+            ks = jax.random.split(jax.random.key(t_len + 2), 3)
+            n_h, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+            qkv = tuple(jax.random.normal(kk, (t_len, heads, hd), dtype)
+                        for kk, heads in zip(ks, (n_h, n_kv, n_kv)))
+            data[t_len] = (x, tokens, jnp.int32(t_len), qkv)
+        return data[t_len]
+
+    def core_attention(impl):
+        def f(q, k, v, sinks):
+            pos = jnp.arange(q.shape[0], dtype=jnp.int32)
+            return attn_lib.attention(q, k, v, pos, pos, sinks, impl=impl)
+        return f
+
+    subs: dict[int, dict] = {t: {} for t in lengths}
+    prev_of = {t: (lengths[i - 1] if i else None) for i, t in enumerate(lengths)}
+    # phase 1 measures what the targets need (the first implementation of each list at every length: one layer's
+    # attention and MoE, the attention core alone, the whole prefill); phase 2 the side-by-side comparison
+    phases = [([a0], [m0], variants[:1]), (FLAGS.attention_impls[1:], FLAGS.moe_impls[1:], variants[1:])]
+    for a_impls, m_impls, phase_variants in phases:
+        for t_len in lengths:
+            prev = prev_of[t_len]
+            x, tokens, n, qkv = inputs(t_len)
+            # 3. sub-steps: one layer's attention (sliding, full) and one layer's MoE, per implementation
+            for impl in a_impls:
+                for kind, li, window in (("sliding", sliding_i, cfg.sliding_window),
+                                         ("full", full_i, attn_lib.NO_WINDOW)):
+                    if li is None or (smoke and kind == "sliding"):
+                        continue
+                    name = f"T{t_len}/attention_{kind}/{impl}"
+                    res = run.step(name, lambda impl=impl, li=li, window=window: _timed_compiled(
+                        attention_step(impl, window), (x, layer_p[li]), repeats), estimate(name[name.index("/"):],
+                                                                                         t_len, prev))
+                    record(name[name.index("/"):], res)
+                    subs[t_len][f"attention_{kind}/{impl}"] = res
+                if smoke and impl != a0:  # smoke runs: the script path once is enough (interpret mode is slow)
                     continue
-                name = f"T{t_len}/attention_{kind}/{impl}"
-                res = run.step(name, lambda impl=impl, li=li, window=window: _timed_compiled(
-                    attention_step(impl, window), (x, layer_p[li]), repeats), estimate(name[name.index("/"):],
-                                                                                     t_len, prev))
+                # the full-attention core alone (no projections): the kernel's FLOP rate, FLOPs over visible pairs
+                name = f"T{t_len}/attention_core_full/{impl}"
+                core_flops = 4.0 * cfg.num_attention_heads * cfg.head_dim * flops.visible_pairs(t_len, None)
+
+                def core(impl=impl, core_flops=core_flops, qkv=qkv):
+                    r = _timed_compiled(core_attention(impl), (*qkv, layer_p[0]["sinks"]), repeats)
+                    r.update({"attention_flops": core_flops, "flops_per_s": core_flops / r["seconds"]})
+                    return r
+
+                record(name[name.index("/"):], run.step(name, core, estimate(name[name.index("/"):], t_len, prev)))
+            for impl in m_impls:
+                name = f"T{t_len}/moe/{impl}"
+                # useful FLOPs of one layer's MoE: router + the k selected experts' three projections per token
+                moe_flops = float(t_len * (2 * cfg.hidden_size * cfg.num_experts + cfg.experts_per_token
+                                           * 6 * cfg.hidden_size * cfg.intermediate_size))
+
+                def moe_run(impl=impl, moe_flops=moe_flops, x=x):
+                    r = _timed_compiled(moe_step(impl), (x, layer_p[0]), repeats)
+                    r.update({"moe_flops": moe_flops, "flops_per_s": moe_flops / r["seconds"]})
+                    if peak_flops:
+                        r["fraction_of_peak"] = r["flops_per_s"] / peak_flops
+                    return r
+
+                res = run.step(name, moe_run, estimate(name[name.index("/"):], t_len, prev))
                 record(name[name.index("/"):], res)
-                subs[t_len][f"attention_{kind}/{impl}"] = res
-        for impl in FLAGS.moe_impls:
-            name = f"T{t_len}/moe/{impl}"
-            res = run.step(name, lambda impl=impl: _timed_compiled(moe_step(impl), (x, layer_p[0]), repeats),
-                           estimate(name[name.index("/"):], t_len, prev))
-            record(name[name.index("/"):], res)
-            subs[t_len][f"moe/{impl}"] = res
-        # 4. the whole prefill, best variant and reference first, then the mixed ones
-        a0, m0 = FLAGS.attention_impls[0], FLAGS.moe_impls[0]
-        variants = [(a0, m0)] + [(a, m) for a in FLAGS.attention_impls for m in FLAGS.moe_impls if (a, m) != (a0, m0)]
-        variants.sort(key=lambda v: (v != (a0, m0), v != (FLAGS.attention_impls[-1], FLAGS.moe_impls[-1])))
-        if smoke:  # the fastest and the reference variant only
-            variants = variants[:2]
-        f_model = flops.prefill(cfg, t_len)
-        for a_impl, m_impl in variants:
-            name = f"T{t_len}/prefill/{a_impl}+{m_impl}"
-            key = name[name.index("/"):]
+                subs[t_len][f"moe/{impl}"] = res
+            # 4. the whole prefill
+            f_model = flops.prefill(cfg, t_len)
+            for a_impl, m_impl in phase_variants:
+                name = f"T{t_len}/prefill/{a_impl}+{m_impl}"
+                key = name[name.index("/"):]
 
-            def full(a_impl=a_impl, m_impl=m_impl):
-                r = _timed_compiled(forward_fn(a_impl, m_impl), (params, tokens, n), repeats)
-                r.update({"tokens": t_len, "tokens_per_s": t_len / r["seconds"], "model_flops": f_model["total"],
-                          "attention_flops": f_model["attention"],
-                          "achieved_flops_per_s": f_model["total"] / r["seconds"]})
-                if peak_flops:
-                    r["mfu"] = r["achieved_flops_per_s"] / peak_flops
-                return r
+                def full(a_impl=a_impl, m_impl=m_impl, tokens=tokens, n=n, f_model=f_model, t_len=t_len):
+                    r = _timed_compiled(forward_fn(a_impl, m_impl), (params, tokens, n), repeats)
+                    r.update({"tokens": t_len, "tokens_per_s": t_len / r["seconds"], "model_flops": f_model["total"],
+                              "attention_flops": f_model["attention"],
+                              "achieved_flops_per_s": f_model["total"] / r["seconds"]})
+                    if peak_flops:
+                        r["mfu"] = r["achieved_flops_per_s"] / peak_flops
+                    return r
 
-            record(key, run.step(name, full, estimate(key, t_len, prev)))
+                record(key, run.step(name, full, estimate(key, t_len, prev)))
+    for t_len in lengths:
         # attention vs MoE split from the sub-steps (per layer pair: one sliding + one full attention, two MoE)
         split = {}
         for a_impl in FLAGS.attention_impls:
@@ -332,14 +385,39 @@ def main(argv):
                     split[f"{a_impl}+{m_impl}"] = {"attention_s": att, "moe_s": moe_s,
                                                    "attention_share": att / (att + moe_s)}
         run.doc.setdefault("split", {})[str(t_len)] = split
-        run.save()
-        prev = t_len
+    run.doc["targets"] = targets(run.doc["steps"], lengths, a0, m0)
+    run.save()
 
     run.doc["peak_bytes_in_use"] = _peak_bytes()
     run.doc["status"] = "done" if not run.doc["failures"] else "done with failures"
     run.save()
     _print_table(run.doc)
     log(f"wrote {run.out} ({run.doc['status']}, {run.elapsed():.0f} s)")
+
+
+# issue 21's bar for one H200 (20b dims, 2 layers): prefill MFU at 8K / 32K, one MoE layer's share of the measured
+# bf16 peak, the full-attention core's FLOP rate at 32K
+TARGETS = {"prefill_mfu": {8192: 0.35, 32768: 0.40}, "moe_fraction_of_peak": 0.45,
+           "attention_core_full_flops_per_s": {32768: 350e12}}
+
+
+def targets(steps: dict, lengths: list[int], a_impl: str, m_impl: str) -> list[dict]:
+    """Each measured target: {name, value, threshold (None where the issue sets none), met}."""
+    out = []
+
+    def add(name, value, threshold):
+        out.append({"name": name, "value": value, "threshold": threshold,
+                    "met": None if threshold is None or value is None else value >= threshold})
+
+    for t in lengths:
+        pre = steps.get(f"T{t}/prefill/{a_impl}+{m_impl}") or {}
+        add(f"T{t}/prefill/{a_impl}+{m_impl}/mfu", pre.get("mfu"), TARGETS["prefill_mfu"].get(t))
+        m = steps.get(f"T{t}/moe/{m_impl}") or {}
+        add(f"T{t}/moe/{m_impl}/fraction_of_peak", m.get("fraction_of_peak"), TARGETS["moe_fraction_of_peak"])
+        c = steps.get(f"T{t}/attention_core_full/{a_impl}") or {}
+        add(f"T{t}/attention_core_full/{a_impl}/flops_per_s", c.get("flops_per_s"),
+            TARGETS["attention_core_full_flops_per_s"].get(t))
+    return out
 
 
 def _print_table(doc: dict) -> None:
@@ -359,6 +437,11 @@ def _print_table(doc: dict) -> None:
         for v, s in split.items():
             print(f"T={t_len} {v}: attention {s['attention_s'] * 1e3:.1f} ms vs MoE {s['moe_s'] * 1e3:.1f} ms per "
                   f"layer pair ({s['attention_share']:.0%} attention)")
+    for tg in doc.get("targets", []):
+        v, th = tg["value"], tg["threshold"]
+        fmt = (lambda x: f"{x / 1e12:.0f} TFLOP/s") if "flops_per_s" in tg["name"] else (lambda x: f"{x:.1%}")
+        print(f"target {tg['name']}: {fmt(v) if v is not None else 'not measured'}"
+              + (f" (bar {fmt(th)}: {'met' if tg['met'] else 'NOT met'})" if th is not None and v is not None else ""))
     if doc.get("peak_bytes_in_use"):
         print(f"peak device memory in use: {doc['peak_bytes_in_use'] / 2**30:.2f} GiB")
     for name, why in doc["skipped"].items():

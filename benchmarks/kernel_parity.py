@@ -1,12 +1,18 @@
-"""On-device parity of the Pallas flash-attention kernel against the pure-JAX reference (`attention.attend`).
+"""On-device parity of the Pallas kernels against the pure-JAX references: flash attention (`attention.attend`,
+impl "pallas" vs "xla") and the grouped MXFP4 MoE (`moe.moe`, impl "pallas" vs "loop").
 
-    PYTHONPATH=. python3 benchmarks/kernel_parity.py --out /tmp/kernel_parity.json
+    PYTHONPATH=. python3 benchmarks/kernel_parity.py --out /tmp/kernel_parity.json          # GPU
+    PYTHONPATH=. python3 benchmarks/kernel_parity.py --smoke --out /tmp/kernel_parity.json  # CPU dry run, tiny
 
-The CPU test suite checks the kernel in interpret mode (tests/test_flash_attention.py); this runs the compiled
-kernel (Triton on GPUs) on the same classes of cases at device-sized blocks: causal, sliding windows around the length,
-fully masked rows, GQA 64/8 and 12/4, a ring step continuing a state, a halo block, lengths no block divides — in
-float32 (matmul precision "highest") and bfloat16 inputs. Prints max |Δ| of the finalised outputs and writes JSON;
-exit status 1 if a float32 case exceeds `--tol`.
+The CPU test suite checks both kernels in interpret mode (tests/test_flash_attention.py); this runs the compiled
+kernels (Triton on GPUs) on the same classes of cases at device-sized blocks. Attention: causal, sliding windows
+around the length, fully masked rows, GQA 64/8 and 12/4 (G = 3: padded to 4 on the GPU), a ring step continuing a
+state, a halo block, lengths no block divides. MoE: gpt-oss-20b widths (E = 32, D = I = 2880, k = 4) with random
+MXFP4 experts, router-driven and skewed routing (one expert takes every token), pad tokens. Each in float32 (matmul
+precision "highest": Triton dots in IEEE float32) and bfloat16 inputs. Prints max |Δ| and writes the JSON after
+every case (atomically); a case that would start after `--budget_s` is skipped and recorded. Exit status 1 if a
+float32 case exceeds its tolerance (`--tol` for attention outputs; for the MoE `--tol` relative to max(1, max|ref|),
+the float32 summation order over D = 2880 differs) or fails.
 """
 
 from __future__ import annotations
@@ -21,29 +27,27 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "benchmarks/results/kernel_parity.json", "JSON output path.")
-flags.DEFINE_float("tol", 1e-5, "float32 tolerance on the finalised output (max |Δ|).")
+flags.DEFINE_float("tol", 1e-5, "float32 tolerance (attention: max |Δ| of the finalised output; MoE: max |Δ| / "
+                   "max(1, max |reference|)).")
+flags.DEFINE_float("budget_s", 150.0, "Cases that would start after this many seconds are skipped.")
+flags.DEFINE_bool("smoke", False, "Tiny shapes in interpret mode (CPU): checks the script, not the device.")
+flags.DEFINE_list("parts", ["attention", "moe"], "Which kernels to check.")
 
 
-def main(argv):
-    del argv
-    import jax
+def attention_cases(smoke: bool) -> dict:
     import jax.numpy as jnp
-    import numpy as np
 
-    from slope_jax.atomic import atomic_json
     from slope_jax.model import attention as attn
 
-    jax.config.update("jax_default_matmul_precision", "highest")
     inv = attn.INVALID_POS
-
-    def qkv(tq, tk, n, kh, d, seed, dtype):
-        r = np.random.default_rng(seed)
-        return tuple(jnp.asarray(r.standard_normal(s), dtype) for s in ((tq, n, d), (tk, kh, d), (tk, kh, d)))
 
     def arange(a, b):
         return jnp.arange(a, b, dtype=jnp.int32)
 
-    cases = {  # name: (tq, tk, n, kh, q_pos, k_pos, window, state_from)
+    if smoke:
+        return {"causal_12_4_T45": (45, 45, 12, 4, arange(0, 45), arange(0, 45), attn.NO_WINDOW),
+                "sliding_W9_T37": (37, 37, 16, 4, arange(0, 37), arange(0, 37), 9)}
+    return {  # name: (tq, tk, n, kh, q_pos, k_pos, window)
         "causal_64_8_T1000": (1000, 1000, 64, 8, arange(0, 1000), arange(0, 1000), attn.NO_WINDOW),
         "causal_12_4_T333": (333, 333, 12, 4, arange(0, 333), arange(0, 333), attn.NO_WINDOW),
         "sliding_W127_T128": (128, 128, 64, 8, arange(0, 128), arange(0, 128), 127),
@@ -53,44 +57,122 @@ def main(argv):
                         jnp.concatenate([jnp.full((100,), inv), arange(300, 460)]), 130),
         "halo_block": (256, 383, 64, 8, arange(1000, 1256), arange(873, 1256), 128),
     }
-    rows = {}
-    ok = True
-    for dtype in (jnp.float32, jnp.bfloat16):
-        for name, (tq, tk, n, kh, qp, kp, w) in cases.items():
-            key = f"{name}/{jnp.dtype(dtype).name}"
-            try:
-                q, k, v = qkv(tq, tk, n, kh, 64, len(name), dtype)
-                sinks = jnp.linspace(-1.0, 1.0, n)
-                t0 = time.perf_counter()
-                b = attn.attend(q, k, v, qp, kp, window=w, impl="pallas")
-                jax.block_until_ready(b)
-                dt = time.perf_counter() - t0
-                a = attn.attend(q, k, v, qp, kp, window=w, impl="xla")
-                err = float(jnp.abs(attn.finalize(a, sinks) - attn.finalize(b, sinks)).max())
-                finite = bool(jnp.isfinite(b.o).all() and jnp.isfinite(b.l).all())
-                same_empty = bool((jnp.isneginf(a.m) == jnp.isneginf(b.m)).all())
-                # ring step: continue the kernel's own state with a second block of later keys
-                st = attn.attend(q, k, v, qp + tk, kp + tk, window=w, impl="pallas",
-                                 state=attn.attend(q, k, v, qp, kp, window=w, impl="pallas"))
-                st_ref = attn.attend(q, k, v, qp + tk, kp + tk, window=w, impl="xla", state=a)
-                err_ring = float(jnp.abs(attn.finalize(st, sinks) - attn.finalize(st_ref, sinks)).max())
-                rows[key] = {"max_abs_diff": err, "ring_continuation_max_abs_diff": err_ring, "finite": finite,
-                             "same_empty_rows": same_empty, "first_call_s": dt}
-                bad = not (finite and same_empty) or (dtype == jnp.float32 and max(err, err_ring) > FLAGS.tol)
-                ok &= not bad
-                print(f"{key:<32} max|Δ| {err:.2e}  ring {err_ring:.2e}  finite {finite}  empty rows match "
-                      f"{same_empty}{'  FAIL' if bad else ''}", flush=True)
-            except Exception as e:  # noqa: BLE001 - record and continue
-                ok = False
-                rows[key] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
-                print(f"{key:<32} ERROR {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
-                      flush=True)
+
+
+def check_attention(name, case, dtype, smoke):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from slope_jax.model import attention as attn
+
+    tq, tk, n, kh, qp, kp, w = case
+    d = 16 if smoke else 64
+    r = np.random.default_rng(len(name))
+    q, k, v = (jnp.asarray(r.standard_normal(s), dtype) for s in ((tq, n, d), (tk, kh, d), (tk, kh, d)))
+    sinks = jnp.linspace(-1.0, 1.0, n)
+    tiles = dict(q_tile=16, kv_tile=16) if smoke else {}
+    t0 = time.perf_counter()
+    b = attn.attend(q, k, v, qp, kp, window=w, impl="pallas", **tiles)
+    jax.block_until_ready(b)
+    dt = time.perf_counter() - t0
+    a = attn.attend(q, k, v, qp, kp, window=w, impl="xla", **tiles)
+    err = float(jnp.abs(attn.finalize(a, sinks) - attn.finalize(b, sinks)).max())
+    finite = bool(jnp.isfinite(b.o).all() and jnp.isfinite(b.l).all())
+    same_empty = bool((jnp.isneginf(a.m) == jnp.isneginf(b.m)).all())
+    # ring step: continue the kernel's own state with a second block of later keys
+    st = attn.attend(q, k, v, qp + tk, kp + tk, window=w, impl="pallas", **tiles,
+                     state=attn.attend(q, k, v, qp, kp, window=w, impl="pallas", **tiles))
+    st_ref = attn.attend(q, k, v, qp + tk, kp + tk, window=w, impl="xla", state=a, **tiles)
+    err_ring = float(jnp.abs(attn.finalize(st, sinks) - attn.finalize(st_ref, sinks)).max())
+    row = {"max_abs_diff": err, "ring_continuation_max_abs_diff": err_ring, "finite": finite,
+           "same_empty_rows": same_empty, "first_call_s": dt}
+    bad = not (finite and same_empty) or (dtype == jnp.float32 and max(err, err_ring) > FLAGS.tol)
+    msg = f"max|Δ| {err:.2e}  ring {err_ring:.2e}  finite {finite}  empty rows match {same_empty}"
+    return row, bad, msg
+
+
+def moe_cases(smoke: bool) -> dict:
+    # name: (E, D, I, k, T, valid tokens, skew)
+    if smoke:
+        return {"E6_D64_I96_T53": (6, 64, 96, 2, 53, 47, False), "skew_E5_D96_I64_T40": (5, 96, 64, 3, 40, 40, True)}
+    return {"20b_T1000": (32, 2880, 2880, 4, 1000, 937, False), "20b_skew_T700": (32, 2880, 2880, 4, 700, 700, True)}
+
+
+def check_moe(name, case, dtype, smoke):
+    import jax
+    import jax.numpy as jnp
+
+    from slope_jax.model import moe
+
+    e, d, i, k, t, n_valid, skew = case
+    ks = jax.random.split(jax.random.key(len(name)), 9)
+    p = {"router_w": jax.random.normal(ks[0], (e, d), jnp.float32) * 0.05,
+         "router_b": jax.random.normal(ks[1], (e,), jnp.float32) * 0.1,
+         "b1": jax.random.normal(ks[2], (e, 2 * i), jnp.float32) * 0.05,
+         "b2": jax.random.normal(ks[3], (e, d), jnp.float32) * 0.05,
+         # random E2M1 codes, scale bytes 118..121 (2^-9..2^-6)
+         "w1_blocks": jax.random.randint(ks[4], (e, 2 * i, d // 32, 16), 0, 256).astype(jnp.uint8),
+         "w1_scales": jax.random.randint(ks[5], (e, 2 * i, d // 32), 118, 122).astype(jnp.uint8),
+         "w2_blocks": jax.random.randint(ks[6], (e, d, i // 32, 16), 0, 256).astype(jnp.uint8),
+         "w2_scales": jax.random.randint(ks[7], (e, d, i // 32), 118, 122).astype(jnp.uint8)}
+    if skew:  # every token's top-1 is expert 3, top-2 expert 1, …: one group holds all T rows
+        p["router_w"] = jnp.zeros_like(p["router_w"])
+        p["router_b"] = -jnp.arange(e, dtype=jnp.float32).at[3].set(5.0)
+    p = {n: (v.astype(dtype) if n in ("b1", "b2") else v) for n, v in p.items()}
+    h = jax.random.normal(ks[8], (t, d), jnp.float32).astype(dtype)
+    valid = jnp.arange(t) < n_valid
+    kw = dict(experts_per_token=k, alpha=1.702, limit=7.0, tile=16 if smoke else 128)
+    t0 = time.perf_counter()
+    b = jax.jit(lambda h: moe.moe(h, valid, p, impl="pallas", **kw))(h)
+    jax.block_until_ready(b)
+    dt = time.perf_counter() - t0
+    a = jax.jit(lambda h: moe.moe(h, valid, p, impl="loop", **kw))(h)
+    scale = max(1.0, float(jnp.abs(a).max()))
+    err = float(jnp.abs(a - b)[:n_valid].max()) / scale
+    finite = bool(jnp.isfinite(b).all())
+    pads_zero = bool((b[n_valid:] == 0).all())
+    row = {"max_abs_diff_over_scale": err, "scale": scale, "finite": finite, "pad_tokens_zero": pads_zero,
+           "first_call_s": dt}
+    bad = not (finite and pads_zero) or (dtype == jnp.float32 and err > FLAGS.tol)
+    return row, bad, f"max|Δ|/max(1,|ref|) {err:.2e} (scale {scale:.2f})  finite {finite}  pads zero {pads_zero}"
+
+
+def main(argv):
+    del argv
+    import jax
+    import jax.numpy as jnp
+
+    from slope_jax.atomic import atomic_json
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    t_start = time.perf_counter()
     doc = {"jax": jax.__version__, "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
-           "tol_f32": FLAGS.tol, "ok": ok, "cases": rows}
+           "smoke": FLAGS.smoke, "tol_f32": FLAGS.tol, "ok": True, "cases": {}, "skipped": []}
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+    parts = {"attention": (attention_cases, check_attention), "moe": (moe_cases, check_moe)}
+    for part in FLAGS.parts:
+        cases, check = parts[part]
+        for dtype in (jnp.float32, jnp.bfloat16):
+            for name, case in cases(FLAGS.smoke).items():
+                key = f"{part}/{name}/{jnp.dtype(dtype).name}"
+                if time.perf_counter() - t_start > FLAGS.budget_s:
+                    doc["skipped"].append(key)
+                    print(f"{key:<40} skipped: {FLAGS.budget_s:.0f} s budget spent", flush=True)
+                    continue
+                try:
+                    row, bad, msg = check(name, case, dtype, FLAGS.smoke)
+                except Exception as e:  # noqa: BLE001 - record and continue
+                    row, bad = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}, True
+                    msg = f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                doc["cases"][key] = row
+                doc["ok"] &= not bad
+                print(f"{key:<40} {msg}{'  FAIL' if bad else ''}", flush=True)
+                atomic_json(FLAGS.out, doc)
+    doc["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     atomic_json(FLAGS.out, doc)
-    print(f"kernel parity {'ok' if ok else 'FAILED'}; wrote {FLAGS.out}", flush=True)
-    sys.exit(0 if ok else 1)
+    print(f"kernel parity {'ok' if doc['ok'] else 'FAILED'}; wrote {FLAGS.out}", flush=True)
+    sys.exit(0 if doc["ok"] else 1)
 
 
 if __name__ == "__main__":

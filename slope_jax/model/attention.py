@@ -148,9 +148,12 @@ def _pad_to(x: jax.Array, n: int, value) -> jax.Array:
 
 
 ATTENTION_IMPLS = options_lib.ATTENTION_IMPLS
-# H200 sweep (benchmarks/attention_blocks.py): 64x64, 4 warps, 2 stages best at 8K, within 1% at 32K
+# H200 sweep of the one-head-per-program kernel (benchmarks/attention_blocks.py): 64x64, 4 warps, 2 stages best at
+# 8K, within 1% at 32K. The kernel now packs the G query heads of a KV head into one program (block_q·G score rows);
+# 128 rows is the FlashAttention-2/3 Hopper tile height, to be re-swept on a device (benchmarks/device_check.sh).
 PALLAS_MAX_BLOCK_Q = 64
 PALLAS_MAX_BLOCK_K = 64
+PALLAS_MAX_ROWS = 128
 
 
 def resolve_impl(impl: str, platform: str | None = None) -> str:
@@ -180,10 +183,6 @@ def _kv_tile_range(qpt: jax.Array, kpt: jax.Array, window: jax.Array) -> jax.Arr
     return jnp.stack([lo, hi], axis=1).astype(jnp.int32)
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def _attend_pallas(q, k, v, q_pos, k_pos, window, state, q_tile, kv_tile) -> AttnState:
     """`attend` through the fused Pallas kernel (Triton on GPU, interpret mode on CPU); same contract."""
     from slope_jax.kernels import flash_attention as fa
@@ -191,10 +190,12 @@ def _attend_pallas(q, k, v, q_pos, k_pos, window, state, q_tile, kv_tile) -> Att
     tq, n, d = q.shape
     tk, kh, _ = k.shape
     platform = jax.default_backend()
-    # blocks: the tiles capped for the GPU's registers, and never longer than the (power-of-two rounded) lengths
-    bq = min(q_tile, PALLAS_MAX_BLOCK_Q, _pow2_at_least(max(tq, 16)))
-    bk = min(kv_tile, PALLAS_MAX_BLOCK_K, _pow2_at_least(max(tk, 16)))
-    fa.check_shapes(bq, bk, d, platform)
+    # blocks: the tiles capped for the GPU's registers (block_q·G score rows per program), and never longer than the
+    # (power-of-two rounded) lengths
+    gp = fa.pow2_at_least(n // kh)
+    bq = min(q_tile, PALLAS_MAX_BLOCK_Q, max(1, PALLAS_MAX_ROWS // gp), fa.pow2_at_least(max(tq, 16)))
+    bk = min(kv_tile, PALLAS_MAX_BLOCK_K, fa.pow2_at_least(max(tk, 16)))
+    fa.check_shapes(bq, bk, d, platform, group=gp)
     nq, nk = -(-tq // bq), -(-tk // bk)
     qp = _pad_to(q_pos.astype(jnp.int32), nq * bq, INVALID_POS)
     kp = _pad_to(k_pos.astype(jnp.int32), nk * bk, INVALID_POS)
@@ -222,7 +223,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: ja
       window: keys visible to a query, itself included (static int or traced scalar); NO_WINDOW for full layers.
       state: partial state to continue (e.g. from earlier ring steps); default empty.
       q_tile, kv_tile: tile sizes (clipped to the lengths; the Pallas kernel also caps them at
-        PALLAS_MAX_BLOCK_Q / PALLAS_MAX_BLOCK_K).
+        PALLAS_MAX_BLOCK_Q / PALLAS_MAX_BLOCK_K, and q_tile·G at PALLAS_MAX_ROWS score rows per program).
       impl: "xla" (this module's `lax.map` × `fori_loop` over tiles: the reference), "pallas" (the fused kernel of
         `slope_jax.kernels.flash_attention`; its partial is merged into `state`); "auto" is resolved before
         (`options.StepOptions.resolve`) and raises ValueError here.

@@ -10,11 +10,14 @@ Notable:
 - Grouped compute: the T·k (token, expert) assignments are sorted by expert; each expert that was picked dequantizes
   its weights once and runs its rows in tiles of `tile` tokens (a dynamic number of tiles per expert). Work is
   O(T·k + tile padding), never O(T·E) — no dense compute over all experts, and no token is dropped.
-- Two interchangeable grouped computes (`impl`): "loop" is the tile loop above (the CPU default: no dense work);
+- Three interchangeable grouped computes (`impl`): "loop" is the tile loop above (the CPU default: no dense work);
   "ragged" runs the same sorted assignments through `jax.lax.ragged_dot` (one grouped matmul per projection over all
   experts, the layer's experts dequantized at once: transient `E·3·I·D` elements of the activation dtype). XLA
   lowers it to masked dense work over all experts (~E/k× the FLOPs) on the CPU and, measured, on an H200 too
-  (jax 0.11.2), so "auto" picks "loop" (`options.resolve_moe`).
+  (jax 0.11.2). "pallas" pads each expert's group to whole tiles of `tile` rows (at most `tile − 1` pad rows per
+  expert, as vLLM's `moe_align_block_size`) and runs all tiles through one grouped-matmul kernel per projection
+  (`kernels.grouped_moe`) that dequantizes MXFP4 weight tiles inside the kernel; the GPU default
+  (`options.resolve_moe`).
 - Tokens marked invalid (padding) are routed to no expert (weight 0, an out-of-range id that `experts` skips): pads
   do no expert work, and the grouping of the real tokens does not depend on pad values.
 - `moe` = `route_valid` + `experts`; expert parallelism (`slope_jax.parallel.expert_parallel`) puts its dispatch and
@@ -69,9 +72,9 @@ MOE_IMPLS = options_lib.MOE_IMPLS
 
 
 def resolve_impl(impl: str, platform: str | None = None) -> str:
-    """`moe_impl` → the concrete grouped compute (`options.resolve_moe`: "auto" is "loop", measured there).
-    Raises ValueError naming the field for an unknown value."""
-    return options_lib.resolve_moe(impl, platform or "")
+    """`moe_impl` → the concrete grouped compute (`options.resolve_moe`: "auto" is "pallas" on GPUs, "loop"
+    elsewhere; platform default: JAX's default backend). Raises ValueError naming the field for an unknown value."""
+    return options_lib.resolve_moe(impl, platform or jax.default_backend())
 
 
 def all_expert_weights(p: dict, dtype) -> tuple[jax.Array, jax.Array]:
@@ -112,9 +115,9 @@ def moe(h: jax.Array, valid: jax.Array, p: dict, *, experts_per_token: int, alph
       p: one layer's MoE parameters: `router_w [E, D]`, `router_b [E]`, `b1 [E, 2I]`, `b2 [E, D]` and either
         `w1_blocks [E, 2I, D/32, 16]`, `w1_scales [E, 2I, D/32]`, `w2_blocks [E, D, I/32, 16]`, `w2_scales [E, D, I/32]`
         (MXFP4) or `w1 [E, 2I, D]`, `w2 [E, D, I]`.
-      tile: rows per expert matmul (loop).
-      impl: "loop" or "ragged" ("auto" is resolved before, `options.StepOptions.resolve`, and raises ValueError
-        here); the result is the same up to float32 summation order.
+      tile: rows per expert matmul (loop, pallas).
+      impl: "loop", "ragged" or "pallas" ("auto" is resolved before, `options.StepOptions.resolve`, and raises
+        ValueError here); the result is the same up to float32 summation order.
     Returns:
       `[T, D]` float32: `Σ_k w_k · (W2 a(W1 h + b1) + b2)` over each token's k experts.
     """
@@ -155,9 +158,12 @@ def experts(h: jax.Array, weights: jax.Array, ids: jax.Array, p: dict, *, alpha:
     counts = jnp.bincount(flat_ids, length=n_exp + 1)[:n_exp].astype(jnp.int32)
     starts = jnp.cumsum(counts) - counts
     n_assign = t * k
-    if impl not in ("loop", "ragged"):
-        raise ValueError(f"moe_impl={impl!r}: the step runs a concrete compute, 'loop' or 'ragged' "
+    if impl not in ("loop", "ragged", "pallas"):
+        raise ValueError(f"moe_impl={impl!r}: the step runs a concrete compute, 'loop', 'ragged' or 'pallas' "
                          "(resolve 'auto' with StepOptions.resolve)")
+    if impl == "pallas":
+        return _experts_pallas(h, flat_ids, flat_w, order, counts, starts, p, k=k, tile=tile, alpha=alpha,
+                               limit=limit)
     if impl == "ragged":
         expert = flat_ids[order]
         # assignments with no expert here sort last, past every group: ragged_dot leaves them 0, and the weight mask
@@ -195,3 +201,37 @@ def experts(h: jax.Array, weights: jax.Array, ids: jax.Array, p: dict, *, alpha:
         return jax.lax.cond(counts[e] > 0, per_expert, lambda e, out: out, e, out)
 
     return jax.lax.fori_loop(0, n_exp, maybe_expert, jnp.zeros((t, d), jnp.float32))
+
+
+def _experts_pallas(h, flat_ids, flat_w, order, counts, starts, p, *, k, tile, alpha, limit) -> jax.Array:
+    """`experts` through the grouped Pallas kernel (`kernels.grouped_moe`; interpret mode off GPUs), same contract.
+
+    Layout: expert e's `counts[e]` sorted assignments fill `ceil(counts[e]/bm)` whole row tiles starting at tile
+    `Σ_{e'<e} ceil(counts[e']/bm)`; the static tile count `(T·k + E·(bm−1)) // bm` bounds every routing, and tiles
+    past the last live one do no work. Work is O(T·k + E·bm) rows, never O(T·E), and no assignment is dropped.
+    """
+    from slope_jax.kernels import grouped_moe
+
+    t, d = h.shape
+    n_exp = counts.shape[0]
+    m = t * k
+    # rows per tile: moe_tile, but no taller than the (power-of-two rounded) assignments of a short prompt
+    bm = max(1, min(tile, grouped_moe.pow2_at_least(max(m, 16))))
+    nt = max(1, (m + n_exp * (bm - 1)) // bm)
+    tiles = (counts + bm - 1) // bm
+    tile_end = jnp.cumsum(tiles)
+    tile_expert = jnp.searchsorted(tile_end, jnp.arange(nt, dtype=jnp.int32), side="right")  # E: past the live ones
+    meta = jnp.stack([jnp.minimum(tile_expert, n_exp - 1), tile_expert < n_exp], axis=1).astype(jnp.int32)
+    e_sorted = flat_ids[order]  # n_exp: an assignment with no expert here (sorted last)
+    live = e_sorted < n_exp
+    e_c = jnp.minimum(e_sorted, n_exp - 1)
+    row = (tile_end[e_c] - tiles[e_c]) * bm + jnp.arange(m, dtype=jnp.int32) - starts[e_c]
+    row = jnp.where(live, row, nt * bm)  # padded row of each sorted assignment (nt·bm = none)
+    src = jnp.zeros((nt * bm,), jnp.int32).at[row].set(order // k, mode="drop")  # pad rows read token 0, dropped
+    y = grouped_moe.grouped_mlp(h[src], meta, p, block_m=bm, alpha=alpha, limit=limit,
+                                interpret=jax.default_backend() not in options_lib.GPU_PLATFORMS)
+    w_sorted = jnp.where(live, flat_w[order], 0.0)
+    ys = jnp.where(live[:, None], y[jnp.minimum(row, nt * bm - 1)], 0.0) * w_sorted[:, None]
+    # back to (token, slot) order with the inverse permutation, then the k slots summed in order (as "ragged")
+    inv = jnp.zeros_like(order).at[order].set(jnp.arange(m, dtype=jnp.int32))
+    return ys[inv].reshape(t, k, d).sum(axis=1)

@@ -14,7 +14,7 @@ import dataclasses
 import math
 
 ATTENTION_IMPLS = ("auto", "pallas", "xla")
-MOE_IMPLS = ("auto", "ragged", "loop")
+MOE_IMPLS = ("auto", "ragged", "loop", "pallas")
 EP_DISPATCHES = ("auto", "all_to_all", "all_gather")
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
@@ -25,8 +25,10 @@ FIELD_HELP = {
     "moe_tile": "Rows per expert matmul tile.",
     "attention_impl": "Local attention core: auto = the fused Pallas kernel on GPUs (Triton) and the pure-JAX "
                       "blockwise reference elsewhere; pallas on CPU runs in interpret mode (slow, for testing).",
-    "moe_impl": "MoE grouped expert compute: loop = per-expert tile loop, ragged = jax.lax.ragged_dot; auto = loop "
-                "(XLA runs ragged_dot as dense work over all experts on CPU and, measured, on H200).",
+    "moe_impl": "MoE grouped expert compute: loop = per-expert tile loop, ragged = jax.lax.ragged_dot, pallas = one "
+                "grouped matmul kernel over expert-sorted row tiles with MXFP4 dequantized in the kernel (Triton on "
+                "GPUs; interpret mode on CPU, slow, for testing); auto = pallas on GPUs, loop elsewhere (XLA runs "
+                "ragged_dot as dense work over all experts on CPU and, measured, on H200).",
     "ep_dispatch": "Expert-parallel dispatch: all_to_all = each token only to the devices that hold one of its "
                    "experts, in rounds of static capacity (dropless); all_gather = every token to every device of "
                    "the group; auto = all_to_all (plain all-to-alls: every backend).",
@@ -47,16 +49,18 @@ def resolve_attention(impl: str, platform: str) -> str:
 
 
 def resolve_moe(impl: str, platform: str) -> str:
-    """`moe_impl` → the concrete grouped compute. "auto" is "loop" on every backend measured so far: on the CPU
-    ragged_dot is masked dense work, and on an H200 (jax 0.11.2, benchmarks/device_prefill.py, gpt-oss-20b layer,
-    8192 tokens) one layer's MoE took 69.9 ms with "ragged" against 16.5 ms with "loop" — XLA's GPU ragged_dot also
-    did dense work over all E experts (7.8 GB program vs 0.7 GB). `platform` is accepted so that a backend that runs
-    ragged_dot as a grouped GEMM can be switched here once measured.
+    """`moe_impl` → the concrete grouped compute. "auto" is "pallas" on GPUs (cuda, rocm: the grouped MXFP4 kernel
+    `kernels.grouped_moe`, one launch per projection instead of a loop of per-expert matmuls; its GPU timing is still
+    to be measured by benchmarks/device_check.sh) and "loop" elsewhere (on the CPU the kernel only runs in interpret
+    mode, and ragged_dot is masked dense work). "ragged" stays selectable: on an H200 (jax 0.11.2,
+    benchmarks/device_prefill.py, gpt-oss-20b layer, 8192 tokens) one layer's MoE took 69.9 ms with "ragged" against
+    16.5 ms with "loop" — XLA's GPU ragged_dot did dense work over all E experts (7.8 GB program vs 0.7 GB).
     Raises ValueError naming the field for an unknown value."""
     if impl not in MOE_IMPLS:
         raise ValueError(f"moe_impl={impl!r}: expected one of {MOE_IMPLS}")
-    del platform
-    return "loop" if impl == "auto" else impl
+    if impl != "auto":
+        return impl
+    return "pallas" if platform in GPU_PLATFORMS else "loop"
 
 
 def resolve_ep_dispatch(dispatch: str, platform: str) -> str:
@@ -87,8 +91,8 @@ class StepOptions:
 
     q_tile, kv_tile: attention query / key tile (tokens; clipped to the lengths, the Pallas kernel also caps them).
     moe_tile: rows per expert matmul tile (clipped to tokens × experts_per_token).
-    attention_impl: "auto" | "pallas" | "xla" (`model.attention.attend`); moe_impl: "auto" | "ragged" | "loop"
-      (`model.moe.experts`). The step runs only resolved options (`resolve`).
+    attention_impl: "auto" | "pallas" | "xla" (`model.attention.attend`); moe_impl: "auto" | "ragged" | "loop" |
+      "pallas" (`model.moe.experts`). The step runs only resolved options (`resolve`).
     ep_dispatch: "auto" | "all_to_all" | "all_gather" (`parallel.expert_parallel`); ep_capacity: the all-to-all's
       rows per peer and round over the balanced share (`ep_rows`), a float > 0.
     Raises ValueError naming the field: a tile that is not a positive int, an unknown implementation, a capacity
