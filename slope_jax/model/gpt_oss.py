@@ -258,7 +258,20 @@ def unembed(x: jax.Array, final_norm: jax.Array, table: jax.Array, cfg: ModelCon
     """Final norm and unembedding of hidden states `[..., D]` with a table `[V', D]` (all or a shard of the vocabulary)
     → float32 logits `[..., V']`."""
     h = rms_norm(x, final_norm, cfg.rms_norm_eps)
-    return jnp.einsum("...d,vd->...v", h, table, preferred_element_type=jnp.float32)
+    lead = h.shape[:-1]
+    rows = h.reshape(-1, h.shape[-1])
+    n = rows.shape[0]
+    if n < UNEMBED_MIN_ROWS:  # a matrix-vector product: XLA:CPU would upcast the whole table per call
+        rows = jnp.pad(rows, ((0, UNEMBED_MIN_ROWS - n), (0, 0)))
+    logits = jnp.einsum("rd,vd->rv", rows, table, preferred_element_type=jnp.float32)
+    return logits[:n].reshape(*lead, table.shape[0])
+
+
+# XLA:CPU (jaxlib 0.10.2) lowers a dot with fewer than a few rows to its own loop over a float32 copy of the
+# bfloat16 table (gpt-oss-20b's 201088 × 2880: ~2 GB written per call; 215 ms for a 32768 × 1152 table), but an
+# 8-row one to its bf16 GEMM library (15 ms, measured with benchmarks/breakdown.py's unembed part). Zero rows are
+# cheap on every backend.
+UNEMBED_MIN_ROWS = 8
 
 
 def layer_windows(cfg: ModelConfig) -> np.ndarray:
