@@ -168,7 +168,8 @@ def main(argv):
                          cfg.num_experts)
         cls = ex["classes"]
         work = {"projections": t * (2 * D * (N + 2 * K) * H + 2 * N * H * D),
-                "attn_full": cls["step0"][0] / max(L - n_sliding, 1), "attn_sliding": cls["sliding"][0] / max(n_sliding, 1),
+                "attn_full": cls["step0"][0] / max(L - n_sliding, 1),
+                "attn_sliding": cls["sliding"][0] / max(n_sliding, 1),
                 "moe": ex["moe"] / L + 2.0 * t * D * E, "embed": 0.0, "unembed": 2.0 * D * cfg.vocab_size}
         per_layer_count = {"projections": L, "attn_full": L - n_sliding, "attn_sliding": n_sliding, "moe": L,
                            "embed": 1, "unembed": 1}

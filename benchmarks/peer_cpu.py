@@ -148,8 +148,8 @@ def main(argv):
     runs: list[dict] = []
 
     def measure(engine: str, n: int, dtype: str) -> dict:
-        spec = {"model": F.checkpoint_dir, "dtype": dtype, "tokens": n, "vocab_size": vocab, "eager": not F.vllm_compile,
-                "kv_cache_bytes": 1 << 29}
+        spec = {"model": F.checkpoint_dir, "dtype": dtype, "tokens": n, "vocab_size": vocab,
+                "eager": not F.vllm_compile, "kv_cache_bytes": 1 << 29}
         sp, op = os.path.join(work, "spec.json"), os.path.join(work, "out.json")
         with open(sp, "w") as f:
             json.dump(spec, f)
@@ -242,8 +242,8 @@ def summarize(runs: list[dict], lengths: list[int], f32_lengths: list[int]) -> l
         same = {True: "same", False: "DIFFER", None: "-"}[row["f32_same_first_token"]]
         print(f"{n:>7} {bucket:>7} {f(row['vllm_bf16_s'], 10)} {f(row['slope_jax_bf16_s'], 11)} "
               f"{f(row['ratio_bf16'], 6, 2)} {'≤' + str(row['target_ratio']):>7} "
-              f"{f(row.get('slope_jax_bf16_compile_s'), 8, 1)} {f(row['vllm_f32_s'], 9)} {f(row['slope_jax_f32_s'], 10)} "
-              f"{same:>10}")
+              f"{f(row.get('slope_jax_bf16_compile_s'), 8, 1)} {f(row['vllm_f32_s'], 9)} "
+              f"{f(row['slope_jax_f32_s'], 10)} {same:>10}")
     return table
 
 
