@@ -274,6 +274,22 @@ def unembed(x: jax.Array, final_norm: jax.Array, table: jax.Array, cfg: ModelCon
 UNEMBED_MIN_ROWS = 8
 
 
+def take_layer(layers: dict, i: jax.Array) -> dict:
+    """One layer's parameters from the stacked `[L, …]` pytree at a (traced) index `i`.
+
+    bfloat16 leaves are sliced as their uint16 bits and bitcast back (free): XLA:CPU (jaxlib 0.10.2) runs a dynamic
+    slice of bf16 through float32, and its loop-invariant code motion then hoists the convert of the *whole* stacked
+    array out of the layer loop — every weight of the model re-written as float32 (2× its size) on each step
+    (`wrapped_convert` of `f32[L, E, 2I, D]` in the optimized HLO of the peer config's step).
+    """
+    def one(a):
+        if a.dtype == jnp.bfloat16:
+            return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(a, jnp.uint16)[i], jnp.bfloat16)
+        return a[i]
+
+    return jax.tree.map(one, layers)
+
+
 def layer_windows(cfg: ModelConfig) -> np.ndarray:
     """int32 `[L]`: the window of each layer (cfg.sliding_window on sliding layers, NO_WINDOW on full layers)."""
     return np.asarray([cfg.sliding_window if cfg.is_sliding(i) else attn_lib.NO_WINDOW
@@ -302,7 +318,8 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax.A
     cos, sin = rope.cos_sin(cfg, positions, x.dtype)
 
     def body(x, xs):
-        p, window = xs
+        i, window = xs
+        p = take_layer(params["layers"], i)
 
         def attend(q, k, v, sinks):
             # Pad keys sit at positions >= num_tokens, after every real query: causality hides them.
@@ -313,6 +330,6 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax.A
         x, k, v = layer(x, p, cfg, cos=cos, sin=sin, valid=valid, attend=attend, moe_fn=local_moe(cfg, options))
         return x, (k, v)
 
-    x, (ks, vs) = jax.lax.scan(body, x, (params["layers"], jnp.asarray(layer_windows(cfg))))
+    x, (ks, vs) = jax.lax.scan(body, x, (jnp.arange(cfg.num_hidden_layers), jnp.asarray(layer_windows(cfg))))
     x_last = jax.lax.dynamic_index_in_dim(x, num_tokens - 1, axis=0, keepdims=False)
     return unembed(x_last, params["final_norm"], params["unembed"], cfg), ks, vs

@@ -73,7 +73,7 @@ def _stage_forward(x, layers, cfg: ModelConfig, parallel: ParallelConfig, *, pos
                                    limit=cfg.swiglu_limit, tile=options.moe_tile, impl=options.moe_impl)
 
     def run(x, i, act, attend, window):
-        p = jax.tree.map(lambda a: a[i], layers)
+        p = model_lib.take_layer(layers, i)
 
         def core(q, k, v, s):
             if prefix is None:
