@@ -6,7 +6,7 @@
 
 Measures single-device float32 prefill (`PrefillEngine`, random dense weights, one request, KV export off; compile
 first, then `--repeats` rounds over all points, best kept) of
-  calibration configs  CAL (the shipped tiny config and two wider ones), and
+  calibration configs  CAL (the shipped tiny config, two wider ones, a 48-expert one), and
   held-out configs     HELD (other hidden size, heads, head_dim, expert count, top-k and window than any CAL one:
                        the issue-21 peer config cut to 2 layers, a head_dim-128 one, a 32-expert one),
 fits the profile's coefficients (`plan.calibrate.fit`: matmul and attention efficiencies, per-element and
@@ -54,6 +54,9 @@ CAL = {
     "cal-d896": dict(num_hidden_layers=2, hidden_size=896, intermediate_size=448, num_attention_heads=14,
                      num_key_value_heads=2, head_dim=64, num_local_experts=24, num_experts_per_tok=4,
                      sliding_window=64),
+    "cal-e48": dict(num_hidden_layers=2, hidden_size=256, intermediate_size=192, num_attention_heads=4,
+                    num_key_value_heads=1, head_dim=32, num_local_experts=48, num_experts_per_tok=2,
+                    sliding_window=48),
 }
 HELD = {
     "peer-hd64-2l": dict(num_hidden_layers=2, hidden_size=1152, intermediate_size=1152, num_attention_heads=16,

@@ -143,12 +143,12 @@ def test_calibration_recovers_known_efficiencies():
 
 
 def test_calibration_over_configs_recovers_element_terms_and_predicts_a_held_out_config():
-    """Rows of two configs (each row names its own) pin the per-element, per-score-entry and per-weight-byte terms
-    apart from the FLOP efficiencies; the fit then predicts a third config it never saw."""
+    """Rows of two configs (each row names its own) pin the per-element, per-score-entry, per-MoE-tile and
+    per-weight-byte terms apart from the FLOP efficiencies; the fit then predicts a third config it never saw."""
     hw = hardware.load("mi250")
     truth = dataclasses.replace(hw, efficiency=hardware.Efficiency(
         0.3, 0.2, 0.004, 0.0005, attention_one_device=0.12, element_s=2e-12, attention_entry_s=5e-12,
-        weight_byte_s=1e-12))
+        weight_byte_s=1e-12, moe_tile_s=3e-6))
     held_out = dataclasses.replace(CONFIG_A, hidden_size=CONFIG_A.hidden_size * 2, num_experts=CONFIG_A.num_experts + 4)
     rows = []
     for cfg in (CONFIG_A, CONFIG_B):
@@ -159,7 +159,7 @@ def test_calibration_over_configs_recovers_element_terms_and_predicts_a_held_out
                              "ms": predict(cfg, ParallelConfig(*layout), n, truth).ttft_ms})
     eff, table = calibrate.fit(CONFIG_A, hw, rows)
     for field, want in (("matmul", 0.3), ("attention", 0.2), ("attention_one_device", 0.12), ("element_s", 2e-12),
-                        ("attention_entry_s", 5e-12), ("weight_byte_s", 1e-12)):
+                        ("attention_entry_s", 5e-12), ("weight_byte_s", 1e-12), ("moe_tile_s", 3e-6)):
         assert getattr(eff, field) == pytest.approx(want, rel=1e-3), field
     assert max(abs(r["error"]) for r in table) < 1e-3
     fitted = dataclasses.replace(hw, efficiency=eff)

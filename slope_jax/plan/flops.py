@@ -211,7 +211,8 @@ def per_device(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int,
     pipelined shard_map step: `m + P − 1` ticks × S slots per tick.
     Also returned (not FLOPs, not in `total`): `elements`, the activation elements the layers read or write around
     the matmuls (`_elements_per_token` per local token, `_elements_per_row` per MoE row incl. tile padding), and
-    `attention_entries`, the score entries computed (attention FLOPs / 4H), for the cost model's per-element terms.
+    `attention_entries`, the score entries computed (attention FLOPs / 4H), and `moe_tiles`, the expert-loop
+    iterations (MoE rows / tile: a fixed cost each, which grows with the expert count), for the cost model.
     """
     n = t if n is None else n
     P, R, U = pipeline, ring, ulysses
@@ -236,6 +237,7 @@ def per_device(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int,
                "moe": float(m * L * rows * _expert_per_row(cfg)), "head": 2.0 * m * D * V}
         out["total"] = sum(out.values())
         out["elements"] = float(m * L * (t * _elements_per_token(cfg) + rows * _elements_per_row(cfg)))
+        out["moe_tiles"] = float(m * L * rows // tile)
         out["attention_entries"] = out["attention"] / (4 * cfg.head_dim)
         both = (cls["sliding"][0] + cls["step0"][0], cls["sliding"][1] + cls["step0"][1])
         out["classes"] = {"sliding": tuple(cls["sliding"]), "step0": tuple(cls["step0"]), "attention": both,
@@ -257,6 +259,7 @@ def per_device(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int,
            "moe": float(ticks * S * rows * _expert_per_row(cfg)), "head": 2.0 * m * D * vrows}
     out["total"] = sum(out.values())
     out["elements"] = float(ticks * S * (tl * _elements_per_token(cfg) + rows * _elements_per_row(cfg)))
+    out["moe_tiles"] = float(ticks * S * rows // tile)
     out["attention_entries"] = out["attention"] / (4 * cfg.head_dim)
     out["classes"] = {"sliding": (per["sliding"], per["sliding_pass"]), "step0": (per["step0"], per["step0_pass"]),
                       "ring": (per["ring"], per["ring_pass"]),

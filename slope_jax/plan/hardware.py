@@ -59,6 +59,8 @@ class Efficiency:
     # seconds per parameter byte a device holds, per tick (weights streamed from memory once per layer pass: what
     # dominates short prompts of wide, many-expert models); 0 where not fitted
     weight_byte_s: float = 0.0
+    # seconds per MoE tile (one iteration of the expert loop: weight slice, row gather, scatter-add); 0 where not fitted
+    moe_tile_s: float = 0.0
 
     def attention_for(self, devices: int) -> float:
         """The attention efficiency of a step on `devices` devices."""
@@ -107,7 +109,7 @@ class Hardware:
                 continue  # optional: absent = the same as `attention`
             if not isinstance(v, (int, float)) or not 0 < v <= 1:
                 raise HardwareError(f"{source}: efficiency.{key}={v!r} must be a number in (0, 1]")
-        for key in ("element_s", "attention_entry_s", "weight_byte_s"):
+        for key in ("element_s", "attention_entry_s", "weight_byte_s", "moe_tile_s"):
             v = eff.get(key, 0.0)
             if not isinstance(v, (int, float)) or not v >= 0:
                 raise HardwareError(f"{source}: efficiency.{key}={v!r} must be a number >= 0 (seconds)")
@@ -128,7 +130,7 @@ class Hardware:
                                          None if eff.get("attention_one_device") is None
                                          else float(eff["attention_one_device"]),
                                          float(eff.get("element_s", 0.0)), float(eff.get("attention_entry_s", 0.0)),
-                                         float(eff.get("weight_byte_s", 0.0))),
+                                         float(eff.get("weight_byte_s", 0.0)), float(eff.get("moe_tile_s", 0.0))),
                    shared_compute=bool(d.get("shared_compute", False)), sources=dict(d.get("sources", {})),
                    compile_s=None if compile_s is None else float(compile_s))
 

@@ -5,7 +5,8 @@ TTFT model (per compiled step of `M` requests, `P` stages of `S` slots, `M + P �
   attention have separate efficiencies (from the hardware profile: cited measurements, or `calibrate` on the CPU) —
   + activation elements × `element_s` + attention score entries × `attention_entry_s` (`hardware.Efficiency`;
   0 where not fitted): the terms that do not scale with FLOPs, so that a profile carries over to other widths;
-  weights: parameter bytes per device × ticks × `weight_byte_s` (streamed once per layer pass);
+  + MoE tiles × `moe_tile_s` (per expert-loop iteration); weights: parameter bytes per device × ticks ×
+  `weight_byte_s` (streamed once per layer pass);
   full layer   = projections + MoE + Ulysses all-to-alls (not overlapped) + ring step 0 +
                  (R − 1) × max(ring step compute, K/V block transfer) (the next block's ppermute overlaps the current
                  block's attention) + EP dispatch (not overlapped);
@@ -134,6 +135,7 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
     share = devices if hw.shared_compute else 1
     elem_s = f["elements"] * eff.element_s * share
     entry_s = f["attention_entries"] * eff.attention_entry_s * share
+    tile_s = f["moe_tiles"] * eff.moe_tile_s * share
 
     links = _links(parallel, devices_per_host)
     bw = {"intra": hw.intra_host_bytes_per_s, "inter": hw.inter_host_bytes_per_s}
@@ -156,8 +158,8 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
     chunk_ratio = _chunk_ratio(cfg, t, P, R, U, C, m) if C > 1 and P > 1 else 1.0
     # sequence-pipelined prefill: the stages overlap on a request's chunks
     mm_s, att_s, head_s = mm_s * chunk_ratio, att_s * chunk_ratio, head_s * chunk_ratio
-    elem_s, entry_s = elem_s * chunk_ratio, entry_s * chunk_ratio
-    compute_s = mm_s + att_s + head_s + elem_s + entry_s
+    elem_s, entry_s, tile_s = elem_s * chunk_ratio, entry_s * chunk_ratio, tile_s * chunk_ratio
+    compute_s = mm_s + att_s + head_s + elem_s + entry_s + tile_s
     ticks_run = m * C + P - 1 if devices > 1 else m
     overhead_s = eff.overhead_s + eff.layer_overhead_s * ticks_run * S
     params = memory.param_bytes(cfg, b, P, ep, ring=R, ulysses=U)
@@ -194,7 +196,7 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
         pipeline=P, ring=R, ulysses=U, expert=ep, length=length, bucket=t, batch=m, ttft_ms=step_s * 1e3,
         step_ms=step_s * 1e3, compute_ms=compute_s * 1e3, communication_ms=comm_s * 1e3, fill_ms=fill_s * 1e3,
         time_breakdown_ms={"matmul": (mm_s + head_s) * 1e3, "attention": att_s * 1e3, "elementwise": elem_s * 1e3,
-                           "attention_entries": entry_s * 1e3, "weights": weight_s * 1e3,
+                           "attention_entries": entry_s * 1e3, "moe_tiles": tile_s * 1e3, "weights": weight_s * 1e3,
                            "overhead": overhead_s * 1e3}
         | {k: v * 1e3 for k, v in comm.items()}, layer_slots=ticks * S,
         flops_per_device=f["total"], model_flops=model_f,
