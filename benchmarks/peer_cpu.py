@@ -181,8 +181,8 @@ def main(argv):
         runs.append(row)
         return row
 
-    lengths = [int(x) for x in F.lengths]
-    f32_lengths = [int(x) for x in F.f32_lengths]
+    lengths = [int(x) for x in F.lengths if x]
+    f32_lengths = [int(x) for x in F.f32_lengths if x]
     engines = ["vllm", "slope_jax"]
     for r in range(F.repeats):
         print(f"round {r + 1}/{F.repeats} (bfloat16)", flush=True)
