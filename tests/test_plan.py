@@ -203,6 +203,32 @@ def test_calibration_recovers_known_efficiencies():
         calibrate.fit(CONFIG_B, hw, rows[:2])
 
 
+def test_calibration_over_configs_recovers_element_terms_and_predicts_a_held_out_config():
+    """Rows of two configs (each row names its own) pin the per-element, per-score-entry, per-MoE-tile and
+    per-weight-byte terms apart from the FLOP efficiencies; the fit then predicts a third config it never saw."""
+    hw = hardware.load("mi250")
+    truth = dataclasses.replace(hw, efficiency=hardware.Efficiency(
+        0.3, 0.2, 0.004, 0.0005, attention_one_device=0.12, element_s=2e-12, attention_entry_s=5e-12,
+        weight_byte_s=1e-12, moe_tile_s=3e-6))
+    held_out = dataclasses.replace(CONFIG_A, hidden_size=CONFIG_A.hidden_size * 2, num_experts=CONFIG_A.num_experts + 4)
+    rows = []
+    for cfg in (CONFIG_A, CONFIG_B):
+        for layout in ((1, 1, 1), (1, 2, 2), (2, 1, 2)):
+            for n in (256, 1024, 4096):
+                rows.append({"pipeline": layout[0], "ring": layout[1], "ulysses": layout[2], "length": n,
+                             "config": cfg.to_hf_dict(),
+                             "ms": predict(cfg, ParallelConfig(*layout), n, truth).ttft_ms})
+    eff, table = calibrate.fit(CONFIG_A, hw, rows)
+    for field, want in (("matmul", 0.3), ("attention", 0.2), ("attention_one_device", 0.12), ("element_s", 2e-12),
+                        ("attention_entry_s", 5e-12), ("weight_byte_s", 1e-12), ("moe_tile_s", 3e-6)):
+        assert getattr(eff, field) == pytest.approx(want, rel=1e-3), field
+    assert max(abs(r["error"]) for r in table) < 1e-3
+    fitted = dataclasses.replace(hw, efficiency=eff)
+    for n in (1000, 3000):
+        want = predict(held_out, ParallelConfig(1, 2, 2), n, truth).ttft_ms
+        assert predict(held_out, ParallelConfig(1, 2, 2), n, fitted).ttft_ms == pytest.approx(want, rel=1e-3)
+
+
 def test_goodput_model():
     assert search.max_rate(1.2, 1, 1.0, 0.9) == 0.0  # a step longer than the SLO meets nothing
     r = search.max_rate(0.5, 1, 1.0, 0.9)

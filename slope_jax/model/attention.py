@@ -126,16 +126,25 @@ def finalize(state: AttnState, sinks: jax.Array) -> jax.Array:
 
 
 def _tile_update(st: AttnState, q, k, v, qp, kp, window, scale) -> AttnState:
-    """One (query tile × key tile) online-softmax step. q `[bq, K, G, D]`, k/v `[bk, K, D]`, qp `[bq]`, kp `[bk]`."""
-    s = jnp.einsum("qkgd,ckd->qkgc", q, k, preferred_element_type=jnp.float32) * scale
+    """One (query tile × key tile) online-softmax step in the head-major tile layout of `attend`'s XLA core.
+
+    q `[K, G·bq, D]` (rows g-major: row g·bq + i is query i of head k·G + g), k `[K, D, bk]` (keys transposed), v
+    `[K, bk, D]`, qp `[bq]`, kp `[bk]`; st holds o `[K, G·bq, D]`, m and l `[K, G·bq]`. Both matmuls are plain
+    batched GEMMs over the K KV heads (batch axis leading, no transposes inside the loop): XLA:CPU hands them to its
+    bf16/f32 GEMM library as they are.
+    """
+    kh, rows, _ = q.shape
+    bq = qp.shape[0]
+    s = jnp.einsum("kmd,kdc->kmc", q, k, preferred_element_type=jnp.float32) * scale
     diff = qp[:, None] - kp[None, :]
     visible = (kp[None, :] >= 0) & (diff >= 0) & (diff < window)  # [bq, bk]
-    s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+    s = jnp.where(jnp.tile(visible, (rows // bq, 1))[None], s, -jnp.inf)
     m_new = jnp.maximum(st.m, s.max(axis=-1))
     ms = _safe(m_new)
     p = jnp.exp(s - ms[..., None])
     alpha = jnp.exp(st.m - ms)
-    pv = jnp.einsum("qkgc,ckd->qkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    pv = jnp.einsum("kmc,kcd->kmd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    del kh
     return AttnState(st.o * alpha[..., None] + pv, m_new, st.l * alpha + p.sum(axis=-1))
 
 
@@ -245,13 +254,17 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: ja
     nq, nk = -(-tq // bq), -(-tk // bk)
     scale = d ** -0.5
 
-    qt = _pad_to(q, nq * bq, 0).reshape(nq, bq, kh, g, d)
+    # head-major tiles: queries [nq, K, G·bq, D] (g-major rows), keys [nk, K, D, bk], values [nk, K, bk, D]
+    qt = _pad_to(q, nq * bq, 0).reshape(nq, bq, kh, g, d).transpose(0, 2, 3, 1, 4).reshape(nq, kh, g * bq, d)
     qpt = _pad_to(q_pos.astype(jnp.int32), nq * bq, INVALID_POS).reshape(nq, bq)
-    kt = _pad_to(k, nk * bk, 0).reshape(nk, bk, kh, d)
-    vt = _pad_to(v, nk * bk, 0).reshape(nk, bk, kh, d)
+    kt = _pad_to(k, nk * bk, 0).reshape(nk, bk, kh, d).transpose(0, 2, 3, 1)
+    vt = _pad_to(v, nk * bk, 0).reshape(nk, bk, kh, d).transpose(0, 2, 1, 3)
     kpt = _pad_to(k_pos.astype(jnp.int32), nk * bk, INVALID_POS).reshape(nk, bk)
     st = AttnState(*(_pad_to(x, nq * bq, 0).reshape(nq, bq, *x.shape[1:]) for x in state))
     st = st._replace(m=jnp.where(jnp.arange(nq * bq).reshape(nq, bq)[..., None, None] < tq, st.m, -jnp.inf))
+    # state to the tile layout: o [nq, K, G·bq, D], m, l [nq, K, G·bq]
+    st = AttnState(st.o.transpose(0, 2, 3, 1, 4).reshape(nq, kh, g * bq, d),
+                   *(x.transpose(0, 2, 3, 1).reshape(nq, kh, g * bq) for x in (st.m, st.l)))
     kv_range = _kv_tile_range(qpt, kpt, window)
 
     def per_q_tile(args):
@@ -266,7 +279,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: ja
     counter = _COUNTER.get()
     if counter is not None:
         counter.emit((kv_range[:, 1] - kv_range[:, 0]).sum() * (bq * bk))
-    return AttnState(*(x.reshape(nq * bq, *x.shape[2:])[:tq] for x in out))
+    o = out.o.reshape(nq, kh, g, bq, d).transpose(0, 3, 1, 2, 4).reshape(nq * bq, kh, g, d)[:tq]
+    m, l = (x.reshape(nq, kh, g, bq).transpose(0, 3, 1, 2).reshape(nq * bq, kh, g)[:tq] for x in (out.m, out.l))
+    return AttnState(o, m, l)
 
 
 def attention(q, k, v, q_pos, k_pos, sinks, *, window=NO_WINDOW, q_tile=256, kv_tile=256, impl="xla") -> jax.Array:

@@ -258,7 +258,36 @@ def unembed(x: jax.Array, final_norm: jax.Array, table: jax.Array, cfg: ModelCon
     """Final norm and unembedding of hidden states `[..., D]` with a table `[V', D]` (all or a shard of the vocabulary)
     → float32 logits `[..., V']`."""
     h = rms_norm(x, final_norm, cfg.rms_norm_eps)
-    return jnp.einsum("...d,vd->...v", h, table, preferred_element_type=jnp.float32)
+    lead = h.shape[:-1]
+    rows = h.reshape(-1, h.shape[-1])
+    n = rows.shape[0]
+    if n < UNEMBED_MIN_ROWS:  # a matrix-vector product: XLA:CPU would upcast the whole table per call
+        rows = jnp.pad(rows, ((0, UNEMBED_MIN_ROWS - n), (0, 0)))
+    logits = jnp.einsum("rd,vd->rv", rows, table, preferred_element_type=jnp.float32)
+    return logits[:n].reshape(*lead, table.shape[0])
+
+
+# XLA:CPU (jaxlib 0.10.2) lowers a dot with fewer than a few rows to its own loop over a float32 copy of the
+# bfloat16 table (gpt-oss-20b's 201088 × 2880: ~2 GB written per call; 215 ms for a 32768 × 1152 table), but an
+# 8-row one to its bf16 GEMM library (15 ms, measured with benchmarks/breakdown.py's unembed part). Zero rows are
+# cheap on every backend.
+UNEMBED_MIN_ROWS = 8
+
+
+def take_layer(layers: dict, i: jax.Array) -> dict:
+    """One layer's parameters from the stacked `[L, …]` pytree at a (traced) index `i`.
+
+    bfloat16 leaves are sliced as their uint16 bits and bitcast back (free): XLA:CPU (jaxlib 0.10.2) runs a dynamic
+    slice of bf16 through float32, and its loop-invariant code motion then hoists the convert of the *whole* stacked
+    array out of the layer loop — every weight of the model re-written as float32 (2× its size) on each step
+    (`wrapped_convert` of `f32[L, E, 2I, D]` in the optimized HLO of the peer config's step).
+    """
+    def one(a):
+        if a.dtype == jnp.bfloat16:
+            return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(a, jnp.uint16)[i], jnp.bfloat16)
+        return a[i]
+
+    return jax.tree.map(one, layers)
 
 
 def layer_windows(cfg: ModelConfig) -> np.ndarray:
@@ -289,7 +318,8 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax.A
     cos, sin = rope.cos_sin(cfg, positions, x.dtype)
 
     def body(x, xs):
-        p, window = xs
+        i, window = xs
+        p = take_layer(params["layers"], i)
 
         def attend(q, k, v, sinks):
             # Pad keys sit at positions >= num_tokens, after every real query: causality hides them.
@@ -300,6 +330,6 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax.A
         x, k, v = layer(x, p, cfg, cos=cos, sin=sin, valid=valid, attend=attend, moe_fn=local_moe(cfg, options))
         return x, (k, v)
 
-    x, (ks, vs) = jax.lax.scan(body, x, (params["layers"], jnp.asarray(layer_windows(cfg))))
+    x, (ks, vs) = jax.lax.scan(body, x, (jnp.arange(cfg.num_hidden_layers), jnp.asarray(layer_windows(cfg))))
     x_last = jax.lax.dynamic_index_in_dim(x, num_tokens - 1, axis=0, keepdims=False)
     return unembed(x_last, params["final_norm"], params["unembed"], cfg), ks, vs

@@ -1,19 +1,29 @@
 """Fit a hardware profile's efficiency factors to measured step times.
 
-Model (`model.predict`): `time = F_matmul/(peak·e_mm) + F_attention/(peak·e_att) + communication
-+ overhead_s + layer_overhead_s · (layer slots executed)`, where e_att is `attention` for sharded steps and
-`attention_one_device` for one-device steps (`hardware.Efficiency`: different programs with differently shaped
-attention tiles). With `x = (1/e_mm, 1/e_att, 1/e_att1, overhead_s, layer_overhead_s)` this is linear in x; the fit
-minimises the squared *relative* error over the measured rows subject to x ≥ 0 (an exhaustive active-set search over
-the subsets of free coefficients: exact). `attention_one_device` is fitted only when the rows hold both one-device and
-sharded steps; otherwise the one attention efficiency covers every row.
-Rows: JSON `{"rows": [{"pipeline", "ring", "ulysses", "length", "batch", "ms"}, ...]}` (benchmarks/plan_measure_cpu.py).
+Model (`model.predict`): `time = F_matmul/(peak·e_mm) + F_attention/(peak·e_att) + elements·element_s
++ score_entries·attention_entry_s + moe_tiles·moe_tile_s + weight_bytes·ticks·weight_byte_s + communication
++ overhead_s + layer_overhead_s · (layer slots executed)`, where e_att is `attention` for sharded steps and `attention_one_device`
+for one-device steps (`hardware.Efficiency`: different programs with differently shaped attention tiles),
+`elements` / `score_entries` are the activation elements and attention score entries of `flops.per_device` and
+weight_bytes the parameter bytes a device holds. With `x = (1/e_mm, 1/e_att, 1/e_att1, element_s, attention_entry_s,
+weight_byte_s, overhead_s, layer_overhead_s, moe_tile_s)` this is linear in x; the fit minimises the squared
+*relative* error over the measured rows subject to x ≥ 0 (an exhaustive active-set search over the subsets of free coefficients:
+exact). `attention_one_device` is fitted only when the rows hold both one-device and sharded steps; otherwise the one
+attention efficiency covers every row. Rows of several model configs (a row's own `"config"`) let the fit tell the
+FLOP terms from the element terms, so that the profile carries over to configs it was not fitted on
+(benchmarks/plan_holdout_cpu.py checks that on held-out configs).
+Rows: JSON `{"rows": [{"pipeline", "ring", "ulysses", "length", "batch", "ms", "config"?}, ...]}`
+(benchmarks/plan_measure_cpu.py, benchmarks/plan_holdout_cpu.py); `config`: a config.json path (relative paths are
+read from the repository root) or an HF config dict, default the `cfg` passed to `fit`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+import json
+import os
 
 import numpy as np
 
@@ -22,23 +32,47 @@ from slope_jax.parallel.config import ParallelConfig
 from slope_jax.plan.hardware import Efficiency, Hardware
 from slope_jax.plan.model import predict
 
-_UNIT = Efficiency(matmul=1.0, attention=1.0)
-_N = 5  # coefficients: 1/e_mm, 1/e_att (sharded), 1/e_att (one device), overhead_s, layer_overhead_s
+_UNIT = Efficiency(matmul=1.0, attention=1.0, element_s=1.0, attention_entry_s=1.0, weight_byte_s=1.0,
+                   moe_tile_s=1.0)
+# coefficients: 1/e_mm, 1/e_att (sharded), 1/e_att (one device), element_s, attention_entry_s, weight_byte_s,
+# overhead_s, layer_overhead_s, moe_tile_s
+_N = 9
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@functools.lru_cache(maxsize=64)
+def _config(spec: str) -> ModelConfig:
+    if spec.startswith("{"):
+        return ModelConfig.from_hf_dict(json.loads(spec), source="calibration row")
+    return ModelConfig.from_json(spec if os.path.isabs(spec) or os.path.exists(spec) else os.path.join(REPO, spec))
+
+
+def row_config(cfg: ModelConfig, row: dict) -> ModelConfig:
+    """The row's own model config (`"config"`: a config.json path, or an HF config dict) or `cfg`.
+    Raises ConfigError (from the config reader) naming the bad field."""
+    spec = row.get("config")
+    if not spec:
+        return cfg
+    return _config(json.dumps(spec, sort_keys=True) if isinstance(spec, dict) else spec)
 
 
 def _features(cfg: ModelConfig, hw: Hardware, row: dict, devices_per_host: int) -> tuple[np.ndarray, float]:
     """Row of the linear system at unit efficiency, and its communication time; the exposed part of the ring
     transfer (max(compute, transfer) − compute) depends on the efficiency, so it is taken at `hw`'s."""
+    cfg = row_config(cfg, row)
     par = ParallelConfig.from_row(row)
     kw = dict(batch=row.get("batch", 1), devices_per_host=devices_per_host)
     p = predict(cfg, par, row["length"], dataclasses.replace(hw, efficiency=_UNIT), **kw)
     tb = p.time_breakdown_ms
-    comm = sum(v for k, v in tb.items() if k not in ("matmul", "attention", "overhead", "ring_ppermute_exposed"))
+    own = ("matmul", "attention", "elementwise", "attention_entries", "moe_tiles", "weights", "overhead",
+           "ring_ppermute_exposed")
+    comm = sum(v for k, v in tb.items() if k not in own)
     comm += predict(cfg, par, row["length"], hw, **kw).time_breakdown_ms["ring_ppermute_exposed"]
     one = par.num_devices == 1
     att = tb["attention"] / 1e3
-    return np.array([tb["matmul"] / 1e3, 0.0 if one else att, att if one else 0.0, 1.0, float(p.layer_slots)]), (
-        comm / 1e3)
+    return np.array([tb["matmul"] / 1e3, 0.0 if one else att, att if one else 0.0, tb["elementwise"] / 1e3,
+                     tb["attention_entries"] / 1e3, tb["weights"] / 1e3, 1.0, float(p.layer_slots),
+                     tb["moe_tiles"] / 1e3]), comm / 1e3
 
 
 def fit(cfg: ModelConfig, hw: Hardware, rows: list[dict], *, devices_per_host: int = 8, source: str = ""
@@ -55,11 +89,18 @@ def fit(cfg: ModelConfig, hw: Hardware, rows: list[dict], *, devices_per_host: i
     fitted = dataclasses.replace(hw, efficiency=eff)
     table = []
     for r in rows:
-        par = ParallelConfig.from_row(r)
-        p = predict(cfg, par, r["length"], fitted, batch=r.get("batch", 1), devices_per_host=devices_per_host)
-        table.append({"layout": p.layout, "length": r["length"], "measured_ms": r["ms"], "predicted_ms": p.ttft_ms,
-                      "error": p.ttft_ms / r["ms"] - 1})
+        table.append(check_row(cfg, fitted, r, devices_per_host))
     return eff, table
+
+
+def check_row(cfg: ModelConfig, hw: Hardware, row: dict, devices_per_host: int = 8) -> dict:
+    """Measured vs predicted ms of one row under `hw`: {"config", "layout", "length", "measured_ms", "predicted_ms",
+    "error"} (error = predicted / measured − 1)."""
+    par = ParallelConfig.from_row(row)
+    p = predict(row_config(cfg, row), par, row["length"], hw, batch=row.get("batch", 1),
+                devices_per_host=devices_per_host)
+    return {"config": row.get("config"), "layout": p.layout, "length": row["length"], "measured_ms": row["ms"],
+            "predicted_ms": p.ttft_ms, "error": p.ttft_ms / row["ms"] - 1}
 
 
 def _fit_once(cfg, hw, rows, devices_per_host, source) -> Efficiency:
@@ -79,19 +120,27 @@ def _fit_once(cfg, hw, rows, devices_per_host, source) -> Efficiency:
             if not needed <= set(free) or (not both and 2 in free):
                 continue
             x = np.zeros(_N)
-            sol, *_ = np.linalg.lstsq(A[:, free] * w[:, None], y * w, rcond=None)
+            # columns scaled to unit size: the coefficients span ~12 orders (1/efficiency vs seconds per element)
+            Af = A[:, free] * w[:, None]
+            col = np.abs(Af).max(axis=0)
+            col[col == 0] = 1.0
+            sol, *_ = np.linalg.lstsq(Af / col, y * w, rcond=None)
+            sol = sol / col
             if (sol <= 0).any():
                 continue
             x[list(free)] = sol
             err = float(((((A @ x) - y) * w) ** 2).sum())
-            if err < best_err:
+            # subsets grow in size: a larger one must fit measurably better (not by rounding), so among exact fits
+            # the fewest coefficients win — terms the rows cannot tell apart stay 0 instead of splitting the time
+            if best is None or err < best_err - max(1e-12, 1e-6 * best_err):
                 best, best_err = x, err
     if best is None:
         raise ValueError("no non-negative fit: the measured times do not grow with the predicted work")
     # may exceed 1 when the profile's peak was measured low (a loaded machine); `normalised` rescales the peak
-    return Efficiency(matmul=1 / best[0], attention=1 / best[1], overhead_s=float(best[3]),
-                      layer_overhead_s=float(best[4]), source=source,
-                      attention_one_device=1 / best[2] if both else None)
+    return Efficiency(matmul=1 / best[0], attention=1 / best[1], overhead_s=float(best[6]),
+                      layer_overhead_s=float(best[7]), source=source,
+                      attention_one_device=1 / best[2] if both else None, element_s=float(best[3]),
+                      attention_entry_s=float(best[4]), weight_byte_s=float(best[5]), moe_tile_s=float(best[8]))
 
 
 def normalised(hw: Hardware, eff: Efficiency) -> Hardware:

@@ -49,6 +49,21 @@ def _expert_per_row(cfg: ModelConfig) -> int:
     return 2 * D * 2 * I + 2 * I * D
 
 
+def _elements_per_token(cfg: ModelConfig) -> int:
+    """Activation elements one token's layer reads or writes around the matmuls (attention norm in/out, q/k/v out
+    and RoPE, o-projection in/out, residual adds, MoE norm, router logits, the MoE output accumulation)."""
+    D, N, K, H, E = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                     cfg.num_experts)
+    return 7 * D + 2 * (N + 2 * K) * H + N * H + E
+
+
+def _elements_per_row(cfg: ModelConfig) -> int:
+    """Activation elements of one expert-matmul row (the gathered token, gate/up out and SwiGLU in, its output,
+    the down-projection output and its weighted scatter-add)."""
+    D, I = cfg.hidden_size, cfg.intermediate_size
+    return 3 * D + 5 * I
+
+
 def visible_pairs(t: int, window: int | None) -> int:
     """Number of (query, key) pairs a causal layer computes over t tokens (window: keys per query, or None)."""
     if window is None or window >= t:
@@ -201,6 +216,10 @@ def per_device(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int,
 
     One device (P = R = U = 1) runs the single-device path (all L layers in order, window per layer); otherwise the
     pipelined shard_map step: `m + P − 1` ticks × S slots per tick.
+    Also returned (not FLOPs, not in `total`): `elements`, the activation elements the layers read or write around
+    the matmuls (`_elements_per_token` per local token, `_elements_per_row` per MoE row incl. tile padding), and
+    `attention_entries`, the score entries computed (attention FLOPs / 4H), and `moe_tiles`, the expert-loop
+    iterations (MoE rows / tile: a fixed cost each, which grows with the expert count), for the cost model.
     """
     n = t if n is None else n
     P, R, U = pipeline, ring, ulysses
@@ -220,6 +239,9 @@ def per_device(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int,
         out = {"projections": float(m * L * t * _proj_per_token(cfg)), "attention": cls["sliding"][0] + cls["step0"][0],
                "moe": float(m * L * rows * _expert_per_row(cfg)), "head": 2.0 * m * D * V}
         out["total"] = sum(out.values())
+        out["elements"] = float(m * L * (t * _elements_per_token(cfg) + rows * _elements_per_row(cfg)))
+        out["moe_tiles"] = float(m * L * rows // tile)
+        out["attention_entries"] = out["attention"] / (4 * cfg.head_dim)
         both = (cls["sliding"][0] + cls["step0"][0], cls["sliding"][1] + cls["step0"][1])
         out["classes"] = {"sliding": tuple(cls["sliding"]), "step0": tuple(cls["step0"]), "attention": both,
                           "moe": (out["moe"], float(m * L * cfg.num_experts * tile * _expert_per_row(cfg)))}
@@ -239,6 +261,9 @@ def per_device(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int,
            "attention": per["sliding"] + per["step0"] + per["ring"],
            "moe": float(ticks * S * rows * _expert_per_row(cfg)), "head": 2.0 * m * D * vrows}
     out["total"] = sum(out.values())
+    out["elements"] = float(ticks * S * (tl * _elements_per_token(cfg) + rows * _elements_per_row(cfg)))
+    out["moe_tiles"] = float(ticks * S * rows // tile)
+    out["attention_entries"] = out["attention"] / (4 * cfg.head_dim)
     out["classes"] = {"sliding": (per["sliding"], per["sliding_pass"]), "step0": (per["step0"], per["step0_pass"]),
                       "ring": (per["ring"], per["ring_pass"]),
                       "moe": (out["moe"], float(ticks * S * (cfg.num_experts // expert) * tile

@@ -49,6 +49,18 @@ class Efficiency:
     layer_overhead_s: float = 0.0
     source: str = ""
     attention_one_device: float | None = None
+    # seconds per activation element a layer reads or writes outside the matmul units (norms, RoPE, SwiGLU, the MoE
+    # gather/scatter, GEMM operands streamed: `flops.per_device(...)["elements"]`) and per attention score entry
+    # (mask, max, exp, sum: `["attention_entries"]`), per device; 0 where not fitted. These two terms carry a profile
+    # over to other widths, head_dims and expert counts: FLOPs alone scale like D², the element work like D, and a
+    # score entry costs the same at any head_dim.
+    element_s: float = 0.0
+    attention_entry_s: float = 0.0
+    # seconds per parameter byte a device holds, per tick (weights streamed from memory once per layer pass: what
+    # dominates short prompts of wide, many-expert models); 0 where not fitted
+    weight_byte_s: float = 0.0
+    # seconds per MoE tile (one iteration of the expert loop: weight slice, row gather, scatter-add); 0 where not fitted
+    moe_tile_s: float = 0.0
 
     def attention_for(self, devices: int) -> float:
         """The attention efficiency of a step on `devices` devices."""
@@ -97,6 +109,10 @@ class Hardware:
                 continue  # optional: absent = the same as `attention`
             if not isinstance(v, (int, float)) or not 0 < v <= 1:
                 raise HardwareError(f"{source}: efficiency.{key}={v!r} must be a number in (0, 1]")
+        for key in ("element_s", "attention_entry_s", "weight_byte_s", "moe_tile_s"):
+            v = eff.get(key, 0.0)
+            if not isinstance(v, (int, float)) or not v >= 0:
+                raise HardwareError(f"{source}: efficiency.{key}={v!r} must be a number >= 0 (seconds)")
         for key in ("hbm_bytes", "hbm_bytes_per_s", "intra_host_bytes_per_s", "inter_host_bytes_per_s"):
             if not isinstance(d[key], (int, float)) or d[key] <= 0:
                 raise HardwareError(f"{source}: {key}={d[key]!r} must be a positive number")
@@ -112,7 +128,9 @@ class Hardware:
                                          float(eff.get("overhead_s", 0.0)), float(eff.get("layer_overhead_s", 0.0)),
                                          str(eff.get("source", "")),
                                          None if eff.get("attention_one_device") is None
-                                         else float(eff["attention_one_device"])),
+                                         else float(eff["attention_one_device"]),
+                                         float(eff.get("element_s", 0.0)), float(eff.get("attention_entry_s", 0.0)),
+                                         float(eff.get("weight_byte_s", 0.0)), float(eff.get("moe_tile_s", 0.0))),
                    shared_compute=bool(d.get("shared_compute", False)), sources=dict(d.get("sources", {})),
                    compile_s=None if compile_s is None else float(compile_s))
 

@@ -2,7 +2,11 @@
 
 TTFT model (per compiled step of `M` requests, `P` stages of `S` slots, `M + P − 1` ticks):
   compute time of a part = its FLOPs / (peak × efficiency of its kind) — matmuls (projections, MoE, head) and
-  attention have separate efficiencies (from the hardware profile: cited measurements, or `calibrate` on the CPU);
+  attention have separate efficiencies (from the hardware profile: cited measurements, or `calibrate` on the CPU) —
+  + activation elements × `element_s` + attention score entries × `attention_entry_s` (`hardware.Efficiency`;
+  0 where not fitted): the terms that do not scale with FLOPs, so that a profile carries over to other widths;
+  + MoE tiles × `moe_tile_s` (per expert-loop iteration); weights: parameter bytes per device × ticks ×
+  `weight_byte_s` (streamed once per layer pass);
   full layer   = projections + MoE + Ulysses all-to-alls (not overlapped) + ring step 0 +
                  (R − 1) × max(ring step compute, K/V block transfer) (the next block's ppermute overlaps the current
                  block's attention) + EP dispatch (not overlapped; `plan.moe_traffic`, the step's `ep_dispatch`);
@@ -127,6 +131,11 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
     mm_s = (f["projections"] + f["moe"]) / (peak * eff.matmul)
     head_s = f["head"] / (peak * eff.matmul)
     att_s = f["attention"] / (peak * eff.attention_for(devices))
+    # per-element terms (seconds per element of one device; virtual devices share the host's cores)
+    share = devices if hw.shared_compute else 1
+    elem_s = f["elements"] * eff.element_s * share
+    entry_s = f["attention_entries"] * eff.attention_entry_s * share
+    tile_s = f["moe_tiles"] * eff.moe_tile_s * share
 
     links = _links(parallel, devices_per_host)
     bw = {"intra": hw.intra_host_bytes_per_s, "inter": hw.inter_host_bytes_per_s}
@@ -137,7 +146,9 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
     else:
         lb = {k: 0.0 for k in traffic.LINK_KINDS} | {"total": 0.0, "ring_step": 0.0}
     # ring: per step max(compute of the step's two blocks, transfer of the next K/V block)
-    ring_compute_s = f["classes"]["ring"][0] / (peak * eff.attention) if R > 1 else 0.0
+    ring_compute_s = (f["classes"]["ring"][0] * (1 / (peak * eff.attention)
+                                                 + eff.attention_entry_s * share / (4 * cfg.head_dim))
+                      if R > 1 else 0.0)
     ring_transfer_s = lb["ring_ppermute"] / bw[links["ring_ppermute"]]
     ring_exposed_s = max(ring_compute_s, ring_transfer_s) - ring_compute_s
     comm = {k: lb[k] / bw[links[k]] for k in traffic.LINK_KINDS if k != "ring_ppermute"}
@@ -147,13 +158,15 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
     chunk_ratio = _chunk_ratio(cfg, t, P, R, U, C, m) if C > 1 and P > 1 else 1.0
     # sequence-pipelined prefill: the stages overlap on a request's chunks
     mm_s, att_s, head_s = mm_s * chunk_ratio, att_s * chunk_ratio, head_s * chunk_ratio
-    compute_s = mm_s + att_s + head_s
+    elem_s, entry_s, tile_s = elem_s * chunk_ratio, entry_s * chunk_ratio, tile_s * chunk_ratio
+    compute_s = mm_s + att_s + head_s + elem_s + entry_s + tile_s
     ticks_run = m * C + P - 1 if devices > 1 else m
     overhead_s = eff.overhead_s + eff.layer_overhead_s * ticks_run * S
-    step_s = compute_s + comm_s + overhead_s
+    params = memory.param_bytes(cfg, b, P, ep, ring=R, ulysses=U)
+    weight_s = params["total"] * ticks_run * eff.weight_byte_s * share
+    step_s = compute_s + comm_s + overhead_s + weight_s
     fill_s = step_s * (P - 1) / ticks_run if devices > 1 else 0.0
 
-    params = memory.param_bytes(cfg, b, P, ep, ring=R, ulysses=U)
     temps = memory.temp_bytes(cfg, P, R, U, t, m, b, tiles, ep)
     mem = {"parameters": params["total"], "inputs": memory.input_bytes(t, m, R * U),
            "temporaries": temps["total"], "kv_export": memory.kv_export_bytes(cfg, P, R, U, t, m, b)}
@@ -164,6 +177,8 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
         f"{hw.name}: peak {peak / 1e12:.4g} TFLOP/s per device ({dtype}"
         + (f", host peak shared by {devices} virtual devices" if hw.shared_compute else "") + ")",
         f"efficiency matmul {eff.matmul:.3g}, attention {eff.attention_for(devices):.3g}"
+        + (f", {eff.element_s * 1e12:.3g} ps per activation element, {eff.attention_entry_s * 1e12:.3g} ps per score "
+           "entry" if eff.element_s or eff.attention_entry_s else "")
         + (" (one-device program)" if devices == 1 and eff.attention_one_device is not None else "")
         + (f" ({eff.source})" if eff.source else ""),
         f"links: intra-host {hw.intra_host_bytes_per_s / 1e9:.4g} GB/s, inter-host "
@@ -187,7 +202,9 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
     return Prediction(
         pipeline=P, ring=R, ulysses=U, expert=ep, length=length, bucket=t, batch=m, ttft_ms=step_s * 1e3,
         step_ms=step_s * 1e3, compute_ms=compute_s * 1e3, communication_ms=comm_s * 1e3, fill_ms=fill_s * 1e3,
-        time_breakdown_ms={"matmul": (mm_s + head_s) * 1e3, "attention": att_s * 1e3, "overhead": overhead_s * 1e3}
+        time_breakdown_ms={"matmul": (mm_s + head_s) * 1e3, "attention": att_s * 1e3, "elementwise": elem_s * 1e3,
+                           "attention_entries": entry_s * 1e3, "moe_tiles": tile_s * 1e3, "weights": weight_s * 1e3,
+                           "overhead": overhead_s * 1e3}
         | {k: v * 1e3 for k, v in comm.items()}, layer_slots=ticks * S,
         flops_per_device=f["total"], model_flops=model_f,
         mfu=model_f / (devices * hw.peak(dtype) / (devices if hw.shared_compute else 1) * step_s),
