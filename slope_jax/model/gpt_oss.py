@@ -26,6 +26,7 @@ from flax import nnx
 
 from slope_jax.model import attention as attn_lib
 from slope_jax.model import moe as moe_lib
+from slope_jax.model import options as options_lib
 from slope_jax.model import rope
 from slope_jax.model.config import ModelConfig
 from slope_jax.model.options import StepOptions
@@ -261,17 +262,12 @@ def unembed(x: jax.Array, final_norm: jax.Array, table: jax.Array, cfg: ModelCon
     lead = h.shape[:-1]
     rows = h.reshape(-1, h.shape[-1])
     n = rows.shape[0]
-    if n < UNEMBED_MIN_ROWS:  # a matrix-vector product: XLA:CPU would upcast the whole table per call
-        rows = jnp.pad(rows, ((0, UNEMBED_MIN_ROWS - n), (0, 0)))
+    if n < options_lib.UNEMBED_MIN_ROWS:  # a matrix-vector product: XLA:CPU would upcast the whole table per call
+        rows = jnp.pad(rows, ((0, options_lib.UNEMBED_MIN_ROWS - n), (0, 0)))
     logits = jnp.einsum("rd,vd->rv", rows, table, preferred_element_type=jnp.float32)
     return logits[:n].reshape(*lead, table.shape[0])
 
 
-# XLA:CPU (jaxlib 0.10.2) lowers a dot with fewer than a few rows to its own loop over a float32 copy of the
-# bfloat16 table (gpt-oss-20b's 201088 × 2880: ~2 GB written per call; 215 ms for a 32768 × 1152 table), but an
-# 8-row one to its bf16 GEMM library (15 ms, measured with benchmarks/breakdown.py's unembed part). Zero rows are
-# cheap on every backend.
-UNEMBED_MIN_ROWS = 8
 
 
 def take_layer(layers: dict, i: jax.Array) -> dict:

@@ -17,6 +17,12 @@ ATTENTION_IMPLS = ("auto", "pallas", "xla")
 MOE_IMPLS = ("auto", "ragged", "loop", "pallas")
 EP_DISPATCHES = ("auto", "all_to_all", "all_gather")
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+# The step's unembedding runs at least this many rows (zero rows padded; `gpt_oss.unembed`): XLA:CPU (jaxlib 0.10.2)
+# lowers a dot with fewer rows to its own loop over a float32 copy of the bfloat16 table (gpt-oss-20b's 201088 × 2880:
+# ~2 GB written per call; 215 ms for a 32768 × 1152 table), but an 8-row one to its bf16 GEMM library (15 ms,
+# measured with benchmarks/breakdown.py's unembed part). Zero rows are cheap on every backend; the planner's compiled
+# work (`plan.flops.per_device`) counts them.
+UNEMBED_MIN_ROWS = 8
 
 # one line of help per field (the launcher defines one flag per field from these)
 FIELD_HELP = {

@@ -27,7 +27,7 @@ import math
 import numpy as np
 
 from slope_jax.model.config import ModelConfig
-from slope_jax.model.options import StepOptions
+from slope_jax.model.options import UNEMBED_MIN_ROWS, StepOptions
 
 INVALID_POS = -(2**30)  # attention.INVALID_POS (kept here so that this module needs no JAX)
 NO_WINDOW = 2**30
@@ -237,7 +237,8 @@ def per_device(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int,
         tile = max(1, min(tiles.moe_tile, t * cfg.experts_per_token))
         L = cfg.num_hidden_layers
         out = {"projections": float(m * L * t * _proj_per_token(cfg)), "attention": cls["sliding"][0] + cls["step0"][0],
-               "moe": float(m * L * rows * _expert_per_row(cfg)), "head": 2.0 * m * D * V}
+               "moe": float(m * L * rows * _expert_per_row(cfg)),
+               "head": 2.0 * max(m, UNEMBED_MIN_ROWS) * D * V}  # the step unembeds ≥ UNEMBED_MIN_ROWS rows
         out["total"] = sum(out.values())
         out["elements"] = float(m * L * (t * _elements_per_token(cfg) + rows * _elements_per_row(cfg)))
         out["moe_tiles"] = float(m * L * rows // tile)
@@ -259,7 +260,8 @@ def per_device(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int,
     vrows = -(-V // P)
     out = {"projections": float(ticks * S * tl * _proj_per_token(cfg)),
            "attention": per["sliding"] + per["step0"] + per["ring"],
-           "moe": float(ticks * S * rows * _expert_per_row(cfg)), "head": 2.0 * m * D * vrows}
+           "moe": float(ticks * S * rows * _expert_per_row(cfg)),
+           "head": 2.0 * max(m, UNEMBED_MIN_ROWS) * D * vrows}
     out["total"] = sum(out.values())
     out["elements"] = float(ticks * S * (tl * _elements_per_token(cfg) + rows * _elements_per_row(cfg)))
     out["moe_tiles"] = float(ticks * S * rows // tile)
