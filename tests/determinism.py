@@ -133,7 +133,7 @@ def _run_together(case: Case, states, reps: int, timeout: float, index0: int = 0
     procs = []
     for i, state in enumerate(states, start=index0):
         env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the cache is SLOPE_JAX_COMPILE_CACHE's (inherited), never JAX's own
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the cache is SLOPE_JAX_COMPILE_CACHE's (inherited)
         if state == "perturb":
             env.update(PERTURB_ENV, MALLOC_PERTURB_=str(90 + 16 * i))
         elif state == "arrays":

@@ -4,9 +4,10 @@ the same logits and K/V bits.
 
 Default suite: the layout where the fault was seen — pipeline 2 × ring 4 × Ulysses 1, seq_chunks 4 (expert
 parallelism on: 12 experts over 4 devices), shipped tiny checkpoint, float32, lengths {W−1, W+1, 33, 500} — in 3 fresh
-processes, 2 runs each; the first compiles the step into the persistent compilation cache, the other two load it (the
-same executable in every allocator state; the slow matrix starts all three together). Before the fix about half of the perturbed processes returned logits 0.1–1.3 off or NaN for
-the 500-token request, or crashed. `-m slow`: every layout family of the parity suites.
+processes, 2 runs each; the first compiles the step into the persistent compilation cache and the other two load it
+(the same executable in every allocator state: the fault is a run-time race; the slow matrix starts all three
+together). Before the fix about half of the perturbed processes returned logits 0.1–1.3 off or NaN for the 500-token
+request, or crashed. `-m slow`: every layout family of the parity suites.
 """
 
 import pytest
