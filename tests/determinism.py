@@ -113,14 +113,27 @@ def child(argv: list[str]) -> dict:
     return {"state": a.state, "pid": os.getpid(), "reps": reps}
 
 
-def run_matrix(case: Case, states=STATES, reps: int = 1, timeout: float = 900) -> list[dict]:
+def run_matrix(case: Case, states=STATES, reps: int = 1, timeout: float = 900, first_alone: bool = False
+               ) -> list[dict]:
     """Run `case` once per allocator state, each in its own fresh process (started together: XLA compiles on one
     thread, so they overlap on a multi-core machine); returns their results in `states` order. Raises RuntimeError
-    with the child's stderr tail if a child fails (a crash counts as a determinism failure)."""
+    with the child's stderr tail if a child fails (a crash counts as a determinism failure).
+
+    The children use the persistent compilation cache the caller's environment names (`SLOPE_JAX_COMPILE_CACHE`), as
+    production processes do. `first_alone`: the first state's child runs to completion before the others start, so
+    that they load its compiled program from the cache instead of compiling it again side by side — the same
+    executable then runs in every allocator state (the faults this harness catches are run-time reads and races)."""
+    if first_alone and len(states) > 1:
+        return (run_matrix(case, states[:1], reps, timeout)
+                + _run_together(case, states[1:], reps, timeout, index0=1))
+    return _run_together(case, states, reps, timeout)
+
+
+def _run_together(case: Case, states, reps: int, timeout: float, index0: int = 0) -> list[dict]:
     procs = []
-    for i, state in enumerate(states):
+    for i, state in enumerate(states, start=index0):
         env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        env.pop("JAX_COMPILATION_CACHE_DIR", None)  # every process compiles its own program
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the cache is SLOPE_JAX_COMPILE_CACHE's (inherited)
         if state == "perturb":
             env.update(PERTURB_ENV, MALLOC_PERTURB_=str(90 + 16 * i))
         elif state == "arrays":

@@ -23,7 +23,13 @@ def reference(checkpoints):
     return ref, prompts, ref.prefill(prompts)
 
 
-@pytest.mark.parametrize("layout", [(2, 2, 2), (4, 2, 1), (2, 1, 4), (8, 1, 1), (4, 1, 2)])
+# Default suite: pipeline with ring and Ulysses together (2,2,2), with ring only (4,2,1), and 8 one-device stages of
+# 1-2 layers (8,1,1); Ulysses-only stages (2,1,4), (4,1,2) run the same code paths and are `-m slow`.
+PP_LAYOUTS = [(2, 2, 2), (4, 2, 1), (8, 1, 1), pytest.param((2, 1, 4), marks=pytest.mark.slow),
+              pytest.param((4, 1, 2), marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("layout", PP_LAYOUTS)
 def test_pp_cp_equals_single_device(layout, checkpoints, reference):
     ref, prompts, expected = reference
     p, r, u = layout
@@ -116,14 +122,14 @@ def test_loader_reads_each_stage_tensor_once(checkpoints, monkeypatch):
     assert reads.count("model.embed_tokens.weight") == 8
 
 
-@pytest.mark.parametrize("p", [1, 2, 4, 8])
-def test_schedule_steps(p):
+# P = 1 (the whole 9-layer model in one stage, the largest program to compile) is `-m slow`
+@pytest.mark.parametrize("p", [pytest.param(1, marks=pytest.mark.slow), 2, 4, 8])
+def test_schedule_steps(p, checkpoints):
     """GPipe takes M + P − 1 ticks for M requests on P stages: the trip count of the compiled tick loop."""
-    from slope_jax.model import gpt_oss as model
     from slope_jax.plan import traffic
 
     cfg = CONFIGS["B"]
-    params = jax.tree.map(np.asarray, model.init_params(cfg, jax.random.key(0), "float32"))
+    params = checkpoints["B"]["params"]  # numpy, the engine's layout: no initialisation programs to compile
     m = 3
     eng = PrefillEngine(cfg, params, ParallelConfig(pipeline=p, ulysses=8 // p), "float32", **TILES)
     assert traffic.schedule_ticks(eng.compiled(128, m).as_text()) == m + p - 1
