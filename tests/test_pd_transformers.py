@@ -52,11 +52,13 @@ def _prompts(name):
 
 
 # Two processes x 4 CPU devices, as launch/local.sh runs them; one run exports both policies (one compile per bucket).
+# Like the launcher, the worker keeps JAX's default matmul precision (CPU float32 dots run in float32 at either
+# setting): its programs for buckets 16, 32 and 48 are then the ones tests/test_launcher.py's 2-process run compiled
+# (same checkpoint, layout, dtype and tiles), served by the persistent compilation cache.
 WORKER = r"""
 import json, os, sys
 import numpy as np
 import jax
-jax.config.update("jax_default_matmul_precision", "highest")
 num, pid, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 jax.distributed.initialize(f"127.0.0.1:{port}", num, pid, initialization_timeout=300)
 from slope_jax.parallel.config import ParallelConfig
