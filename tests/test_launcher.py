@@ -20,8 +20,10 @@ from slope_jax.parallel.config import ParallelConfig
 from slope_jax.serve.engine import PrefillEngine
 
 LAYOUT = ["--ring=2", "--ulysses=4"]
-COMMON = ["--dtype=float32", "--q_tile=32", "--kv_tile=32", "--moe_tile=32", "--heartbeat_timeout=10",
-          "--init_timeout=120"]
+# the tiles of tests/test_pd_transformers.py's 2-process worker: the same layout, dtype and tiles compile the same
+# programs, so the persistent compilation cache serves them across the launcher runs and that worker
+TILES32 = ["--q_tile=32", "--kv_tile=32", "--moe_tile=32"]
+COMMON = ["--dtype=float32", *TILES32, "--heartbeat_timeout=10", "--init_timeout=120"]
 W = 32  # the shipped checkpoint's sliding window
 
 
@@ -113,15 +115,21 @@ def runs(tmp_path_factory):
     return base, reqs, out
 
 
-def test_two_processes_equal_one_process_and_single_device(runs):
+@pytest.fixture(scope="module")
+def single():
+    """The single-device float32 reference engine on the shipped checkpoint (one per module: its compiled buckets
+    serve both tests)."""
+    cfg, params = load_checkpoint(SHIPPED, "float32", progress=False)
+    return PrefillEngine(cfg, params, ParallelConfig(), "float32")
+
+
+def test_two_processes_equal_one_process_and_single_device(runs, single):
     """2 processes x 4 devices restoring the orbax conversion == 1 process x 8 devices loading the HF checkpoint
     (bitwise KV, equal logits) == the single-device reference (within 1e-5)."""
     base, reqs, out = runs
     two, one = out["two_procs"], out["one_proc"]
     assert set(two) == set(one) == set(reqs)
     assert "outside the vocabulary" in two["bad-token"]["error"] and "first_token" not in two["bad-token"]
-    cfg, params = load_checkpoint(SHIPPED, "float32", progress=False)
-    single = PrefillEngine(cfg, params, ParallelConfig(), "float32")
     good = [r for r in reqs if r != "bad-token"]
     for rid in good:
         a, b = two[rid], one[rid]
@@ -145,10 +153,9 @@ def test_two_processes_equal_one_process_and_single_device(runs):
     assert sorted(files) == ["kv-p0.safetensors", "kv-p1.safetensors", "manifest.json"]  # each process wrote its own
 
 
-def test_decode_continuation_of_every_export(runs):
+def test_decode_continuation_of_every_export(runs, single):
     base, reqs, out = runs
-    cfg, params = load_checkpoint(SHIPPED, "float32", progress=False)
-    single = PrefillEngine(cfg, params, ParallelConfig(), "float32")
+    cfg = single.cfg
     for rid, rec in out["two_procs"].items():
         if "error" in rec or rid == "text":
             continue
@@ -167,7 +174,7 @@ def test_killed_process_stops_the_run_cleanly(tmp_path):
     procs = {}
     for i in (1, 0):
         cmd = [sys.executable, "-m", "slope_jax.launch", "--num_processes=2", f"--process_id={i}",
-               f"--coordinator_address=127.0.0.1:{port}", "--cpu_devices=4", *LAYOUT, "--dtype=float32",
+               f"--coordinator_address=127.0.0.1:{port}", "--cpu_devices=4", *LAYOUT, "--dtype=float32", *TILES32,
                f"--heartbeat_timeout={heartbeat}", f"--requests={reqs}", f"--results={tmp_path / 'res.jsonl'}",
                f"--kv_dir={tmp_path / 'kv'}", "--batch_size=1"]
         procs[i] = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,

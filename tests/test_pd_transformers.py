@@ -3,9 +3,10 @@ KV exports through `slope_jax.kv.to_transformers_cache`.
 
 Models: the shipped tiny checkpoint (W=32, 6 layers, 2 KV heads) and CONFIG_B (W=7, 9 layers, 2 KV heads, head_dim 20).
 Exports: the tiny checkpoint on 2 processes x 4 devices (ring 2 x Ulysses 4, one run writing both policies, run in
-the background while the rest is built); CONFIG_B from layouts (1,1,1), (1,2,4) and (2,2,2); the default
-(`last_window`) and the `kv_full` policy; prompt lengths 1, W−1, W, W+1, 3W+5 and a long one (`_lengths`) in one
-prefill call per layout and policy. The reference is transformers' own full prefill of prompt + first token.
+the background while the rest is built); CONFIG_B from layouts (1,1,1) and (2,2,2) (ring + Ulysses + pipeline), and
+(1,2,4) in the slow suite (`-m slow`); the default (`last_window`) and the `kv_full` policy; prompt lengths 1, W−1, W,
+W+1, 3W+5 and a long one (`_lengths`) in one prefill call per layout and policy. The reference is transformers' own
+full prefill of prompt + first token.
 """
 
 import dataclasses
@@ -29,6 +30,10 @@ LOGIT_TOL = 1e-5  # measured max |Δlogit| 3.6e-6 (float32, tiny checkpoint, eve
 TINY = ModelConfig.from_json(os.path.join(SHIPPED, "config.json"))
 CFGS = {"tiny": TINY, "B": CONFIG_B}
 POLICIES = {"last_window": False, "full": True}
+# CONFIG_B's layouts besides the single-device reference engine; (1,2,4) (ring x Ulysses, no pipeline) is a subset of
+# what (2,2,2) exercises, so it runs only in the slow suite
+B_LAYOUTS = {"2x2x2": ParallelConfig(pipeline=2, ring=2, ulysses=2)}
+B_LAYOUTS_SLOW = {"1x2x4": ParallelConfig(ring=2, ulysses=4)}
 GREEDY_TOKENS = 32
 
 
@@ -47,11 +52,13 @@ def _prompts(name):
 
 
 # Two processes x 4 CPU devices, as launch/local.sh runs them; one run exports both policies (one compile per bucket).
+# Like the launcher, the worker keeps JAX's default matmul precision (CPU float32 dots run in float32 at either
+# setting): its programs for buckets 16, 32 and 48 are then the ones tests/test_launcher.py's 2-process run compiled
+# (same checkpoint, layout, dtype and tiles), served by the persistent compilation cache.
 WORKER = r"""
 import json, os, sys
 import numpy as np
 import jax
-jax.config.update("jax_default_matmul_precision", "highest")
 num, pid, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 jax.distributed.initialize(f"127.0.0.1:{port}", num, pid, initialization_timeout=300)
 from slope_jax.parallel.config import ParallelConfig
@@ -100,26 +107,38 @@ def two_process_run(tmp_path_factory):
             p.kill()
 
 
-@pytest.fixture(scope="module")
-def exports(two_process_run, checkpoints, reference_engines, tmp_path_factory):
-    """{(model, source, policy): directory of exports}; CONFIG_B's three layouts are built while the 2-process run
-    of the tiny checkpoint goes on in the background."""
-    base = tmp_path_factory.mktemp("pd_B")
+def _export_b(engines, base):
+    """Prefill CONFIG_B's prompts with every engine and policy → {("B", layout, policy): directory}."""
     prompts, ids = _prompts("B")
-    engines = {"1x1x1": reference_engines["B"]}
-    for label, par in (("1x2x4", ParallelConfig(ring=2, ulysses=4)),
-                       ("2x2x2", ParallelConfig(pipeline=2, ring=2, ulysses=2))):
-        engines[label] = PrefillEngine.from_checkpoint(checkpoints["B"]["mxfp4"], par, dtype="float32",
-                                                       progress=False, **TILES)
     out = {}
     for label, eng in engines.items():
         for policy, full in POLICIES.items():
             out[("B", label, policy)] = base / label / policy
             eng.prefill(prompts, str(out[("B", label, policy)]), ids=ids, kv_full=full)
+    return out
+
+
+def _b_engines(checkpoints, layouts):
+    return {label: PrefillEngine.from_checkpoint(checkpoints["B"]["mxfp4"], par, dtype="float32", progress=False,
+                                                 **TILES) for label, par in layouts.items()}
+
+
+@pytest.fixture(scope="module")
+def exports(two_process_run, checkpoints, reference_engines, tmp_path_factory):
+    """{(model, source, policy): directory of exports}; CONFIG_B's layouts are built while the 2-process run of the
+    tiny checkpoint goes on in the background."""
+    engines = {"1x1x1": reference_engines["B"], **_b_engines(checkpoints, B_LAYOUTS)}
+    out = _export_b(engines, tmp_path_factory.mktemp("pd_B"))
     tiny = two_process_run()
     for policy in POLICIES:
         out[("tiny", "2proc-2x4", policy)] = tiny / policy
     return out
+
+
+@pytest.fixture(scope="module")
+def exports_slow(checkpoints, tmp_path_factory):
+    """CONFIG_B's exports from the slow-suite layouts: {("B", layout, policy): directory}."""
+    return _export_b(_b_engines(checkpoints, B_LAYOUTS_SLOW), tmp_path_factory.mktemp("pd_B_slow"))
 
 
 @pytest.fixture(scope="module")
@@ -138,14 +157,11 @@ def _forward(model, ids, cache=None):
     return out.logits[0, -1].numpy()
 
 
-@pytest.mark.parametrize("name", sorted(CFGS))
-def test_decode_from_export_equals_full_prefill(name, exports, hf_models):
-    """For every source, policy and length: the cache reports the true length and the first decoded token's logits
-    equal transformers' full prefill of prompt + first token."""
-    cfg, model = CFGS[name], hf_models[name]
+def _check_sources(name, sources, model):
+    """For every source and length: the cache reports the true length and the first decoded token's logits equal
+    transformers' full prefill of prompt + first token (every source computed the same first token)."""
+    cfg = CFGS[name]
     prompts, ids = _prompts(name)
-    sources = {key: d for key, d in exports.items() if key[0] == name}
-    assert len(sources) == (6 if name == "B" else 2)
     worst = 0.0
     for prompt, rid in zip(prompts, ids):
         firsts = {kv.read_manifest(str(d / rid))["first_token"] for d in sources.values()}
@@ -165,6 +181,23 @@ def test_decode_from_export_equals_full_prefill(name, exports, hf_models):
             assert err <= LOGIT_TOL, (key, rid, err)
             assert int(np.argmax(got)) == int(np.argmax(ref)), (key, rid)
     print(f"{name}: max |Δlogit| {worst:.2e} over {len(sources)} sources x {len(prompts)} lengths")
+
+
+@pytest.mark.parametrize("name", sorted(CFGS))
+def test_decode_from_export_equals_full_prefill(name, exports, hf_models):
+    """For every source, policy and length: the cache reports the true length and the first decoded token's logits
+    equal transformers' full prefill of prompt + first token."""
+    sources = {key: d for key, d in exports.items() if key[0] == name}
+    assert len(sources) == (2 * (1 + len(B_LAYOUTS)) if name == "B" else 2)
+    _check_sources(name, sources, hf_models[name])
+
+
+@pytest.mark.slow
+def test_decode_from_slow_layouts_equals_full_prefill(exports, exports_slow, hf_models):
+    """CONFIG_B from the slow-suite layouts, checked together with the default ones (same first token everywhere)."""
+    sources = {**{key: d for key, d in exports.items() if key[0] == "B"}, **exports_slow}
+    assert len(sources) == 2 * (1 + len(B_LAYOUTS) + len(B_LAYOUTS_SLOW))
+    _check_sources("B", sources, hf_models["B"])
 
 
 @pytest.mark.parametrize("name,source,policy,length_index", [
@@ -213,7 +246,7 @@ def test_naive_cache_gets_the_wrong_position(exports, hf_models):
 def test_mismatched_model_is_refused(exports, hf_models):
     import transformers
 
-    b_path = exports[("B", "1x2x4", "last_window")] / "len-26"
+    b_path = exports[("B", "2x2x2", "last_window")] / "len-26"
     tiny_path = exports[("tiny", "2proc-2x4", "last_window")] / "len-101"
     with pytest.raises(kv.KVModelMismatch, match=r"sliding_window is 7 in the export, 8 in the model"):
         kv.to_transformers_cache(b_path, dataclasses.replace(CONFIG_B, sliding_window=8))

@@ -2,12 +2,13 @@
 slope_jax KV exports through `slope_jax.kv.vllm_connector.SlopeJaxConnector`.
 
 Model: the shipped head_dim-64 checkpoint (checkpoints/tiny-gpt-oss-hd64: W=40, 5 layers S/F/S/F/S, 2 KV heads,
-dense experts; vLLM-CPU's attention needs head_dim ∈ {32, 64, …}). Exports: layouts (1,1,1), (1,2,4), (2,2,2) with
-2 sequence chunks (in this process, one engine per layout) and 2 processes × 4 devices (ring 2 × Ulysses 4, in the
-background); both sliding policies; prompt lengths 1, W−1, W+1, one vLLM block (128) + 1 and 1000. The reference is
-a plain vLLM run of the same prompt in the same engine (no export). vLLM runs in its own venv (`SLOPE_VLLM_PYTHON`,
-default `.venv-vllm/bin/python` as `.ci/run` creates it), one engine per test: it starts while the exports are
-computed and first decodes the plain references.
+dense experts; vLLM-CPU's attention needs head_dim ∈ {32, 64, …}). Exports: layouts (1,1,1) and (2,2,2) with 2
+sequence chunks (in this process, one engine per layout); in the slow suite (`-m slow`) also (1,2,4) in this process
+and 2 processes × 4 devices (ring 2 × Ulysses 4, in the background) — tests/test_pd_vllm.py decodes a 2-process export
+with vLLM in the default suite; both sliding policies; prompt lengths 1, W−1, W+1, one vLLM block (128) + 1 and 1000.
+The reference is a plain vLLM run of the same prompt in the same engine (no export). vLLM runs in its own venv
+(`SLOPE_VLLM_PYTHON`, default `.venv-vllm/bin/python` as `.ci/run` creates it), one engine per fixture: it starts
+while the exports are computed and first decodes the plain references.
 
 The vLLM-free decisions (`slope_jax.kv.vllm_plan`: slots, rows per layer kind and KV manager, refusals) are also
 checked directly, without vLLM.
@@ -38,8 +39,8 @@ BLOCK = 128  # vLLM-CPU's KV block size (pinned in tests/vllm_driver.py; the con
 LENGTHS = [1, W - 1, W + 1, BLOCK + 1, 1000]
 POLICIES = {"last_window": False, "full": True}
 LOGPROB_TOL = 1e-4  # max |Δ logprob| of the 16 greedy tokens vs the plain run; measured max: see the test's print
-LAYOUTS = {"1x1x1": ParallelConfig(), "1x2x4": ParallelConfig(ring=2, ulysses=4),
-           "2x2x2-c2": ParallelConfig(pipeline=2, ring=2, ulysses=2, seq_chunks=2)}
+LAYOUTS = {"1x1x1": ParallelConfig(), "2x2x2-c2": ParallelConfig(pipeline=2, ring=2, ulysses=2, seq_chunks=2)}
+SLOW_LAYOUTS = {"1x2x4": ParallelConfig(ring=2, ulysses=4)}  # plus "2proc-2x4" (`run_slow`)
 TAMPER_LEN = W + 1
 VLLM_PYTHON = os.environ.get("SLOPE_VLLM_PYTHON", os.path.join(REPO, ".venv-vllm", "bin", "python"))
 
@@ -101,13 +102,22 @@ def _export_phase(exports, go_file, tampered=(), lookups=()):
     return {"wait_for": str(go_file), "requests": reqs}
 
 
+def _export_layouts(layouts, exports):
+    """Prefill every prompt from each layout (one engine at a time) and policy into exports[(layout, policy)]."""
+    for layout, par in layouts.items():
+        eng = PrefillEngine.from_checkpoint(CKPT, par, dtype="float32", progress=False)
+        for policy, full in POLICIES.items():
+            eng.prefill(_prompts(), str(exports[(layout, policy)]), ids=_ids(), kv_full=full)
+        del eng
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """Exports from every layout and policy, the tampered copies, and the hybrid-manager vLLM engine over them.
-    Returns (exports {(layout, policy): dir}, results, engine log)."""
+    """Exports from every default layout and policy, the tampered copies, and the hybrid-manager vLLM engine over
+    them. Returns (exports {(layout, policy): dir}, results, engine log)."""
     base = tmp_path_factory.mktemp("vllm")
     go = base / "exports-ready"
-    exports = {(layout, policy): base / layout / policy for layout in [*LAYOUTS, "2proc-2x4"] for policy in POLICIES}
+    exports = {(layout, policy): base / layout / policy for layout in LAYOUTS for policy in POLICIES}
     kv_dir = base / "kv_dir"
     tamper_dir = base / "tampered"
     # the directory name is the manifest's request_id: copies keep it
@@ -116,21 +126,33 @@ def run(tmp_path_factory):
     lookups = ["len-41", "len-1000"]
     wait_vllm = _start_driver(base, "hybrid", hybrid=True, prefix_caching=False, extra_config={"kv_dir": str(kv_dir)},
                               phases=[_plain_phase(), _export_phase(exports, go, tampered, lookups)])
-    wait_2proc = _start_two_process(base / "2proc-2x4")
-    for layout, par in LAYOUTS.items():
-        eng = PrefillEngine.from_checkpoint(CKPT, par, dtype="float32", progress=False)
-        for policy, full in POLICIES.items():
-            eng.prefill(_prompts(), str(exports[(layout, policy)]), ids=_ids(), kv_full=full)
-        del eng
+    _export_layouts(LAYOUTS, exports)
     # another model's KV of the same prompt: the shipped head_dim-24 checkpoint (6 layers)
     other = PrefillEngine.from_checkpoint(SHIPPED, dtype="float32", progress=False)
     other.prefill([_prompts()[LENGTHS.index(TAMPER_LEN)]], str(base / "other-model"), ids=["x"])
     del other
     _make_tampered(exports[("1x1x1", "last_window")] / f"len-{TAMPER_LEN}", base / "other-model" / "x", tamper_dir)
-    wait_2proc()
     kv_dir.mkdir()  # exports found by token hash: published after the engine started (the index rescans on a miss)
-    shutil.copytree(exports[("2proc-2x4", "last_window")] / "len-41", kv_dir / "len-41")
-    shutil.copytree(exports[("1x2x4", "full")] / "len-1000", kv_dir / "len-1000")
+    shutil.copytree(exports[("2x2x2-c2", "last_window")] / "len-41", kv_dir / "len-41")
+    shutil.copytree(exports[("1x1x1", "full")] / "len-1000", kv_dir / "len-1000")
+    go.write_text("go")
+    results, log = wait_vllm()
+    return exports, results, log
+
+
+@pytest.fixture(scope="module")
+def run_slow(tmp_path_factory):
+    """The slow suite's exports — SLOW_LAYOUTS in this process and 2 processes × 4 devices in the background — and
+    their own hybrid-manager vLLM engine. Returns (exports {(layout, policy): dir}, results, engine log)."""
+    base = tmp_path_factory.mktemp("vllm_slow")
+    go = base / "exports-ready"
+    exports = {(layout, policy): base / layout / policy for layout in [*SLOW_LAYOUTS, "2proc-2x4"]
+               for policy in POLICIES}
+    wait_vllm = _start_driver(base, "hybrid-slow", hybrid=True, prefix_caching=False,
+                              phases=[_plain_phase(), _export_phase(exports, go)])
+    wait_2proc = _start_two_process(base / "2proc-2x4")
+    _export_layouts(SLOW_LAYOUTS, exports)
+    wait_2proc()
     go.write_text("go")
     results, log = wait_vllm()
     return exports, results, log
@@ -186,14 +208,12 @@ def _check_against_plain(results, key, rid, n, worst):
     assert got["kv_transfer_params"][plan.LOADED_KEY] == n - 1, (key, got["kv_transfer_params"])
 
 
-def test_vllm_decodes_from_every_export_like_a_plain_run(run):
-    """Hybrid KV manager (the default): every layout × policy × length decodes the plain run's 16 tokens with n−1
-    tokens loaded; the first token equals the prefill's."""
-    exports, results, log = run
+def _check_exports(exports, results, log, worst):
+    """Every export × length decodes the plain run's 16 tokens with n−1 tokens loaded; the first token equals the
+    prefill's; the connector logs the hybrid manager's sliding and full groups (block size 128)."""
     assert re.search(r"SlopeJaxConnector \(SCHEDULER\).*\('sliding', 128\).*\('full', 128\)|"
                      r"SlopeJaxConnector \(SCHEDULER\).*\('full', 128\).*\('sliding', 128\)", log), \
         "expected the hybrid manager's sliding and full groups with block size 128"
-    worst = [0.0]
     for (layout, policy), d in exports.items():
         for rid, n in zip(_ids(), LENGTHS):
             _check_against_plain(results, f"{layout}/{policy}/{rid}", rid, n, worst)
@@ -201,9 +221,29 @@ def test_vllm_decodes_from_every_export_like_a_plain_run(run):
             assert results[f"plain/{rid}"]["tokens"][0] == first, (layout, policy, rid)
             if n == 1:
                 assert "1-token prompt" in results[f"{layout}/{policy}/{rid}"]["kv_transfer_params"][plan.STATUS_KEY]
+
+
+def test_vllm_decodes_from_every_export_like_a_plain_run(run):
+    """Hybrid KV manager (the default): every layout × policy × length decodes the plain run's 16 tokens with n−1
+    tokens loaded; the first token equals the prefill's."""
+    exports, results, log = run
+    worst = [0.0]
+    _check_exports(exports, results, log, worst)
     for rid in ("len-41", "len-1000"):  # found by token hash under kv_dir
         _check_against_plain(results, f"lookup/{rid}", rid, int(rid[4:]), worst)
     print(f"hybrid manager: max |Δlogprob| {worst[0]:.2e} over {len(exports)} exports x {len(LENGTHS)} lengths")
+
+
+@pytest.mark.slow
+def test_vllm_decodes_from_slow_layouts_like_a_plain_run(run, run_slow):
+    """The slow suite's layouts (1,2,4) and 2 processes × 4 devices, hybrid manager: as the default test, and the
+    plain runs of both engines decode the same tokens."""
+    exports, results, log = run_slow
+    worst = [0.0]
+    _check_exports(exports, results, log, worst)
+    for rid in _ids():
+        assert results[f"plain/{rid}"]["tokens"] == run[1][f"plain/{rid}"]["tokens"]
+    print(f"hybrid manager (slow layouts): max |Δlogprob| {worst[0]:.2e} over {len(exports)} exports")
 
 
 def test_broken_exports_are_prefilled_by_vllm(run):
