@@ -98,7 +98,8 @@ def launcher_env() -> dict:
     return env
 
 
-# Longest files first (cold-cache seconds on 2 cores, measured): with `-n 2 --dist loadfile` (pyproject addopts) each
+# Longest files first (cold-cache seconds on 2 cores, measured): with `-n 2 --dist loadfile --no-loadscope-reorder`
+# (pyproject addopts; without the last flag xdist would order files by test count) each
 # worker takes the next whole file when it is free, so starting the long ones first keeps one long file from running
 # alone at the end. Order only: every collected test still runs.
 LONG_FILES = ("test_determinism.py", "test_vllm_connector.py", "test_pd_vllm.py", "test_launcher.py",
