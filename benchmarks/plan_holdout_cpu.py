@@ -25,7 +25,6 @@ import dataclasses
 import json
 import os
 import sys
-import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -34,6 +33,8 @@ from absl import app, flags  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from bench_timing import best_seconds  # noqa: E402  (benchmarks/, the script's own directory)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("lengths", ["1024", "2048", "4096", "8192"], "Prompt lengths.")
@@ -83,14 +84,6 @@ def hf_config(overrides: dict) -> dict:
     return d
 
 
-def _best_of(fn, n):
-    best = float("inf")
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
 
 def measure(names: dict[str, dict], lengths: list[int]) -> tuple[list[dict], float]:
     """Rows {"config": HF dict, "name", "pipeline", "ring", "ulysses", "length", "batch", "ms", "raw_ms"} and the
@@ -107,7 +100,7 @@ def measure(names: dict[str, dict], lengths: list[int]) -> tuple[list[dict], flo
     a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32))
     mm = jax.jit(lambda x, y: x @ y)
     mm(a, a).block_until_ready()
-    peak = 2 * n ** 3 / _best_of(lambda: mm(a, a).block_until_ready(), 5)
+    peak = 2 * n ** 3 / best_seconds(lambda: mm(a, a).block_until_ready(), 5)
     print(f"XLA float32 matmul peak {peak / 1e9:.1f} GFLOP/s", flush=True)
     points = []
     for name, hf in names.items():

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -32,14 +31,6 @@ flags.DEFINE_list("lengths", ["256", "512", "1024", "2048", "4096", "8192"], "Pr
 flags.DEFINE_integer("repeats", 3, "Timed runs per point; the best is kept.")
 flags.DEFINE_string("out", "configs/hardware/calibration/cpu_tiny.json", "JSON output path.")
 
-
-def _best(fn, repeats):
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main(argv):
@@ -58,16 +49,16 @@ def main(argv):
     a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32))
     mm = jax.jit(lambda x, y: x @ y)
     mm(a, a).block_until_ready()
-    peak = 2 * n ** 3 / _best(lambda: mm(a, a).block_until_ready(), 5)
+    peak = 2 * n ** 3 / best_seconds(lambda: mm(a, a).block_until_ready(), 5)
     buf = np.ones(64 * 2**20 // 4, np.float32)
-    copy_bw = buf.nbytes / _best(lambda: buf.copy(), 5)
+    copy_bw = buf.nbytes / best_seconds(lambda: buf.copy(), 5)
     print(f"XLA f32 matmul peak {peak / 1e9:.1f} GFLOP/s, memcpy {copy_bw / 1e9:.2f} GB/s")
 
     small = jnp.asarray(np.random.default_rng(1).standard_normal((1024, 1024), np.float32))
     mm(small, small).block_until_ready()
 
     def rate():
-        return 2 * 1024 ** 3 / _best(lambda: mm(small, small).block_until_ready(), 3)
+        return 2 * 1024 ** 3 / best_seconds(lambda: mm(small, small).block_until_ready(), 3)
 
     ref = rate()
     cfg = ModelConfig.from_json(FLAGS.config)
@@ -86,7 +77,7 @@ def main(argv):
     for round_ in range(FLAGS.repeats):
         for pt in points:
             before = rate()
-            s = _best(lambda pt=pt: pt["engine"].prefill([pt["ids"]], return_kv=False), 1)
+            s = best_seconds(lambda pt=pt: pt["engine"].prefill([pt["ids"]], return_kv=False), 1)
             after = rate()
             now = (before + after) / 2
             best_rate = max(best_rate, before, after)
