@@ -78,3 +78,63 @@ def test_directory_resolution(monkeypatch, tmp_path):
     assert compile_cache.resolve() is None
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert compile_cache.default_dir() == str(tmp_path / "xdg" / "slope_jax" / "xla")
+
+
+def test_entries_are_written_whole_and_the_directory_is_trimmed_by_last_use(fresh_cache, tmp_path):
+    """JAX's programs go through `DirectoryCache` (no lock file, no per-write directory scan); concurrent writers and
+    readers of one key only ever see a whole entry; `trim` deletes least recently used entries down to
+    MAX_BYTES · TRIM_TO, keeps recently read ones, and clears a killed writer's stale temporary files."""
+    import os
+    import threading
+    import time
+
+    from jax._src import compilation_cache as jcc
+
+    jax.jit(lambda x: x * 3 + 1)(np.arange(7.0)).block_until_ready()  # any program: JAX builds its cache now
+    assert isinstance(jcc._cache, compile_cache.DirectoryCache)
+    names = os.listdir(fresh_cache)
+    assert names and all(n.endswith(compile_cache.SUFFIX) for n in names), names  # no lock, no -atime, no temp
+
+    cache = compile_cache.DirectoryCache(str(tmp_path / "c"))
+    values = [bytes([i]) * (1 << 20) for i in range(6)]  # 1 MiB each: a torn write would show as a mixed value
+    seen, stop = set(), threading.Event()
+
+    def read():
+        while not stop.is_set():
+            v = cache.get("k")
+            if v is not None:
+                seen.add((len(v), v[:1], v[-1:]))  # a torn read: shorter, or mixed bytes
+
+    def write(v):
+        for _ in range(20):
+            cache.put("k", v)
+            cache.clear()
+
+    readers = [threading.Thread(target=read) for _ in range(2)]
+    writers = [threading.Thread(target=write, args=(v,)) for v in values]
+    for t in readers + writers:
+        t.start()
+    for t in writers:
+        t.join()
+    stop.set()
+    for t in readers:
+        t.join()
+    assert seen and all(n == 1 << 20 and first == last for n, first, last in seen), seen
+    assert not [n for n in os.listdir(tmp_path / "c") if n.endswith(".tmp")]
+
+    trim_dir = tmp_path / "t"
+    trim_dir.mkdir()
+    now = time.time()
+    for i in range(10):  # entry i last used i hours ago, 100 bytes each
+        path = trim_dir / f"e{i}{compile_cache.SUFFIX}"
+        path.write_bytes(b"x" * 100)
+        os.utime(path, (now - 3600 * i, now - 3600 * i))
+    assert compile_cache.DirectoryCache(str(trim_dir)).get("e9") is not None  # read now: the most recent
+    for name, age in ((".old.1.2.tmp", 7200), (".new.1.2.tmp", 10)):
+        (trim_dir / name).write_bytes(b"t")
+        os.utime(trim_dir / name, (now - age, now - age))
+    assert compile_cache.trim(str(trim_dir), max_bytes=1000) == 0  # 1000 bytes: at the cap, nothing to do
+    assert compile_cache.trim(str(trim_dir), max_bytes=500) == 600  # down to 500 · 0.8 = 400 bytes
+    kept = sorted(n for n in os.listdir(trim_dir) if n.endswith(compile_cache.SUFFIX))
+    assert kept == [f"e{i}{compile_cache.SUFFIX}" for i in (0, 1, 2, 9)]  # the 3 newest and the one just read
+    assert (trim_dir / ".new.1.2.tmp").exists() and not (trim_dir / ".old.1.2.tmp").exists()
