@@ -1,11 +1,11 @@
-"""What a cache write costs: compile N small distinct programs (as eager JAX ops compile) into a compilation-cache
-directory that already holds M entries, with (a) no persistent cache, (b) JAX's own LRU file cache capped at
-`compile_cache.MAX_BYTES` (file lock + a listing and stat of the whole directory on every write), (c) slope_jax's
-`compile_cache.DirectoryCache` (atomic rename, no scan; trimmed once per process). Each case runs in a fresh
-process on its own copy of the directory.
+"""What a cache write costs: compile the small programs of eager JAX ops over S array shapes (~4 per shape) into a
+compilation-cache directory that already holds M entries, with (a) no persistent cache, (b) JAX's own LRU file
+cache capped at `compile_cache.MAX_BYTES` (file lock + a listing and stat of the whole directory on every write),
+(c) slope_jax's `compile_cache.DirectoryCache` (atomic rename, no scan; trimmed once per process). Each case runs
+in a fresh process on its own freshly filled directory.
 
-    python benchmarks/compile_cache_writes.py                       # 300 programs, 0 and 1500 entries, ~3 min
-    python benchmarks/compile_cache_writes.py --programs=100 --entries=0,3000
+    python benchmarks/compile_cache_writes.py                       # 100 shapes, 0 and 1500 entries, ~3 min
+    python benchmarks/compile_cache_writes.py --shapes=30 --entries=0,3000
 
 Prints a table and writes JSON (default benchmarks/measured/cpu/compile_cache_writes.json).
 """
@@ -25,17 +25,17 @@ REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, REPO)
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("programs", 300, "Distinct small programs compiled per case (100 shapes x 3 ops).")
+flags.DEFINE_integer("shapes", 100, "Array shapes; each compiles ~4 small programs (eager ops).")
 flags.DEFINE_list("entries", ["0", "1500"], "Entries already in the cache directory (1 KiB each).")
 flags.DEFINE_string("out", "benchmarks/measured/cpu/compile_cache_writes.json", "JSON output path.")
 
 CASES = ("off", "jax_lru_capped", "directory_cache")
 
-# one case in a fresh process: argv = case, directory, programs; prints the seconds
+# one case in a fresh process: argv = case, directory, shapes; prints the seconds
 CHILD = r"""
 import sys, time
 import jax, jax.numpy as jnp
-case, directory, programs = sys.argv[1], sys.argv[2], int(sys.argv[3])
+case, directory, shapes = sys.argv[1], sys.argv[2], int(sys.argv[3])
 from slope_jax import compile_cache
 if case == "off":
     compile_cache.enable("off")
@@ -47,7 +47,7 @@ else:  # JAX's own cache, configured as slope_jax did before DirectoryCache
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     jax.config.update("jax_compilation_cache_max_size", compile_cache.MAX_BYTES)
 t0 = time.perf_counter()
-for n in range(3, 3 + programs // 3):
+for n in range(3, 3 + shapes):
     x = jnp.ones((n, 7))
     (jnp.exp((x * 2 + 1).sum(0))).block_until_ready()
 print(time.perf_counter() - t0)
@@ -72,14 +72,14 @@ def main(argv):
             with tempfile.TemporaryDirectory() as tmp:
                 directory = os.path.join(tmp, "xla")
                 _fill(directory, entries)
-                out = subprocess.run([sys.executable, "-c", CHILD, case, directory, str(FLAGS.programs)], env=env,
+                out = subprocess.run([sys.executable, "-c", CHILD, case, directory, str(FLAGS.shapes)], env=env,
                                      capture_output=True, text=True, check=True)
                 written = len([n for n in os.listdir(directory) if n.endswith("-cache")]) - entries
                 shutil.rmtree(directory)
-            rows.append(dict(case=case, entries_before=entries, programs=FLAGS.programs,
+            rows.append(dict(case=case, entries_before=entries, shapes=FLAGS.shapes,
                              seconds=round(float(out.stdout.split()[-1]), 2), entries_written=written))
             print(f"{case:16s} entries before {entries:6d}: {rows[-1]['seconds']:7.2f} s "
-                  f"({rows[-1]['entries_written']} written)", flush=True)
+                  f"({written} programs written)", flush=True)
     print(f"\n{'case':16s} {'entries':>8s} {'s':>8s} {'vs off':>8s}")
     for r in rows:
         off = next(o["seconds"] for o in rows if o["case"] == "off" and o["entries_before"] == r["entries_before"])
