@@ -24,6 +24,8 @@ from absl import app, flags  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench_timing import best_seconds  # noqa: E402  (benchmarks/, the script's own directory)
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "configs/tiny.json", "Model config to measure.")
 flags.DEFINE_list("layouts", ["1x1x1", "1x4x2"], "Layouts pipeline x ring x ulysses (1x1x1 = one device).")

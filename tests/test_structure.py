@@ -195,3 +195,46 @@ def test_long_function_check_finds_a_long_function(tmp_path):
     (tmp_path / "m.py").write_text(f"def ok():\n{body}\n\n\nclass C:\n    def long(self):\n{longer}\n")
     found = _long_functions(str(tmp_path / "m.py"), MAX_FUNCTION_LINES)
     assert len(found) == 1 and " long (61 lines)" in found[0], found
+
+
+def _undefined_names(path: str) -> list[tuple[str, int, str]]:
+    """(scope, line, name) for each global name a module's code reads that the module never binds (no assignment,
+    import, def or class at top level) and that is not a builtin: a NameError waiting for that code path to run.
+    Python's own symbol tables decide what is local, enclosing or global."""
+    import builtins
+    import symtable
+
+    with open(path) as f:
+        top = symtable.symtable(f.read(), path, "exec")
+    bound = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported() or s.is_namespace()}
+    bound |= set(dir(builtins)) | {"__file__", "__name__", "__doc__", "__spec__", "__builtins__"}
+    found = []
+
+    def walk(table):
+        for s in table.get_symbols():
+            reads_global = s.is_referenced() and (table.get_type() == "module" or s.is_global())
+            if reads_global and s.get_name() not in bound:
+                found.append((table.get_name(), table.get_lineno(), s.get_name()))
+        for child in table.get_children():
+            walk(child)
+
+    walk(top)
+    return found
+
+
+def test_every_global_name_read_is_defined():
+    """No module of the package, benchmarks, launch scripts or tests reads a name it never defines (a benchmark once
+    lost its `best_seconds` import in a refactor and failed only when run)."""
+    import glob
+
+    paths = [p for pattern in ("slope_jax/**/*.py", "benchmarks/*.py", "launch/*.py", "tests/*.py")
+             for p in glob.glob(os.path.join(REPO, pattern), recursive=True)]
+    assert len(paths) > 50
+    found = {os.path.relpath(p, REPO): bad for p in paths if (bad := _undefined_names(p))}
+    assert not found, found
+
+
+def test_undefined_name_check_finds_a_missing_import(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("import os\n\ndef f(x):\n    y = os.sep\n    return best_seconds(lambda: x + y)\n")
+    assert _undefined_names(str(path)) == [("f", 3, "best_seconds")]
