@@ -201,6 +201,12 @@ def test_calibration_recovers_known_efficiencies():
                                                                                   same).ttft_ms
     with pytest.raises(ValueError, match=">= 4 measured rows"):
         calibrate.fit(CONFIG_B, hw, rows[:2])
+    # a ceiling that holds for the truth changes nothing; one it breaks is met exactly, never passed
+    eff, _ = calibrate.fit(CONFIG_B, hw, rows, max_efficiency=1.0)
+    assert eff.matmul == pytest.approx(0.3, rel=1e-3) and eff.attention_one_device == pytest.approx(0.12, rel=1e-3)
+    eff, _ = calibrate.fit(CONFIG_B, hw, rows, max_efficiency=0.25)
+    assert eff.matmul <= 0.25 * (1 + 1e-9) and eff.attention == pytest.approx(0.2, rel=0.05)
+    assert eff.matmul == pytest.approx(0.25, rel=1e-6)  # the bound is active: the fit wants 0.3
 
 
 def test_calibration_over_configs_recovers_element_terms_and_predicts_a_held_out_config():

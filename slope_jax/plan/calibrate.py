@@ -75,9 +75,16 @@ def _features(cfg: ModelConfig, hw: Hardware, row: dict, devices_per_host: int) 
                      tb["moe_tiles"] / 1e3]), comm / 1e3
 
 
-def fit(cfg: ModelConfig, hw: Hardware, rows: list[dict], *, devices_per_host: int = 8, source: str = ""
-        ) -> tuple[Efficiency, list[dict]]:
+def fit(cfg: ModelConfig, hw: Hardware, rows: list[dict], *, devices_per_host: int = 8, source: str = "",
+        max_efficiency: float | None = None) -> tuple[Efficiency, list[dict]]:
     """Efficiency fitted to `rows` (module docstring) and a per-row table of measured vs predicted ms.
+
+    `max_efficiency`: when `hw`'s peak was measured in the same run as the rows, no FLOP term can run faster than
+    it: pass 1.0 and the matmul and attention efficiencies are fitted within (0, 1] (1/e ≥ 1 as a lower bound of
+    the linear coefficient). Without it they may exceed 1 (a peak measured low on a loaded machine; `normalised`
+    rescales the peak). Bounding them keeps the small calibration configs, whose times the element terms dominate,
+    from buying a matmul rate above the peak that a matmul-heavy held-out config then cannot reach
+    (benchmarks/plan_holdout_cpu.py: worst held-out error 29.1 % → 22.3 % on the same rows).
 
     Raises ValueError with fewer than 4 rows or when no non-negative fit exists.
     """
@@ -85,7 +92,7 @@ def fit(cfg: ModelConfig, hw: Hardware, rows: list[dict], *, devices_per_host: i
         raise ValueError(f"calibration needs >= 4 measured rows, got {len(rows)}")
     eff = hw.efficiency
     for _ in range(4):  # fixed point: the exposed ring transfer depends on the fitted efficiency
-        eff = _fit_once(cfg, dataclasses.replace(hw, efficiency=eff), rows, devices_per_host, source)
+        eff = _fit_once(cfg, dataclasses.replace(hw, efficiency=eff), rows, devices_per_host, source, max_efficiency)
     fitted = dataclasses.replace(hw, efficiency=eff)
     table = []
     for r in rows:
@@ -103,7 +110,7 @@ def check_row(cfg: ModelConfig, hw: Hardware, row: dict, devices_per_host: int =
             "predicted_ms": p.ttft_ms, "error": p.ttft_ms / row["ms"] - 1}
 
 
-def _fit_once(cfg, hw, rows, devices_per_host, source) -> Efficiency:
+def _fit_once(cfg, hw, rows, devices_per_host, source, max_efficiency=None) -> Efficiency:
     feats = [_features(cfg, hw, r, devices_per_host) for r in rows]
     A = np.stack([f for f, _ in feats])
     y = np.array([r["ms"] / 1e3 - c for r, (_, c) in zip(rows, feats)])
@@ -113,22 +120,28 @@ def _fit_once(cfg, hw, rows, devices_per_host, source) -> Efficiency:
         A = A.copy()
         A[:, 1] += A[:, 2]
         A[:, 2] = 0.0
-    needed = {0, 1, 2} if both else {0, 1}  # every efficiency the rows can tell must be fitted
+    # x = lower + x' with x' >= 0: a ceiling on the efficiencies is a floor on their inverses
+    lower = np.zeros(_N)
+    if max_efficiency is not None:
+        lower[:3] = 1.0 / max_efficiency
+    y = y - A @ lower
+    needed = set() if max_efficiency is not None else {0, 1, 2} if both else {0, 1}  # efficiencies the rows tell
     best, best_err = None, np.inf
     for k in range(len(needed), _N + 1):
         for free in itertools.combinations(range(_N), k):
             if not needed <= set(free) or (not both and 2 in free):
                 continue
             x = np.zeros(_N)
-            # columns scaled to unit size: the coefficients span ~12 orders (1/efficiency vs seconds per element)
-            Af = A[:, free] * w[:, None]
-            col = np.abs(Af).max(axis=0)
-            col[col == 0] = 1.0
-            sol, *_ = np.linalg.lstsq(Af / col, y * w, rcond=None)
-            sol = sol / col
-            if (sol <= 0).any():
-                continue
-            x[list(free)] = sol
+            if free:
+                # columns scaled to unit size: the coefficients span ~12 orders (1/efficiency vs s per element)
+                Af = A[:, free] * w[:, None]
+                col = np.abs(Af).max(axis=0)
+                col[col == 0] = 1.0
+                sol, *_ = np.linalg.lstsq(Af / col, y * w, rcond=None)
+                sol = sol / col
+                if (sol <= 0).any():
+                    continue
+                x[list(free)] = sol
             err = float(((((A @ x) - y) * w) ** 2).sum())
             # subsets grow in size: a larger one must fit measurably better (not by rounding), so among exact fits
             # the fewest coefficients win — terms the rows cannot tell apart stay 0 instead of splitting the time
@@ -136,7 +149,8 @@ def _fit_once(cfg, hw, rows, devices_per_host, source) -> Efficiency:
                 best, best_err = x, err
     if best is None:
         raise ValueError("no non-negative fit: the measured times do not grow with the predicted work")
-    # may exceed 1 when the profile's peak was measured low (a loaded machine); `normalised` rescales the peak
+    best = best + lower
+    # may exceed 1 without `max_efficiency` (a peak measured low on a loaded machine); `normalised` rescales the peak
     return Efficiency(matmul=1 / best[0], attention=1 / best[1], overhead_s=float(best[6]),
                       layer_overhead_s=float(best[7]), source=source,
                       attention_one_device=1 / best[2] if both else None, element_s=float(best[3]),
