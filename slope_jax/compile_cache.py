@@ -218,7 +218,11 @@ class DirectoryCache:
 def trim(directory: str, max_bytes: int = MAX_BYTES) -> int:
     """Delete least recently used entries (oldest mtime first) until `directory` holds ≤ `max_bytes` · `TRIM_TO`,
     when it holds more than `max_bytes`; also temporary files older than an hour (a killed writer's). Entries a
-    concurrent process deletes first are skipped. Returns the bytes deleted."""
+    concurrent process deletes first are skipped. Returns the bytes deleted.
+
+    Raises:
+      OSError: the directory cannot be listed.
+    """
     entries, total, freed, now = [], 0, 0, time.time()
     with os.scandir(directory) as it:
         for e in it:
@@ -240,8 +244,8 @@ def trim(directory: str, max_bytes: int = MAX_BYTES) -> int:
         if _unlink(path):
             freed += size
         _unlink(path[: -len(SUFFIX)] + "-atime")  # JAX's LRU cache writes one beside each entry
-    log.info("XLA compilation cache: trimmed %.1f MB of least recently used entries from %s (cap %.1f GB)",
-             freed / 1e6, directory, max_bytes / 1e9)
+    log.info("XLA compilation cache: trimmed %.1f MiB of least recently used entries from %s (cap %.2f GiB)",
+             freed / 2**20, directory, max_bytes / 2**30)
     return freed
 
 
