@@ -10,7 +10,8 @@ first, then `--repeats` rounds over all points, best kept) of
   held-out configs     HELD (other hidden size, heads, head_dim, expert count, top-k and window than any CAL one:
                        the issue-21 peer config cut to 2 layers, a head_dim-128 one, a 32-expert one),
 fits the profile's coefficients (`plan.calibrate.fit`: matmul and attention efficiencies, at most 1 of the peak
-measured in this run, per-element and per-score-entry seconds, overheads) on the CAL rows only — plus `--extra_rows` (default the sharded and one-device
+measured in this run, per-element and per-score-entry seconds, overheads) on the CAL rows only — plus
+`--extra_rows` (default the sharded and one-device
 rows of configs/hardware/calibration/cpu_tiny.json when they were measured with this tree's kernels: pass
 `--extra_rows=` to skip) —, against the float32 matmul peak measured in the same run, and prints measured vs predicted
 for every row; the check is |error| ≤ `--tolerance` (25 %) on the held-out rows (exit status 1 otherwise). Writes
@@ -82,7 +83,6 @@ def hf_config(overrides: dict) -> dict:
     d["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
     d.pop("quantization_config", None)  # dense experts: the engine's float32 path without MXFP4 decoding
     return d
-
 
 
 def measure(names: dict[str, dict], lengths: list[int]) -> tuple[list[dict], float]:

@@ -34,7 +34,6 @@ flags.DEFINE_integer("repeats", 3, "Timed runs per point; the best is kept.")
 flags.DEFINE_string("out", "configs/hardware/calibration/cpu_tiny.json", "JSON output path.")
 
 
-
 def main(argv):
     del argv
     import jax

@@ -4,6 +4,9 @@ shape as it was (the sliding window) is a miss and a freshly compiled program, n
 bit-identical results to the compiled program it replaces. Each test points the cache at its own empty directory."""
 
 import dataclasses
+import os
+import threading
+import time
 
 import jax
 import numpy as np
@@ -84,11 +87,7 @@ def test_entries_are_written_whole_and_the_directory_is_trimmed_by_last_use(fres
     """JAX's programs go through `DirectoryCache` (no lock file, no per-write directory scan); concurrent writers and
     readers of one key only ever see a whole entry; `trim` deletes least recently used entries down to
     MAX_BYTES · TRIM_TO, keeps recently read ones, and clears a killed writer's stale temporary files."""
-    import os
-    import threading
-    import time
-
-    from jax._src import compilation_cache as jcc
+    from jax._src import compilation_cache as jcc  # the object JAX writes through: only to check which class it is
 
     jax.jit(lambda x: x * 3 + 1)(np.arange(7.0)).block_until_ready()  # any program: JAX builds its cache now
     assert isinstance(jcc._cache, compile_cache.DirectoryCache)
