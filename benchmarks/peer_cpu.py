@@ -55,9 +55,10 @@ def _write(out_path: str, out: dict) -> None:
 
 
 def child_slope_jax(spec: dict, out_path: str) -> None:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1").strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, REPO)
+    from slope_jax import xla_env
+
+    xla_env.configure(cpu_devices=1)  # the launcher's CPU flags
     import numpy as np
 
     from slope_jax.serve.engine import PrefillEngine

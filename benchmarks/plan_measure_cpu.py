@@ -18,7 +18,10 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from slope_jax import xla_env  # noqa: E402  (no JAX)
+
+xla_env.configure(cpu_devices=8)  # the launcher's CPU flags, before JAX starts
 
 from absl import app, flags  # noqa: E402
 

@@ -12,10 +12,11 @@ layout, each process reading only the shards its devices hold. One process conve
 
 from __future__ import annotations
 
-import os
 import sys
 
 from absl import app, flags, logging
+
+from slope_jax import xla_env
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None, "Source checkpoint: an HF directory (config.json + safetensors) or an "
@@ -36,11 +37,7 @@ flags.DEFINE_string("platform", None, "Force a JAX platform (cpu, cuda, rocm); d
 def main(argv) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if FLAGS.cpu_devices:
-        xla = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
-        os.environ["XLA_FLAGS"] = " ".join(xla + [f"--xla_force_host_platform_device_count={FLAGS.cpu_devices}"])
-    if FLAGS.platform:
-        os.environ["JAX_PLATFORMS"] = FLAGS.platform
+    xla_env.configure(FLAGS.cpu_devices, FLAGS.platform)
     from slope_jax.checkpoints import orbax_store
     from slope_jax.checkpoints.hf import CheckpointError
     from slope_jax.model.config import ConfigError

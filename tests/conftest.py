@@ -6,11 +6,16 @@ The XLA flag must be set before jax is imported anywhere, hence at the top of co
 
 import os
 
-# 8 virtual CPU devices; in-process test programs compile with XLA's LLVM backend at -O0: the same HLO programs
-# after the same HLO passes (the numbers the parity tests check), ~22 % less compile time (measured on the CP parity
-# tests), the suite's largest cost. Launcher subprocesses (`launcher_env`, the 2-process P/D worker) drop this and
-# compile as users run them; tests/test_launcher.py compares their output with an in-process engine (within 1e-5).
-TEST_XLA_FLAGS = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+from slope_jax import xla_env  # no JAX
+
+# 8 virtual CPU devices; in-process test programs compile with XLA's LLVM backend at -O0 (the same HLO programs
+# after the same HLO passes, ~22 % less compile time measured on the CP parity tests; compiling is the suite's
+# largest cost) and with the launcher's CPU default (`slope_jax.xla_env`: XLA:CPU's elemental emitters, about half
+# the compile time again; a cold suite measured 463 s with it vs 476–621 s without).
+# Launcher subprocesses (`launcher_env`, the 2-process P/D worker) drop these and compile as users run them (default
+# -O, the launcher's own CPU default); tests/test_launcher.py compares their output with an in-process engine (within
+# 1e-5).
+TEST_XLA_FLAGS = xla_env.xla_flags("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
 os.environ.setdefault("XLA_FLAGS", TEST_XLA_FLAGS)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

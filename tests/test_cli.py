@@ -104,3 +104,17 @@ def test_backend_notices_are_filtered():
         for lg in (mxfp4, bridge):
             lg.removeHandler(handler)
     assert seen == ["MXFP4 checkpoint has a missing scale"]
+
+
+def test_xla_flags_add_cpu_defaults_and_the_user_wins():
+    """`xla_env.xla_flags`: the CPU defaults are added unless the user set the same flag (any value), the virtual
+    device count replaces an earlier one, other flags pass through in order."""
+    from slope_jax import xla_env
+
+    assert xla_env.xla_flags("") == "--xla_cpu_use_fusion_emitters=false"
+    assert xla_env.xla_flags("--xla_cpu_use_fusion_emitters=true --foo=1") == \
+        "--xla_cpu_use_fusion_emitters=true --foo=1"
+    assert xla_env.xla_flags("--xla_force_host_platform_device_count=8 --foo", cpu_devices=2) == \
+        "--foo --xla_cpu_use_fusion_emitters=false --xla_force_host_platform_device_count=2"
+    assert xla_env.xla_flags("--xla_force_host_platform_device_count=8") == \
+        "--xla_force_host_platform_device_count=8 --xla_cpu_use_fusion_emitters=false"  # no count given: kept

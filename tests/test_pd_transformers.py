@@ -21,7 +21,7 @@ import pytest
 import torch
 from conftest import CONFIG_B, REPO, SHIPPED, TILES, random_prompt
 
-from slope_jax import kv
+from slope_jax import kv, xla_env
 from slope_jax.model.config import ModelConfig
 from slope_jax.parallel.config import ParallelConfig
 from slope_jax.serve.engine import PrefillEngine
@@ -87,7 +87,8 @@ def two_process_run(tmp_path_factory):
     (base / "spec.json").write_text(json.dumps({"checkpoint": SHIPPED, "ids": ids,
                                                 "prompts": [p.tolist() for p in prompts]}))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    # the XLA flags the launcher sets for --cpu_devices=4
+    env.update(XLA_FLAGS=xla_env.xla_flags("", cpu_devices=4), JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
     port = _free_port()
     procs = []
     for i in (1, 0):

@@ -151,7 +151,7 @@ print("ok")
 JAX_FREE = ["slope_jax", "slope_jax.kv", "slope_jax.kv.format", "slope_jax.kv.exporter", "slope_jax.kv.vllm_plan",
             "slope_jax.plan", "slope_jax.plan.flops", "slope_jax.plan.traffic", "slope_jax.parallel.config",
             "slope_jax.parallel.stages", "slope_jax.model.config", "slope_jax.model.options", "slope_jax.atomic",
-            "slope_jax.serve.http", "slope_jax.serve.pd_proxy", "slope_jax.serve.distributed",
+            "slope_jax.xla_env", "slope_jax.serve.http", "slope_jax.serve.pd_proxy", "slope_jax.serve.distributed",
             "slope_jax.serve.launcher"]
 
 

@@ -26,7 +26,7 @@ import pytest
 from conftest import REPO, SHIPPED, random_prompt
 from test_pd_transformers import WORKER, _free_port
 
-from slope_jax import kv
+from slope_jax import kv, xla_env
 from slope_jax.kv import vllm_plan as plan
 from slope_jax.model.config import ModelConfig
 from slope_jax.parallel.config import ParallelConfig
@@ -163,7 +163,8 @@ def _start_two_process(out):
     (out / "spec.json").write_text(json.dumps({"checkpoint": CKPT, "ids": _ids(),
                                                "prompts": [p.tolist() for p in _prompts()]}))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    # the XLA flags the launcher sets for --cpu_devices=4
+    env.update(XLA_FLAGS=xla_env.xla_flags("", cpu_devices=4), JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
     port = _free_port()
     procs = [(i, subprocess.Popen([sys.executable, "-c", WORKER, "2", str(i), str(port), str(out)], cwd=REPO, env=env,
                                   stdout=open(out / f"p{i}.log", "w"), stderr=subprocess.STDOUT)) for i in (1, 0)]
