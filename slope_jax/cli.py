@@ -26,6 +26,14 @@ _HELP = ("--help", "-help", "-?", "--?", "--helpshort", "-helpshort", "--helpful
 # none is left also removes the ones another was written into.
 GLOO_LINE = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks?\. Expected number of connected peer "
                        rb"ranks? is : \d+\n")
+# The pieces Gloo writes a message in (`std::cout << "[Gloo] Rank " << rank << " is connected to " << …`). Threads
+# also interleave piece by piece, splitting the numbers and the newline from their message (seen on the README's
+# main job: "[Gloo] Rank [Gloo] Rank 5 is connected to 74 is connected to 7 peer ranks. … is :  peer ranks. … is :
+# 7\n7\n"); `_GlooDebris` drops such lines.
+GLOO_START = b"[Gloo] Rank "
+GLOO_PIECES = re.compile(rb"\[Gloo\] Rank | is connected to | peer ranks?\. ?|Expected number of connected peer "
+                         rb"ranks? is : ")
+_DIGITS_ONLY = re.compile(rb"[\d\s]*")
 _state = {"quiet": False}
 # Taken (never released) by whichever path ends the process with an error line first — the main thread's own error
 # or the peer watch's "process N stopped": a process prints one error line, never two.
@@ -109,6 +117,8 @@ def _filter_gloo_stdout() -> None:
     os.dup2(write_end, 1)
     os.close(write_end)
 
+    debris = _GlooDebris()
+
     def pump():
         buf = b""
         with os.fdopen(read_end, "rb", buffering=0) as src:
@@ -116,7 +126,7 @@ def _filter_gloo_stdout() -> None:
                 buf = _drop_gloo(buf + chunk)
                 end = buf.rfind(b"\n") + 1  # whole lines go on; a partial one waits for the rest (it may be a piece)
                 if end:
-                    os.write(real, buf[:end])
+                    os.write(real, debris(buf[:end]))
                     buf = buf[end:]
             if buf:
                 os.write(real, buf)
@@ -135,6 +145,28 @@ def _drop_gloo(data: bytes) -> bytes:
     while n:
         data, n = GLOO_LINE.subn(b"", data)
     return data
+
+
+class _GlooDebris:
+    """Drops whole lines made of interleaved Gloo pieces (what `_drop_gloo` left behind): a line holding a message
+    start whose remainder, once every Gloo piece is removed, is digits and spaces only; and then, for each message
+    start beyond the line's own newline (every message ends with exactly one), one following line of digits only
+    (its number and newline, written after another thread's). Any other line passes unchanged."""
+
+    def __init__(self):
+        self.owed = 0  # newlines of messages started but not yet seen
+
+    def __call__(self, lines: bytes) -> bytes:
+        out = []
+        for line in lines.splitlines(keepends=True):
+            starts = line.count(GLOO_START)
+            if starts and _DIGITS_ONLY.fullmatch(GLOO_PIECES.sub(b"", line)):
+                self.owed += starts - line.endswith(b"\n")
+            elif self.owed > 0 and _DIGITS_ONLY.fullmatch(line):
+                self.owed -= line.endswith(b"\n")
+            else:
+                out.append(line)
+        return b"".join(out)
 
 
 def _drain() -> None:

@@ -57,6 +57,7 @@ cli.quiet(gloo=True)
 os.write(1, b"keep 1\n" + sys.argv[1].encode() + b"keep 2 [Gloo] not a connection line\n")
 print("keep 3", flush=True)
 os.write(1, sys.argv[1].encode())
+print(7, flush=True)  # a line of digits after the debris is kept
 sys.stdout.write("keep 4 (no newline)")
 """
 
@@ -64,11 +65,14 @@ sys.stdout.write("keep 4 (no newline)")
 def test_gloo_lines_are_dropped_and_the_rest_kept_in_order():
     inner = _GLOO.format(0, 3, 3)
     interleaved = "[Gloo] Rank 2" + inner + _GLOO.format(2, 3, 3)[len("[Gloo] Rank 2"):]  # as Gloo's threads write
-    gloo = _GLOO.format(0, 1, 1) + interleaved + _GLOO.format(1, 7, 7)
+    # piece by piece, numbers and newline split from their message (seen on the README's main job, process 1)
+    pieces = ("[Gloo] Rank [Gloo] Rank 5 is connected to 74 is connected to 7 peer ranks. Expected number of connected "
+              "peer ranks is :  peer ranks. Expected number of connected peer ranks is : 7\n7\n")
+    gloo = _GLOO.format(0, 1, 1) + interleaved + pieces + _GLOO.format(1, 7, 7)
     r = subprocess.run([PY, "-c", _WRITER, gloo], cwd=REPO, env=launcher_env(), capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stderr
-    assert r.stdout == "keep 1\nkeep 2 [Gloo] not a connection line\nkeep 3\nkeep 4 (no newline)"
+    assert r.stdout == "keep 1\nkeep 2 [Gloo] not a connection line\nkeep 3\n7\nkeep 4 (no newline)"
 
 
 def test_json_error_names_the_rule_once():
