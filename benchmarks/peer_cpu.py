@@ -58,7 +58,7 @@ def child_slope_jax(spec: dict, out_path: str) -> None:
     sys.path.insert(0, REPO)
     from slope_jax import xla_env
 
-    xla_env.configure(cpu_devices=1)  # the launcher's CPU flags
+    xla_env.configure(cpu_devices=1)  # one CPU device, as the launcher's --cpu_devices=1
     import numpy as np
 
     from slope_jax.serve.engine import PrefillEngine

@@ -30,7 +30,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from slope_jax import xla_env  # noqa: E402  (no JAX)
 
-xla_env.configure(cpu_devices=1)  # the launcher's CPU flags, before JAX starts
+xla_env.configure(cpu_devices=1)  # virtual CPU devices as the launcher sets them
 
 from absl import app, flags  # noqa: E402
 

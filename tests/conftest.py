@@ -6,16 +6,15 @@ The XLA flag must be set before jax is imported anywhere, hence at the top of co
 
 import os
 
-from slope_jax import xla_env  # no JAX
-
-# 8 virtual CPU devices; in-process test programs compile with XLA's LLVM backend at -O0 (the same HLO programs
-# after the same HLO passes, ~22 % less compile time measured on the CP parity tests; compiling is the suite's
-# largest cost) and with the launcher's CPU default (`slope_jax.xla_env`: XLA:CPU's elemental emitters, about half
-# the compile time again; a cold suite measured 463 s with it vs 476–621 s without).
-# Launcher subprocesses (`launcher_env`, the 2-process P/D worker) drop these and compile as users run them (default
-# -O, the launcher's own CPU default); tests/test_launcher.py compares their output with an in-process engine (within
-# 1e-5).
-TEST_XLA_FLAGS = xla_env.xla_flags("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+# 8 virtual CPU devices; in-process test programs compile for a short run: XLA's LLVM backend at -O0 (the same HLO
+# after the same HLO passes, ~22 % less compile time measured on the CP parity tests) and XLA:CPU's elemental
+# emitters instead of the MLIR fusion emitters (a float32 CP step: 1.5 s instead of 5.1 s at -O0; a cold suite took
+# 463 s with them, 476–621 s without). Compiling is the suite's largest cost, and its prompts are short. Not the
+# product's flags: the elemental emitters run an 8K-token prefill 1.5x slower (`slope_jax/xla_env.py`). Launcher
+# subprocesses (`launcher_env`, the 2-process P/D workers) drop these and compile as users run them;
+# tests/test_launcher.py compares their output with an in-process engine (within 1e-5).
+TEST_XLA_FLAGS = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+                  "--xla_cpu_use_fusion_emitters=false")
 os.environ.setdefault("XLA_FLAGS", TEST_XLA_FLAGS)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

@@ -110,15 +110,13 @@ def test_backend_notices_are_filtered():
     assert seen == ["MXFP4 checkpoint has a missing scale"]
 
 
-def test_xla_flags_add_cpu_defaults_and_the_user_wins():
-    """`xla_env.xla_flags`: the CPU defaults are added unless the user set the same flag (any value), the virtual
-    device count replaces an earlier one, other flags pass through in order."""
+def test_xla_flags_set_the_device_count_and_keep_the_rest():
+    """`xla_env.xla_flags` (the launcher's and convert's --cpu_devices): the virtual device count replaces an earlier
+    one, the user's other flags pass through in order, and nothing is added without a count."""
     from slope_jax import xla_env
 
-    assert xla_env.xla_flags("") == "--xla_cpu_use_fusion_emitters=false"
-    assert xla_env.xla_flags("--xla_cpu_use_fusion_emitters=true --foo=1") == \
-        "--xla_cpu_use_fusion_emitters=true --foo=1"
-    assert xla_env.xla_flags("--xla_force_host_platform_device_count=8 --foo", cpu_devices=2) == \
-        "--foo --xla_cpu_use_fusion_emitters=false --xla_force_host_platform_device_count=2"
-    assert xla_env.xla_flags("--xla_force_host_platform_device_count=8") == \
-        "--xla_force_host_platform_device_count=8 --xla_cpu_use_fusion_emitters=false"  # no count given: kept
+    assert xla_env.xla_flags("--xla_force_host_platform_device_count=8 --foo=1", cpu_devices=2) == \
+        "--foo=1 --xla_force_host_platform_device_count=2"
+    assert xla_env.xla_flags("", cpu_devices=4) == "--xla_force_host_platform_device_count=4"
+    assert xla_env.xla_flags("--foo --xla_force_host_platform_device_count=8") == \
+        "--foo --xla_force_host_platform_device_count=8"

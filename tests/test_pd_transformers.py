@@ -87,7 +87,7 @@ def two_process_run(tmp_path_factory):
     (base / "spec.json").write_text(json.dumps({"checkpoint": SHIPPED, "ids": ids,
                                                 "prompts": [p.tolist() for p in prompts]}))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    # the XLA flags the launcher sets for --cpu_devices=4
+    # the XLA flags the launcher sets for --cpu_devices=4 (its programs, served by the cache)
     env.update(XLA_FLAGS=xla_env.xla_flags("", cpu_devices=4), JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
     port = _free_port()
     procs = []

@@ -163,7 +163,7 @@ def _start_two_process(out):
     (out / "spec.json").write_text(json.dumps({"checkpoint": CKPT, "ids": _ids(),
                                                "prompts": [p.tolist() for p in _prompts()]}))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    # the XLA flags the launcher sets for --cpu_devices=4
+    # the XLA flags the launcher sets for --cpu_devices=4 (its programs, served by the cache)
     env.update(XLA_FLAGS=xla_env.xla_flags("", cpu_devices=4), JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
     port = _free_port()
     procs = [(i, subprocess.Popen([sys.executable, "-c", WORKER, "2", str(i), str(port), str(out)], cwd=REPO, env=env,

@@ -44,7 +44,7 @@ import traceback
 
 from absl import app, flags, logging
 
-from slope_jax import xla_env  # no JAX: sets XLA_FLAGS before a backend starts
+from slope_jax import xla_env  # no JAX
 from slope_jax.model.options import CHOICES as STEP_OPTION_CHOICES  # no JAX: safe before exit_on_sigterm
 from slope_jax.model.options import FIELD_HELP as STEP_OPTION_HELP
 from slope_jax.model.options import StepOptions
@@ -115,9 +115,7 @@ flags.DEFINE_integer("process_id", 0, "This process's id, 0..num_processes-1; pr
 flags.DEFINE_float("init_timeout", 120.0, "Seconds to wait for every process to join before failing.")
 flags.DEFINE_float("heartbeat_timeout", 30.0, "Seconds without a peer's heartbeat before the run is aborted.")
 flags.DEFINE_integer("cpu_devices", None, "Split the CPU into this many virtual devices (testing without "
-                     "accelerators; sets XLA_FLAGS=--xla_force_host_platform_device_count). On CPU the launcher "
-                     "also adds --xla_cpu_use_fusion_emitters=false (about half the compile time, same speed; see "
-                     "slope_jax.xla_env) unless XLA_FLAGS sets it.")
+                     "accelerators; sets XLA_FLAGS=--xla_force_host_platform_device_count).")
 flags.DEFINE_string("platform", None, "Force a JAX platform (cpu, cuda, rocm); default: JAX's choice.")
 for _field in dataclasses.fields(StepOptions):  # one flag per step option, same name, default and help
     if _field.name in STEP_OPTION_CHOICES:
@@ -384,7 +382,7 @@ def main(argv):
     except FlagError as e:
         _fail(str(e))
     _configure_platform()
-    logging.info("XLA_FLAGS=%s", os.environ["XLA_FLAGS"])
+    logging.info("XLA_FLAGS=%s", os.environ.get("XLA_FLAGS", ""))
     from slope_jax import cli, compile_cache
 
     cli.quiet(gloo=FLAGS.num_processes > 1)  # Gloo's connection lines: multi-process CPU collectives only
