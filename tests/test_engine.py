@@ -88,3 +88,24 @@ def test_pad_tokens_change_no_real_bit(reference_engines):
     for o in outs[1:]:
         for x, y in zip(outs[0], o):
             np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_loop_moe_copies_no_layer_of_expert_weights(checkpoints, dtype):
+    """The layer scan hands the "loop" MoE the expert stack, which it slices per (layer, expert): no instruction of
+    the compiled step produces one layer's expert weights (`slope_jax/model/stack.py`; the copy cost the peer
+    config ~0.3 s per step at 600 tokens). The "ragged" MoE, which needs the whole layer, shows the detector sees
+    such a copy."""
+    cfg = CONFIG_A
+    e, two_i, blocks = cfg.num_experts, 2 * cfg.intermediate_size, cfg.hidden_size // 32
+    layer_w1 = (f"u8[{e},{two_i},{blocks},16]", f"u8[1,{e},{two_i},{blocks},16]")  # w1_blocks of one layer
+
+    def copies(impl):
+        eng = PrefillEngine.from_checkpoint(checkpoints["A"]["mxfp4"], dtype=dtype, progress=False, moe_impl=impl,
+                                            **{k: v for k, v in TILES.items() if k != "moe_impl"})
+        hlo = eng.compiled(eng.bucket(20), 1).as_text()
+        return [line for line in hlo.splitlines() if "=" in line and "parameter(" not in line
+                and any(f"= {s}" in line or f"= {s}{{" in line for s in layer_w1)]
+
+    assert copies("loop") == []
+    assert copies("ragged"), "the detector found no layer copy where one is made"

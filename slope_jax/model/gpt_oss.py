@@ -27,7 +27,7 @@ from flax import nnx
 from slope_jax.model import attention as attn_lib
 from slope_jax.model import moe as moe_lib
 from slope_jax.model import options as options_lib
-from slope_jax.model import rope
+from slope_jax.model import rope, stack
 from slope_jax.model.config import ModelConfig
 from slope_jax.model.options import StepOptions
 
@@ -270,20 +270,20 @@ def unembed(x: jax.Array, final_norm: jax.Array, table: jax.Array, cfg: ModelCon
 
 
 
-def take_layer(layers: dict, i: jax.Array) -> dict:
-    """One layer's parameters from the stacked `[L, …]` pytree at a (traced) index `i`.
+def take_layer(layers: dict, i: jax.Array, *, experts_stacked: bool = False) -> dict:
+    """One layer's parameters from the stacked `[L, …]` pytree at a (traced) index `i` (`stack.take`: bf16 through
+    its uint16 bits).
 
-    bfloat16 leaves are sliced as their uint16 bits and bitcast back (free): XLA:CPU (jaxlib 0.10.2) runs a dynamic
-    slice of bf16 through float32, and its loop-invariant code motion then hoists the convert of the *whole* stacked
-    array out of the layer loop — every weight of the model re-written as float32 (2× its size) on each step
-    (`wrapped_convert` of `f32[L, E, 2I, D]` in the optimized HLO of the peer config's step).
+    experts_stacked: leave the expert weights (`stack.EXPERT_WEIGHTS`) as the whole stack and record `i` under
+    `stack.LAYER_INDEX`, for the "loop" MoE, which slices `[i, e]` per expert (`moe.expert_weights`) instead of
+    copying the layer's experts first (`slope_jax/model/stack.py`). Other readers need `False`.
     """
-    def one(a):
-        if a.dtype == jnp.bfloat16:
-            return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(a, jnp.uint16)[i], jnp.bfloat16)
-        return a[i]
-
-    return jax.tree.map(one, layers)
+    if not experts_stacked:
+        return jax.tree.map(lambda a: stack.take(a, i), layers)
+    p = {k: (v if k in stack.EXPERT_WEIGHTS else jax.tree.map(lambda a: stack.take(a, i), v))
+         for k, v in layers.items()}
+    p[stack.LAYER_INDEX] = i
+    return p
 
 
 def layer_windows(cfg: ModelConfig) -> np.ndarray:
@@ -315,7 +315,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax.A
 
     def body(x, xs):
         i, window = xs
-        p = take_layer(params["layers"], i)
+        p = take_layer(params["layers"], i, experts_stacked=options.moe_impl == "loop")
 
         def attend(q, k, v, sinks):
             # Pad keys sit at positions >= num_tokens, after every real query: causality hides them.

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from slope_jax.model import mxfp4
 from slope_jax.model import options as options_lib
+from slope_jax.model import stack
 
 
 def route(h: jax.Array, w: jax.Array, b: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -59,12 +60,14 @@ def swiglu(gate_up: jax.Array, *, alpha: float, limit: float) -> jax.Array:
 
 
 def expert_weights(p: dict, e: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """Expert `e`'s `(W1 [2I, D], W2 [D, I])` in (out, in) orientation, dequantized from MXFP4 when packed."""
+    """Expert `e`'s `(W1 [2I, D], W2 [D, I])` in (out, in) orientation, dequantized from MXFP4 when packed; sliced
+    straight from the layer stack when `p` left the expert weights stacked (`stack.LAYER_INDEX`)."""
+    idx = stack.expert_index(p, e)
     if "w1_blocks" in p:
-        w1 = mxfp4.decode(p["w1_blocks"][e], p["w1_scales"][e], dtype)
-        w2 = mxfp4.decode(p["w2_blocks"][e], p["w2_scales"][e], dtype)
+        w1 = mxfp4.decode(stack.take(p["w1_blocks"], idx), stack.take(p["w1_scales"], idx), dtype)
+        w2 = mxfp4.decode(stack.take(p["w2_blocks"], idx), stack.take(p["w2_scales"], idx), dtype)
     else:
-        w1, w2 = p["w1"][e].astype(dtype), p["w2"][e].astype(dtype)
+        w1, w2 = stack.take(p["w1"], idx).astype(dtype), stack.take(p["w2"], idx).astype(dtype)
     return w1, w2
 
 

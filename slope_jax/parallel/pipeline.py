@@ -74,7 +74,7 @@ def _stage_forward(x, layers, cfg: ModelConfig, parallel: ParallelConfig, *, pos
                                    dispatch=options.ep_dispatch, capacity=options.ep_capacity)
 
     def run(x, i, act, attend, window):
-        p = model_lib.take_layer(layers, i)
+        p = model_lib.take_layer(layers, i, experts_stacked=options.moe_impl == "loop")
 
         def core(q, k, v, s):
             if prefix is None:

@@ -16,7 +16,9 @@ memory-usage report of compiled steps, `--xla_dump_to`):
     fused into them) and one of the other layer kind's, which gets a buffer of its own (the two kinds' tile loops have
     different shapes). A ring step's key block is the peer's two zigzag chunks (`bk ≤ 2·U·Pz`), its queries one chunk;
   - per-layer weight copies of the layer scan (dynamic slices of the stack; none when a stage holds one layer): one on
-    one device, two in a sharded step (the 2-D relayouts of q/o for the dots and the sliced MXFP4 expert blocks);
+    one device, two in a sharded step (the 2-D relayouts of q/o for the dots and the sliced MXFP4 expert blocks); the
+    expert weights are not copied under `moe_impl="loop"` (sliced per expert straight from the stack,
+    `model/stack.py`), but are for "ragged", "pallas" and an unresolved "auto";
     a pipelined stage whose stack holds one entry per layer kind (S = 2 slots, two layers) also copies its attention
     weights whole (the tick loop's carry), two more copies;
   - the dequantized weights of one expert, `[2I·D + D·I]`, twice (as dequantized from MXFP4 and in the dot's layout).
@@ -81,7 +83,9 @@ def temp_bytes(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int,
     L = cfg.num_hidden_layers
     attention_w = (per_layer["attention"] + per_layer["router"]) / L
     att_slices = copies * attention_w
-    exp_slices = copies * per_layer["experts"] / L
+    # the "loop" MoE slices each expert straight from the stack (`model/stack.py`): no per-layer expert copy; "auto"
+    # (not resolved for a platform: "pallas" on GPUs) keeps the copy, the larger estimate
+    exp_slices = 0.0 if tiles.moe_impl == "loop" else copies * per_layer["experts"] / L
     S, _ = stage_slots(cfg, pipeline)
     stack_copy = 2 * attention_w if pipeline > 1 and S == 2 and n > 1 else 0.0
     layer = tl * N * H * (b + 4) + tl * D * b
