@@ -2,7 +2,8 @@
 
     python benchmarks/plan_holdout_cpu.py                                       # 1K-8K, best of 3, ~8 min idle
     python benchmarks/plan_holdout_cpu.py --lengths=1024,2048 --repeats=2       # quick look
-    python benchmarks/plan_holdout_cpu.py --write_profile                       # also refit configs/hardware/cpu.json
+    python benchmarks/plan_measure_cpu.py && python benchmarks/plan_holdout_cpu.py --write_profile \
+        --extra_rows=configs/hardware/calibration/cpu_tiny.json              # refit configs/hardware/cpu.json
 
 Measures single-device float32 prefill (`PrefillEngine`, random dense weights, one request, KV export off; compile
 first, then `--repeats` rounds over all points, best kept) of
@@ -10,14 +11,13 @@ first, then `--repeats` rounds over all points, best kept) of
   held-out configs     HELD (other hidden size, heads, head_dim, expert count, top-k and window than any CAL one:
                        the issue-21 peer config cut to 2 layers, a head_dim-128 one, a 32-expert one),
 fits the profile's coefficients (`plan.calibrate.fit`: matmul and attention efficiencies, at most 1 of the peak
-measured in this run, per-element and per-score-entry seconds, overheads) on the CAL rows only — plus
-`--extra_rows` (default the sharded and one-device
-rows of configs/hardware/calibration/cpu_tiny.json when they were measured with this tree's kernels: pass
-`--extra_rows=` to skip) —, against the float32 matmul peak measured in the same run, and prints measured vs predicted
-for every row; the check is |error| ≤ `--tolerance` (25 %) on the held-out rows (exit status 1 otherwise). Writes
-JSON (default benchmarks/results/plan_holdout_cpu.json) with the rows, the fit and the load average;
-`--write_profile` writes the fitted profile to configs/hardware/cpu.json and the rows to
-configs/hardware/calibration/cpu_multi.json.
+measured in this run, per-element and per-score-entry seconds, overheads) on the CAL rows only — plus `--extra_rows`
+(none by default; the committed profile adds configs/hardware/calibration/cpu_tiny.json, the sharded and one-device
+rows `plan_measure_cpu.py` measured with the same tree's kernels just before) —, against the float32 matmul peak
+measured in the same run, and prints measured vs predicted for every row; the check is |error| ≤ `--tolerance` (25 %)
+on the held-out rows (exit status 1 otherwise). Writes JSON (default benchmarks/results/plan_holdout_cpu.json) with
+the rows, the fit and the load average; `--write_profile` writes the fitted profile to configs/hardware/cpu.json and
+the rows to configs/hardware/calibration/cpu_multi.json.
 """
 
 from __future__ import annotations
