@@ -274,15 +274,14 @@ def take_layer(layers: dict, i: jax.Array, *, experts_stacked: bool = False) -> 
     """One layer's parameters from the stacked `[L, …]` pytree at a (traced) index `i` (`stack.take`: bf16 through
     its uint16 bits).
 
-    experts_stacked: leave the expert weights (`stack.EXPERT_WEIGHTS`) as the whole stack and record `i` under
-    `stack.LAYER_INDEX`, for the "loop" MoE, which slices `[i, e]` per expert (`moe.expert_weights`) instead of
-    copying the layer's experts first (`slope_jax/model/stack.py`). Other readers need `False`.
+    experts_stacked (`options.experts_read_from_stack(moe_impl)`): leave the expert weights (`stack.EXPERT_WEIGHTS`)
+    as the whole stack and record `i` under `stack.LAYER_INDEX`; the "loop" MoE then slices `[i, e]` per expert
+    (`moe.expert_weights`) instead of copying the layer's experts first (`slope_jax/model/stack.py`).
     """
-    if not experts_stacked:
-        return jax.tree.map(lambda a: stack.take(a, i), layers)
-    p = {k: (v if k in stack.EXPERT_WEIGHTS else jax.tree.map(lambda a: stack.take(a, i), v))
-         for k, v in layers.items()}
-    p[stack.LAYER_INDEX] = i
+    keep = stack.EXPERT_WEIGHTS if experts_stacked else ()
+    p = {k: v if k in keep else jax.tree.map(lambda a: stack.take(a, i), v) for k, v in layers.items()}
+    if experts_stacked:
+        p[stack.LAYER_INDEX] = i
     return p
 
 
@@ -315,7 +314,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax.A
 
     def body(x, xs):
         i, window = xs
-        p = take_layer(params["layers"], i, experts_stacked=options.moe_impl == "loop")
+        p = take_layer(params["layers"], i, experts_stacked=options_lib.experts_read_from_stack(options.moe_impl))
 
         def attend(q, k, v, sinks):
             # Pad keys sit at positions >= num_tokens, after every real query: causality hides them.

@@ -69,6 +69,14 @@ def resolve_moe(impl: str, platform: str) -> str:
     return "pallas" if platform in GPU_PLATFORMS else "loop"
 
 
+def experts_read_from_stack(moe_impl: str) -> bool:
+    """Whether the MoE compute `moe_impl` (resolved) reads one expert at a time straight from the layer stack
+    (`model/stack.py`: "loop" does, so the layer loop leaves the expert weights stacked and copies none of them per
+    layer); "ragged" and "pallas" take the layer's whole expert arrays. An unresolved "auto" is False (the
+    conservative answer for the memory model)."""
+    return moe_impl == "loop"
+
+
 def resolve_ep_dispatch(dispatch: str, platform: str) -> str:
     """`ep_dispatch` → the concrete expert-parallel dispatch. "auto" is "all_to_all" on every backend: it is built from
     plain `all_to_all`s of static shapes in a loop of data-dependent trip count (`parallel.expert_parallel`), which

@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as Ps
 
 from slope_jax.model import attention as attn_lib
 from slope_jax.model import gpt_oss as model_lib
+from slope_jax.model import options as options_lib
 from slope_jax.model import rope
 from slope_jax.model.config import ModelConfig
 from slope_jax.model.options import StepOptions
@@ -73,8 +74,10 @@ def _stage_forward(x, layers, cfg: ModelConfig, parallel: ParallelConfig, *, pos
                                    limit=cfg.swiglu_limit, tile=options.moe_tile, impl=options.moe_impl,
                                    dispatch=options.ep_dispatch, capacity=options.ep_capacity)
 
+    experts_stacked = options_lib.experts_read_from_stack(options.moe_impl)
+
     def run(x, i, act, attend, window):
-        p = model_lib.take_layer(layers, i, experts_stacked=options.moe_impl == "loop")
+        p = model_lib.take_layer(layers, i, experts_stacked=experts_stacked)
 
         def core(q, k, v, s):
             if prefix is None:

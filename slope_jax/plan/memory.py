@@ -35,6 +35,7 @@ simulation, so this is an estimate of its live set, not a replay of it.
 from __future__ import annotations
 
 from slope_jax.model.config import ModelConfig
+from slope_jax.model.options import experts_read_from_stack
 from slope_jax.plan.flops import Tiles, stage_slots
 
 MXFP4_BITS = 4.25
@@ -83,9 +84,8 @@ def temp_bytes(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int,
     L = cfg.num_hidden_layers
     attention_w = (per_layer["attention"] + per_layer["router"]) / L
     att_slices = copies * attention_w
-    # the "loop" MoE slices each expert straight from the stack (`model/stack.py`): no per-layer expert copy; "auto"
-    # (not resolved for a platform: "pallas" on GPUs) keeps the copy, the larger estimate
-    exp_slices = 0.0 if tiles.moe_impl == "loop" else copies * per_layer["experts"] / L
+    # an MoE that reads each expert straight from the stack makes no per-layer expert copy (`model/stack.py`)
+    exp_slices = 0.0 if experts_read_from_stack(tiles.moe_impl) else copies * per_layer["experts"] / L
     S, _ = stage_slots(cfg, pipeline)
     stack_copy = 2 * attention_w if pipeline > 1 and S == 2 and n > 1 else 0.0
     layer = tl * N * H * (b + 4) + tl * D * b
