@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from slope_jax.model import options as options_lib
+from slope_jax.model import stack
 
 INVALID_POS = -(2**30)  # position of a key slot that holds no token
 NO_WINDOW = 2**30  # "window" of a full-attention layer
@@ -246,10 +247,20 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: ja
     if impl == "pallas":
         return _attend_pallas(q, k, v, q_pos, k_pos, window, state, q_tile, kv_tile)
     tq, n, d = q.shape
+    kh = k.shape[1]
+    if state is None:
+        state = empty_state(tq, kh, n // kh, d)
+    if _COUNTER.get() is not None:  # the work counter's callback is traced into the caller's program, not a call
+        return _attend_xla(q, k, v, q_pos, k_pos, window, state, q_tile=q_tile, kv_tile=kv_tile)
+    return _attend_xla_call(q, k, v, q_pos, k_pos, window, state, q_tile=q_tile, kv_tile=kv_tile)
+
+
+def _attend_xla(q, k, v, q_pos, k_pos, window, state: AttnState, *, q_tile: int, kv_tile: int) -> AttnState:
+    """`attend`'s XLA core (`lax.map` over query tiles × `fori_loop` over the key tiles they need); same contract,
+    `window` an int32 scalar and `state` given."""
+    tq, n, d = q.shape
     tk, kh, _ = k.shape
     g = n // kh
-    if state is None:
-        state = empty_state(tq, kh, g, d)
     bq, bk = min(q_tile, tq), min(kv_tile, tk)
     nq, nk = -(-tq // bq), -(-tk // bk)
     scale = d ** -0.5
@@ -271,7 +282,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: ja
         qi, qp, s0, rng = args
 
         def body(j, s):
-            return _tile_update(s, qi, kt[j], vt[j], qp, kpt[j], window, scale)
+            return _tile_update(s, qi, stack.take(kt, j), stack.take(vt, j), qp, stack.take(kpt, j), window, scale)
 
         return jax.lax.fori_loop(rng[0], rng[1], body, s0)
 
@@ -282,6 +293,12 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: ja
     o = out.o.reshape(nq, kh, g, bq, d).transpose(0, 3, 1, 2, 4).reshape(nq * bq, kh, g, d)[:tq]
     m, l = (x.reshape(nq, kh, g, bq).transpose(0, 3, 1, 2).reshape(nq * bq, kh, g)[:tq] for x in (out.m, out.l))
     return AttnState(o, m, l)
+
+
+# The core as one traced call: the blocks of a layer (zigzag ring steps, sliding-window slots) that share shapes share
+# one trace and one lowered function (XLA inlines it again), so a step traces and lowers in less time — the part of
+# getting a program that a compilation-cache hit still pays.
+_attend_xla_call = jax.jit(_attend_xla, static_argnames=("q_tile", "kv_tile"))
 
 
 def attention(q, k, v, q_pos, k_pos, sinks, *, window=NO_WINDOW, q_tile=256, kv_tile=256, impl="xla") -> jax.Array:

@@ -219,14 +219,23 @@ MoeFn = Callable[[jax.Array, jax.Array, dict], jax.Array]
 
 
 def local_moe(cfg: ModelConfig, options: StepOptions) -> MoeFn:
-    """The MoE block with every expert on this device (`moe.moe` with `options`' tile and concrete impl)."""
+    """The MoE block with every expert on this device (`moe.moe` with `options`' tile and concrete impl).
+
+    One traced call (`_moe_call`): the sliding and the full layer of the layer scan's body run the same MoE on the
+    same shapes, so it is traced and lowered once per program (XLA inlines the call again).
+    """
     options.require_resolved()
 
     def fn(h, valid, p):
-        return moe_lib.moe(h, valid, p, experts_per_token=cfg.experts_per_token, alpha=cfg.swiglu_alpha,
-                           limit=cfg.swiglu_limit, tile=options.moe_tile, impl=options.moe_impl)
+        return _moe_call(h, valid, {k: p[k] for k in p if k in _MOE_KEYS}, experts_per_token=cfg.experts_per_token,
+                         alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit, tile=options.moe_tile,
+                         impl=options.moe_impl)
 
     return fn
+
+
+_MOE_KEYS = frozenset(("router_w", "router_b", "b1", "b2", stack.LAYER_INDEX) + stack.EXPERT_WEIGHTS)
+_moe_call = jax.jit(moe_lib.moe, static_argnames=("experts_per_token", "alpha", "limit", "tile", "impl"))
 
 
 def layer(x: jax.Array, p: dict, cfg: ModelConfig, *, cos: jax.Array, sin: jax.Array, valid: jax.Array,

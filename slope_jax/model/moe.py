@@ -181,13 +181,14 @@ def experts(h: jax.Array, weights: jax.Array, ids: jax.Array, p: dict, *, alpha:
 
     def per_expert(e, out):
         w1, w2 = expert_weights(p, e, h.dtype)
-        b1 = p["b1"][e].astype(jnp.float32)
-        b2 = p["b2"][e].astype(jnp.float32)
+        b1 = stack.take(p["b1"], e).astype(jnp.float32)
+        b2 = stack.take(p["b2"], e).astype(jnp.float32)
+        count, start = stack.take(counts, e), stack.take(starts, e)
 
         def per_tile(i, out):
             r = i * tile + rows
-            live = r < counts[e]
-            a = order[jnp.minimum(starts[e] + r, n_assign - 1)]
+            live = r < count
+            a = order[jnp.minimum(start + r, n_assign - 1)]
             tok = a // k
             x = h[tok]
             gu = jnp.einsum("td,od->to", x, w1, preferred_element_type=jnp.float32) + b1
@@ -197,7 +198,7 @@ def experts(h: jax.Array, weights: jax.Array, ids: jax.Array, p: dict, *, alpha:
             dst = jnp.where(live, tok, t)
             return out.at[dst].add(y * flat_w[a][:, None], mode="drop")
 
-        n_tiles = (counts[e] + tile - 1) // tile
+        n_tiles = (count + tile - 1) // tile
         return jax.lax.fori_loop(0, n_tiles, per_tile, out)
 
     def maybe_expert(e, out):  # an expert no token picked is not even dequantized (short prompts, many experts)

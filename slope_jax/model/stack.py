@@ -23,11 +23,22 @@ LAYER_INDEX = "layer_index"  # key of a layer's parameters whose EXPERT_WEIGHTS 
 
 
 def take(a: jax.Array, index) -> jax.Array:
-    """`a[index]` for an int32 scalar or a tuple of them (leading axes), bf16 through its uint16 bits (module
-    docstring). Same dtype as `a`; raises what `a[index]` raises."""
-    if a.dtype == jnp.bfloat16:
-        return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(a, jnp.uint16)[index], jnp.bfloat16)
-    return a[index]
+    """`a[index]` for an int32 scalar or a tuple of them (leading axes), each in `[0, size)`: one `dynamic_slice`
+    and a reshape, bf16 through its uint16 bits (module docstring). Same dtype as `a`.
+
+    Indices are not wrapped (no negative indexing) and, as in any dynamic slice, an out-of-range index is clamped:
+    callers index with loop counters and expert ids. `a[index]` would trace ~6 equations per axis (wrap the index,
+    then normalise each constant zero of the other axes) — with a stack sliced per layer leaf and per expert, that
+    was a fifth of the step's jaxpr and of its trace + lower time, which a compilation-cache hit still pays.
+    """
+    idx = tuple(index) if isinstance(index, (tuple, list)) else (index,)
+    n = len(idx)
+    bf16 = a.dtype == jnp.bfloat16
+    x = jax.lax.bitcast_convert_type(a, jnp.uint16) if bf16 else a
+    starts = idx + (0,) * (a.ndim - n)
+    x = jax.lax.dynamic_slice(x, starts, (1,) * n + a.shape[n:], allow_negative_indices=False)
+    x = x.reshape(a.shape[n:])
+    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if bf16 else x
 
 
 def expert_index(p: dict, e: jax.Array):

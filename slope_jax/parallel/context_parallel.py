@@ -179,7 +179,7 @@ def _zigzag_ring(qc, kvc, posc, ring_pos, attend, R: int):
                       p1, jnp.where(before, pos_blk[0], pos_blk[1]), state=_select(before, st1, st_a))
         return _select(before, st_a, st0), st_b
 
-    if R > 1:
+    if R > 2:  # steps 1 … R−2 (a loop of no steps would still be traced and lowered)
         def body(step, carry):
             cur, st0, st1 = carry
             with jax.named_scope("ring_step"):
@@ -187,9 +187,10 @@ def _zigzag_ring(qc, kvc, posc, ring_pos, attend, R: int):
                 st0, st1 = ring_step(step, cur, st0, st1)
             return nxt, st0, st1
 
-        cur, st0, st1 = jax.lax.fori_loop(1, R - 1, body, (nxt, st0, st1))
+        nxt, st0, st1 = jax.lax.fori_loop(1, R - 1, body, (nxt, st0, st1))
+    if R > 1:
         with jax.named_scope("ring_step_last"):
-            st0, st1 = ring_step(R - 1, cur, st0, st1)
+            st0, st1 = ring_step(R - 1, nxt, st0, st1)
 
     return st0, st1
 
