@@ -17,6 +17,7 @@ L layers.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -196,6 +197,10 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype="float32", scale: float 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Pure functions
+# The step's blocks that repeat on the same shapes (the sliding and the full layer of the layer scan's body, the two
+# norms of a layer) are jitted functions: each is traced and lowered once per program and XLA inlines the calls again
+# (the compiled program is the same). A compilation-cache hit still pays the step's tracing and lowering.
+@functools.partial(jax.jit, static_argnames=("eps",))
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """RMSNorm in float32 (spec §2.1): `x·rsqrt(mean(x²) + eps)·w`, cast back to x's dtype. x `[..., D]`, w `[D]`."""
     xf = x.astype(jnp.float32)
@@ -205,6 +210,14 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 def qkv(h: jax.Array, p: dict, cos: jax.Array, sin: jax.Array):
     """Projections with biases, then RoPE on q and k. h `[T, D]` → q `[T, N, H]`, k, v `[T, K, H]` (post-RoPE k)."""
+    return _qkv_call(h, {k: p[k] for k in _QKV_KEYS}, cos, sin)
+
+
+_QKV_KEYS = ("wq", "bq", "wk", "bk", "wv", "bv")
+
+
+@jax.jit
+def _qkv_call(h: jax.Array, p: dict, cos: jax.Array, sin: jax.Array):
     q = jnp.einsum("td,nhd->tnh", h, p["wq"], preferred_element_type=jnp.float32) + p["bq"].astype(jnp.float32)
     k = jnp.einsum("td,khd->tkh", h, p["wk"], preferred_element_type=jnp.float32) + p["bk"].astype(jnp.float32)
     v = jnp.einsum("td,khd->tkh", h, p["wv"], preferred_element_type=jnp.float32) + p["bv"].astype(jnp.float32)
@@ -288,10 +301,16 @@ def take_layer(layers: dict, i: jax.Array, *, experts_stacked: bool = False) -> 
     (`moe.expert_weights`) instead of copying the layer's experts first (`slope_jax/model/stack.py`).
     """
     keep = stack.EXPERT_WEIGHTS if experts_stacked else ()
-    p = {k: v if k in keep else jax.tree.map(lambda a: stack.take(a, i), v) for k, v in layers.items()}
+    p = dict(_take_all({k: v for k, v in layers.items() if k not in keep}, i))
     if experts_stacked:
-        p[stack.LAYER_INDEX] = i
+        p.update({k: layers[k] for k in keep if k in layers}, **{stack.LAYER_INDEX: i})
     return p
+
+
+@jax.jit
+def _take_all(tree, i):
+    """Every leaf of `tree` at index `i` of its leading axis (`stack.take`), as one traced call (see `rms_norm`)."""
+    return jax.tree.map(lambda a: stack.take(a, i), tree)
 
 
 def layer_windows(cfg: ModelConfig) -> np.ndarray:
