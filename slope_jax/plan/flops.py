@@ -15,8 +15,11 @@ Executed FLOPs per device (`per_device`) follow the engine's structure (`model/a
     + one full block) and `R−1` steps of two full blocks; sliding layers keep all `N` heads on the local pieces plus a
     halo of `W−1` keys;
   * MoE: tokens grouped by expert and run in tiles of `min(moe_tile, T_local·k)` rows; routing is assumed balanced
-    (`assignments / E` per expert; pad tokens all go to expert 0, as the engine routes them);
-  * pipeline: every stage runs all `S` slots (empty ones too) on each of the `M + P − 1` ticks.
+    (`assignments / E` per expert; pad tokens go to no expert, as the engine routes them);
+  * pipeline: every stage runs all `S` slots (empty ones too) on each of the `M + P − 1` ticks, as the step's
+    critical path: the ticks are synchronous, and on each some stage is live. A stage's own `P − 1` fill/drain ticks
+    visit no attention tile and no expert (its tokens are pads without positions, `parallel.pipeline`), so the work
+    a device actually does is less: `plan.verify.attention_work` compares the program's count with the live ticks.
 """
 
 from __future__ import annotations
@@ -257,7 +260,7 @@ def per_device(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int,
     real = int((pos < n).sum(1).max()) if expert == 1 else int((pos < n).sum())  # EP: the whole EP group's tokens
     rows = moe_rows(cfg, tl * expert, min(real, tl * expert), tiles.moe_tile, expert)
     tile = max(1, min(tiles.moe_tile, tl * expert * cfg.experts_per_token))
-    vrows = -(-V // P)
+    vrows = -(-V // (P * R * U))  # every device unembeds its vocabulary shard (`parallel.stages.vocab_shards`)
     out = {"projections": float(ticks * S * tl * _proj_per_token(cfg)),
            "attention": per["sliding"] + per["step0"] + per["ring"],
            "moe": float(ticks * S * rows * _expert_per_row(cfg)),
