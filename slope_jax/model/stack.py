@@ -29,7 +29,7 @@ def take(a: jax.Array, index) -> jax.Array:
     Indices are not wrapped (no negative indexing) and, as in any dynamic slice, an out-of-range index is clamped:
     callers index with loop counters and expert ids. `a[index]` would trace ~6 equations per axis (wrap the index,
     then normalise each constant zero of the other axes) — with a stack sliced per layer leaf and per expert, that
-    was a fifth of the step's jaxpr and of its trace + lower time, which a compilation-cache hit still pays.
+    was a fifth of the step's jaxpr equations, traced and lowered again on every compilation-cache hit.
     """
     idx = tuple(index) if isinstance(index, (tuple, list)) else (index,)
     n = len(idx)
