@@ -246,7 +246,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: ja
     window = jnp.asarray(window, jnp.int32)
     if impl == "pallas":
         return _attend_pallas(q, k, v, q_pos, k_pos, window, state, q_tile, kv_tile)
-    if _COUNTER.get() is not None:  # the work counter's callback is traced into the caller's program, not a call
+    if _COUNTER.get() is not None:  # jit's trace cache does not see count_work's context variable: a trace made
+        # outside it (no callback) would be reused inside it, so counted programs trace the core inline
         return _attend_xla(q, k, v, q_pos, k_pos, window, state, q_tile=q_tile, kv_tile=kv_tile)
     return _attend_xla_call(q, k, v, q_pos, k_pos, window, state, q_tile=q_tile, kv_tile=kv_tile)
 

@@ -208,16 +208,9 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (w.astype(jnp.float32) * y).astype(x.dtype)
 
 
+@jax.jit
 def qkv(h: jax.Array, p: dict, cos: jax.Array, sin: jax.Array):
     """Projections with biases, then RoPE on q and k. h `[T, D]` → q `[T, N, H]`, k, v `[T, K, H]` (post-RoPE k)."""
-    return _qkv_call(h, {k: p[k] for k in _QKV_KEYS}, cos, sin)
-
-
-_QKV_KEYS = ("wq", "bq", "wk", "bk", "wv", "bv")
-
-
-@jax.jit
-def _qkv_call(h: jax.Array, p: dict, cos: jax.Array, sin: jax.Array):
     q = jnp.einsum("td,nhd->tnh", h, p["wq"], preferred_element_type=jnp.float32) + p["bq"].astype(jnp.float32)
     k = jnp.einsum("td,khd->tkh", h, p["wk"], preferred_element_type=jnp.float32) + p["bk"].astype(jnp.float32)
     v = jnp.einsum("td,khd->tkh", h, p["wv"], preferred_element_type=jnp.float32) + p["bv"].astype(jnp.float32)
@@ -240,14 +233,12 @@ def local_moe(cfg: ModelConfig, options: StepOptions) -> MoeFn:
     options.require_resolved()
 
     def fn(h, valid, p):
-        return _moe_call(h, valid, {k: p[k] for k in p if k in _MOE_KEYS}, experts_per_token=cfg.experts_per_token,
-                         alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit, tile=options.moe_tile,
-                         impl=options.moe_impl)
+        return _moe_call(h, valid, p, experts_per_token=cfg.experts_per_token, alpha=cfg.swiglu_alpha,
+                         limit=cfg.swiglu_limit, tile=options.moe_tile, impl=options.moe_impl)
 
     return fn
 
 
-_MOE_KEYS = frozenset(("router_w", "router_b", "b1", "b2", stack.LAYER_INDEX) + stack.EXPERT_WEIGHTS)
 _moe_call = jax.jit(moe_lib.moe, static_argnames=("experts_per_token", "alpha", "limit", "tile", "impl"))
 
 
@@ -303,7 +294,8 @@ def take_layer(layers: dict, i: jax.Array, *, experts_stacked: bool = False) -> 
     keep = stack.EXPERT_WEIGHTS if experts_stacked else ()
     p = dict(_take_all({k: v for k, v in layers.items() if k not in keep}, i))
     if experts_stacked:
-        p.update({k: layers[k] for k in keep if k in layers}, **{stack.LAYER_INDEX: i})
+        p |= {k: v for k, v in layers.items() if k in keep}
+        p[stack.LAYER_INDEX] = i
     return p
 
 
