@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO
 
 from slope_jax.model import attention as attn
-from slope_jax.model import moe, mxfp4, rope
+from slope_jax.model import moe, mxfp4, options, rope
 from slope_jax.model.config import ModelConfig
 
 RELEASED = ModelConfig.from_json(os.path.join(REPO, "configs", "gpt-oss-120b.json"))
@@ -279,13 +279,32 @@ def test_expert_bias_weighted_once():
     np.testing.assert_allclose(out[:, 0], (w * ids).sum(-1), rtol=1e-6)
 
 
-def test_grouped_moe_equals_per_token_loop():
+def test_moe_loop_ladder_pads_less_than_its_last_height():
+    assert options.moe_loop_tiles(128, 2432) == (128, 32, 8)
+    assert options.moe_loop_tiles(128, 20) == (20,)  # clipped to T·k, too short to step down
+    assert options.moe_loop_tiles(512, 10**6) == (512, 128, 32)  # at most MOE_LADDER_HEIGHTS heights
+    for tile in (8, 40, 128, 100):
+        ladder = options.moe_loop_tiles(tile, 10**6)
+        for count in range(0, 700):
+            rows = options.moe_loop_rows(count, ladder)
+            assert all(r % h == 0 for h, r in rows.items())
+            assert count <= sum(rows.values()) < count + ladder[-1]  # pad rows only in the last height's tiles
+    # one height (the Pallas kernel's padding): whole tiles of it
+    assert options.moe_loop_rows(152, (128,)) == {128: 256}
+    assert options.moe_loop_rows(152, (128, 32, 8)) == {128: 128, 32: 0, 8: 24}
+    with pytest.raises(ValueError, match="moe_tile=0"):
+        options.moe_loop_tiles(0, 10)
+
+
+@pytest.mark.parametrize("t,tile", [(23, 4), (97, 40)])  # ladders (4,) and (40, 10): ~42 rows per expert at 97
+def test_grouped_moe_equals_per_token_loop(t, tile):
     rng = np.random.default_rng(2)
-    e, d, i, t, k = 7, 8, 6, 23, 3
+    e, d, i, k = 7, 8, 6, 3
+    assert len(options.moe_loop_tiles(tile, t * k)) == (1 if tile == 4 else 2)
     p = _moe_params(e, d, i, rng)
     h = rng.standard_normal((t, d)).astype(np.float32)
     out = np.asarray(moe.moe(jnp.asarray(h), jnp.ones(t, bool), p, experts_per_token=k, alpha=1.702, limit=7.0,
-                             tile=4))
+                             tile=tile))
     w, ids = (np.asarray(x) for x in moe.route(jnp.asarray(h), p["router_w"], p["router_b"], k))
     ref = np.zeros((t, d))
     pn = {key: np.asarray(val, np.float64) for key, val in p.items()}

@@ -18,7 +18,7 @@ from slope_jax.plan import calibrate, flops, hardware, report, search, verify
 from slope_jax.plan.model import predict
 from slope_jax.serve.engine import PrefillEngine
 
-TILES = dict(q_tile=16, kv_tile=16, moe_tile=16)
+TILES = dict(q_tile=16, kv_tile=16, moe_tile=32)  # MoE ladder (32, 8): `options.moe_loop_tiles`
 
 
 @pytest.fixture(scope="module")

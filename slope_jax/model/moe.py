@@ -8,8 +8,9 @@ Notable:
 - SwiGLU: gate/up interleaved (`gu[0::2]`, `gu[1::2]`), gate clamped above only, up clamped both sides,
   `gate·σ(α·gate)·(up + 1)`; the down-projection bias is added before the routing weight (pitfalls 4-7).
 - Grouped compute: the T·k (token, expert) assignments are sorted by expert; each expert that was picked dequantizes
-  its weights once and runs its rows in tiles of `tile` tokens (a dynamic number of tiles per expert). Work is
-  O(T·k + tile padding), never O(T·E) — no dense compute over all experts, and no token is dropped.
+  its weights once and runs its rows in tiles of `tile` tokens, then its last rows in 4×, 16×, … shorter tiles
+  (`options.moe_loop_tiles`: a dynamic number of tiles of each height; < 8 pad rows per expert at tile 128). Work is
+  O(T·k + E·8), never O(T·E) — no dense compute over all experts, and no token is dropped.
 - Three interchangeable grouped computes (`impl`): "loop" is the tile loop above (the CPU default: no dense work);
   "ragged" runs the same sorted assignments through `jax.lax.ragged_dot` (one grouped matmul per projection over all
   experts, the layer's experts dequantized at once: transient `E·3·I·D` elements of the activation dtype). XLA
@@ -55,7 +56,7 @@ def swiglu(gate_up: jax.Array, *, alpha: float, limit: float) -> jax.Array:
     `gate = min(gu[0::2], limit)`, `up = clip(gu[1::2], −limit, limit)`, `out = gate·σ(α·gate)·(up + 1)`.
     """
     gate = jnp.minimum(gate_up[..., 0::2], limit)
-    up = jnp.clip(gate_up[..., 1::2], -limit, limit)
+    up = jnp.minimum(jnp.maximum(gate_up[..., 1::2], -limit), limit)  # clip, spelled without jnp.clip's nested jit
     return gate * jax.nn.sigmoid(gate * alpha) * (up + 1.0)
 
 
@@ -109,7 +110,7 @@ def grouped_ragged(x: jax.Array, group_sizes: jax.Array, expert: jax.Array, p: d
 
 
 def moe(h: jax.Array, valid: jax.Array, p: dict, *, experts_per_token: int, alpha: float, limit: float,
-        tile: int = 128, impl: str = "loop") -> jax.Array:
+        tile: int = 512, impl: str = "loop") -> jax.Array:
     """Exact dropless MoE block on local tokens (all experts on this device).
 
     Args:
@@ -118,7 +119,8 @@ def moe(h: jax.Array, valid: jax.Array, p: dict, *, experts_per_token: int, alph
       p: one layer's MoE parameters: `router_w [E, D]`, `router_b [E]`, `b1 [E, 2I]`, `b2 [E, D]` and either
         `w1_blocks [E, 2I, D/32, 16]`, `w1_scales [E, 2I, D/32]`, `w2_blocks [E, D, I/32, 16]`, `w2_scales [E, D, I/32]`
         (MXFP4) or `w1 [E, 2I, D]`, `w2 [E, D, I]`.
-      tile: rows per expert matmul (loop, pallas).
+      tile: rows per expert matmul (`StepOptions.moe_tile`; loop: the first height of its ladder,
+        `options.moe_loop_tiles`; pallas: capped at `options.MOE_KERNEL_MAX_TILE`).
       impl: "loop", "ragged" or "pallas" ("auto" is resolved before, `options.StepOptions.resolve`, and raises
         ValueError here); the result is the same up to float32 summation order.
     Returns:
@@ -139,7 +141,7 @@ def route_valid(h: jax.Array, valid: jax.Array, p: dict, k: int) -> tuple[jax.Ar
 
 
 def experts(h: jax.Array, weights: jax.Array, ids: jax.Array, p: dict, *, alpha: float, limit: float,
-            tile: int = 128, impl: str = "loop") -> jax.Array:
+            tile: int = 512, impl: str = "loop") -> jax.Array:
     """Grouped, dropless compute of the (token, expert) assignments on the experts held in `p`.
 
     Args:
@@ -176,8 +178,11 @@ def experts(h: jax.Array, weights: jax.Array, ids: jax.Array, p: dict, *, alpha:
         # back to (token, slot) order with the inverse permutation (a gather), then the k slots summed in order
         inv = jnp.zeros_like(order).at[order].set(jnp.arange(n_assign, dtype=jnp.int32))
         return y[inv].reshape(t, k, d).sum(axis=1)
-    tile = max(1, min(tile, n_assign))
-    rows = jnp.arange(tile, dtype=jnp.int32)
+    ladder = options_lib.moe_loop_tiles(tile, n_assign)
+    # the sorted assignments' tokens and weights, padded with `ladder[0]` rows of no token (t: out of range, so the
+    # scatter drops them), so that every tile reads a contiguous dynamic slice, never past the end
+    tok_sorted = jnp.concatenate([order // k, jnp.full((ladder[0],), t, jnp.int32)])
+    w_sorted = jnp.concatenate([flat_w[order], jnp.zeros((ladder[0],), flat_w.dtype)])
 
     def per_expert(e, out):
         w1, w2 = expert_weights(p, e, h.dtype)
@@ -185,26 +190,57 @@ def experts(h: jax.Array, weights: jax.Array, ids: jax.Array, p: dict, *, alpha:
         b2 = stack.take(p["b2"], e).astype(jnp.float32)
         count, start = stack.take(counts, e), stack.take(starts, e)
 
-        def per_tile(i, out):
-            r = i * tile + rows
-            live = r < count
-            a = order[jnp.minimum(start + r, n_assign - 1)]
-            tok = a // k
-            x = h[tok]
-            gu = jnp.einsum("td,od->to", x, w1, preferred_element_type=jnp.float32) + b1
-            act = swiglu(gu, alpha=alpha, limit=limit).astype(h.dtype)
-            y = jnp.einsum("ti,oi->to", act, w2, preferred_element_type=jnp.float32) + b2
-            # rows past the group's end hold a clamped, foreign assignment: drop their update (index t is out of range)
-            dst = jnp.where(live, tok, t)
-            return out.at[dst].add(y * flat_w[a][:, None], mode="drop")
+        def tiles_of(size, base):
+            rows = jnp.arange(size, dtype=jnp.int32)
 
-        n_tiles = (count + tile - 1) // tile
-        return jax.lax.fori_loop(0, n_tiles, per_tile, out)
+            def per_tile(i, out):
+                first = base + i * size  # the tile's first row in the expert's group
+                tok = jax.lax.dynamic_slice(tok_sorted, (start + first,), (size,), allow_negative_indices=False)
+                wt = jax.lax.dynamic_slice(w_sorted, (start + first,), (size,), allow_negative_indices=False)
+                x = _gather_rows(h, tok)
+                gu = jnp.einsum("td,od->to", x, w1, preferred_element_type=jnp.float32) + b1
+                act = swiglu(gu, alpha=alpha, limit=limit).astype(h.dtype)
+                y = jnp.einsum("ti,oi->to", act, w2, preferred_element_type=jnp.float32) + b2
+                # rows past the group's end hold the next group's assignments (or none): drop their update (index t
+                # is out of range)
+                dst = jax.lax.select(first + rows < count, tok, jnp.full_like(tok, t))
+                return _scatter_add_rows(out, dst, y * wt[:, None])
+
+            return per_tile
+
+        # the ladder (`options.moe_loop_tiles`): whole tiles of each height, the group's last rows in the shortest
+        done = jnp.int32(0)
+        for j, size in enumerate(ladder):
+            left = count - done
+            n = left // size if j < len(ladder) - 1 else (left + size - 1) // size
+            with jax.named_scope(f"tiles{size}"):  # `plan.verify` tells the ladder's loops apart by this name
+                out = jax.lax.fori_loop(0, n, tiles_of(size, done), out)
+            done = done + n * size
+        return out
 
     def maybe_expert(e, out):  # an expert no token picked is not even dequantized (short prompts, many experts)
         return jax.lax.cond(counts[e] > 0, per_expert, lambda e, out: out, e, out)
 
     return jax.lax.fori_loop(0, n_exp, maybe_expert, jnp.zeros((t, d), jnp.float32))
+
+
+# Row gather and scatter-add of the expert loop as single lax ops: `h[tok]` and `out.at[dst].add(y, mode="drop")`
+# trace index normalisation around them (~6 equations each), once per tile height and step program — what a
+# compilation-cache hit still pays.
+_ROWS = jax.lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0,))
+_ROWS_UPDATE = jax.lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0,),
+                                               scatter_dims_to_operand_dims=(0,))
+
+
+def _gather_rows(a: jax.Array, idx: jax.Array) -> jax.Array:
+    """`a[idx]` for `a [T, D]`, `idx [R]` int32 (an index past the end reads the last row: clamped)."""
+    return jax.lax.gather(a, idx[:, None], _ROWS, (1, a.shape[1]), mode=jax.lax.GatherScatterMode.CLIP)
+
+
+def _scatter_add_rows(out: jax.Array, idx: jax.Array, rows: jax.Array) -> jax.Array:
+    """`out.at[idx].add(rows, mode="drop")` for `out [T, D]`, `idx [R]` int32, `rows [R, D]`: an index outside `[0, T)`
+    adds nothing."""
+    return jax.lax.scatter_add(out, idx[:, None], rows, _ROWS_UPDATE, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
 def _experts_pallas(h, flat_ids, flat_w, order, counts, starts, p, *, k, tile, alpha, limit) -> jax.Array:
@@ -219,8 +255,9 @@ def _experts_pallas(h, flat_ids, flat_w, order, counts, starts, p, *, k, tile, a
     t, d = h.shape
     n_exp = counts.shape[0]
     m = t * k
-    # rows per tile: moe_tile, but no taller than the (power-of-two rounded) assignments of a short prompt
-    bm = max(1, min(tile, grouped_moe.pow2_at_least(max(m, 16))))
+    # rows per tile: moe_tile capped at the kernel's tile, and no taller than the (power-of-two rounded) assignments of
+    # a short prompt
+    bm = max(1, min(tile, options_lib.MOE_KERNEL_MAX_TILE, grouped_moe.pow2_at_least(max(m, 16))))
     nt = max(1, (m + n_exp * (bm - 1)) // bm)
     tiles = (counts + bm - 1) // bm
     tile_end = jnp.cumsum(tiles)

@@ -28,7 +28,8 @@ UNEMBED_MIN_ROWS = 8
 FIELD_HELP = {
     "q_tile": "Attention query tile (tokens).",
     "kv_tile": "Attention key/value tile (tokens).",
-    "moe_tile": "Rows per expert matmul tile.",
+    "moe_tile": "Rows per expert matmul tile: the loop MoE's tallest tile (each expert's last rows run in 4x, 16x, "
+                "... shorter tiles, down to 8 rows); the Pallas kernel caps it at 128.",
     "attention_impl": "Local attention core: auto = the fused Pallas kernel on GPUs (Triton) and the pure-JAX "
                       "blockwise reference elsewhere; pallas on CPU runs in interpret mode (slow, for testing).",
     "moe_impl": "MoE grouped expert compute: loop = per-expert tile loop, ragged = jax.lax.ragged_dot, pallas = one "
@@ -99,12 +100,60 @@ def ep_rows(capacity: float, tokens_local: int, experts_per_token: int, expert_d
     return max(1, min(tokens_local, math.ceil(share - 1e-9)))  # 1e-9: an exact product's float rounding
 
 
+MOE_KERNEL_MAX_TILE = 128  # rows: the Pallas MoE kernel's row tile (block_m) is `moe_tile` capped at this
+MOE_LADDER_RATIO = 4  # each tile of the expert loop's ladder is this many times shorter than the one above
+MOE_LADDER_MIN = 8  # rows: the ladder stops before a tile shorter than this
+MOE_LADDER_HEIGHTS = 3  # at most this many heights (each one more traced and compiled loop per step program)
+
+
+def moe_loop_tiles(tile: int, assignments: int) -> tuple[int, ...]:
+    """Tile heights (rows) of the "loop" MoE's ladder (`model.moe.experts`): the expert's group runs whole tiles of
+    the first height, then whole tiles of each next one, and its last rows in tiles of the last height (the only
+    ones with pad rows).
+
+    The first height is `tile` (`StepOptions.moe_tile`) clipped to `assignments` (T·k); each next one is
+    `MOE_LADDER_RATIO` times shorter, down to `MOE_LADDER_MIN` rows, at most `MOE_LADDER_HEIGHTS` heights:
+    512 → (512, 128, 32), 128 → (128, 32, 8), 32 → (32, 8), 16 → (16,). An expert with c assignments runs `c`
+    rounded up to the last height, never more (pad rows < the last height: ≤ 31 at the default, where one height of
+    128 padded up to 127 — at 600 tokens, top-4 of 16 experts, ~152 rows per expert ran 256); the tall tiles keep
+    the matmuls efficient. Each height is one more loop to trace, lower and compile in every step program (what a
+    compilation-cache hit still pays), hence the cap. Measured on the peer config's MoE layer
+    (2 idle CPU cores, bf16): `benchmarks/moe_ladder.py`, the README's performance section. JAX-free;
+    `plan.flops.moe_rows` counts the same rows.
+
+    Raises ValueError for a tile or an assignment count below 1.
+    """
+    if tile < 1 or assignments < 1:
+        raise ValueError(f"moe_tile={tile}, assignments={assignments}: both must be >= 1")
+    out = [min(tile, assignments)]
+    while out[-1] // MOE_LADDER_RATIO >= MOE_LADDER_MIN and len(out) < MOE_LADDER_HEIGHTS:
+        out.append(out[-1] // MOE_LADDER_RATIO)
+    return tuple(out)
+
+
+def moe_loop_rows(count: int, tiles: tuple[int, ...]) -> dict[int, int]:
+    """Rows by tile height, `{height: rows}`, that the ladder `tiles` (`moe_loop_tiles`) runs for an expert group of
+    `count` assignments: whole tiles of each height but the last, then ⌈rest / last⌉ tiles of the last height (one
+    height: ⌈count / tile⌉ tiles). Iterations of a height: its rows / height. JAX-free mirror of `model.moe.experts`
+    (`plan.flops.moe_rows` sums it over experts)."""
+    out = dict.fromkeys(tiles, 0)
+    left = count
+    for j, size in enumerate(tiles):
+        n = left // size if j < len(tiles) - 1 else -(-left // size)
+        out[size] += n * size
+        left -= n * size
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
     """Compute options of the compiled step.
 
     q_tile, kv_tile: attention query / key tile (tokens; clipped to the lengths, the Pallas kernel also caps them).
-    moe_tile: rows per expert matmul tile (clipped to tokens × experts_per_token).
+    moe_tile: rows per expert matmul tile (clipped to tokens × experts_per_token): the "loop" MoE's tallest tile, it
+      ends each expert's group with shorter ones (`moe_loop_tiles`); the Pallas kernel pads each group to whole tiles
+      of this height capped at `MOE_KERNEL_MAX_TILE`. Default 512: on 2 CPU cores a 512-row bf16 expert matmul of the
+      peer config runs at 331 GFLOP/s, a 128-row one at 255 (`benchmarks/moe_ladder.py`).
     attention_impl: "auto" | "pallas" | "xla" (`model.attention.attend`); moe_impl: "auto" | "ragged" | "loop" |
       "pallas" (`model.moe.experts`). The step runs only resolved options (`resolve`).
     ep_dispatch: "auto" | "all_to_all" | "all_gather" (`parallel.expert_parallel`); ep_capacity: the all-to-all's
@@ -115,7 +164,7 @@ class StepOptions:
 
     q_tile: int = 256
     kv_tile: int = 256
-    moe_tile: int = 128
+    moe_tile: int = 512
     attention_impl: str = "auto"
     moe_impl: str = "auto"
     ep_dispatch: str = "auto"

@@ -79,13 +79,19 @@ def moe_expert_parallel(h: jax.Array, valid: jax.Array, p: dict, *, ulysses: int
                 h_all, w_all, ids_all = collectives.expert_dispatch((h, weights, ids), CP_AXES)
             rank = jax.lax.axis_index("ring") * ulysses + jax.lax.axis_index("ulysses")
             local = ids_all - rank * e_local  # out of [0, e_local): another device's expert, or a pad (no work here)
-            y = moe_lib.experts(h_all, w_all, local.astype(jnp.int32), p, **compute)
+            y = _experts_call(h_all, w_all, local.astype(jnp.int32), p, **compute)
             with jax.named_scope("combine"):
                 return collectives.expert_combine(y, CP_AXES)
         t = h.shape[0]
         ep = jax.lax.axis_size(CP_AXES)
         rows = t if capacity is None else options_lib.ep_rows(capacity, t, experts_per_token, ep)
         return _all_to_all(h, weights, ids, p, rows, compute)
+
+
+# The local grouped compute as one traced call: the sliding and the full layer's expert-parallel blocks (same shapes)
+# share one trace and one lowered function of the expert loop (as `gpt_oss._moe_call` does without EP), which a
+# compilation-cache hit still pays for.
+_experts_call = jax.jit(moe_lib.experts, static_argnames=("alpha", "limit", "tile", "impl"))
 
 
 def _all_to_all(h, weights, ids, p, rows, compute):
@@ -117,7 +123,7 @@ def _all_to_all(h, weights, ids, p, rows, compute):
         send = (h_pad[tok], jnp.where(mine, w_pad[tok], 0.0), jnp.where(mine, local_pad[tok], e_local))
         with jax.named_scope("dispatch"):
             x_r, w_r, id_r = collectives.expert_exchange(send, CP_AXES)
-        y = moe_lib.experts(x_r.reshape(-1, d), w_r.reshape(-1, k), id_r.reshape(-1, k), p, **compute)
+        y = _experts_call(x_r.reshape(-1, d), w_r.reshape(-1, k), id_r.reshape(-1, k), p, **compute)
         with jax.named_scope("combine"):
             back = collectives.expert_exchange(y.reshape(ep, rows, d), CP_AXES)
         return out.at[tok].add(back, mode="drop")

@@ -14,8 +14,9 @@ Executed FLOPs per device (`per_device`) follow the engine's structure (`model/a
   * full layers on `R·U` devices: heads `N/U` after the Ulysses all-to-all, the zigzag ring's step 0 (causal diagonal
     + one full block) and `R−1` steps of two full blocks; sliding layers keep all `N` heads on the local pieces plus a
     halo of `W−1` keys;
-  * MoE: tokens grouped by expert and run in tiles of `min(moe_tile, T_local·k)` rows; routing is assumed balanced
-    (`assignments / E` per expert; pad tokens go to no expert, as the engine routes them);
+  * MoE: tokens grouped by expert and run in tiles of the "loop" ladder (`options.moe_loop_tiles`: `min(moe_tile,
+    T_local·k)` rows, then 4× shorter ones for the group's last rows; one height with the Pallas kernel); routing is
+    assumed balanced (`assignments / E` per expert; pad tokens go to no expert, as the engine routes them);
   * pipeline: every stage runs all `S` slots (empty ones too) on each of the `M + P − 1` ticks, as the step's
     critical path: the ticks are synchronous, and on each some stage is live. A stage's own `P − 1` fill/drain ticks
     visit no attention tile and no expert (its tokens are pads without positions, `parallel.pipeline`), so the work
@@ -30,7 +31,8 @@ import math
 import numpy as np
 
 from slope_jax.model.config import ModelConfig
-from slope_jax.model.options import UNEMBED_MIN_ROWS, StepOptions
+from slope_jax.model.options import (MOE_KERNEL_MAX_TILE, UNEMBED_MIN_ROWS, StepOptions, moe_loop_rows,
+                                     moe_loop_tiles)
 
 INVALID_POS = -(2**30)  # attention.INVALID_POS (kept here so that this module needs no JAX)
 NO_WINDOW = 2**30
@@ -197,19 +199,42 @@ def _attention_calls_cached(N: int, H: int, W: int, t: int, R: int, U: int, q_ti
     return out
 
 
-def moe_rows(cfg: ModelConfig, tokens: int, real: int, tile: int, expert: int = 1) -> int:
-    """Expert-matmul rows one device runs: `Σ_e ⌈c_e/tile⌉·tile` over its experts with any assignment.
+def moe_rows(cfg: ModelConfig, tokens: int, real: int, tile: int, expert: int = 1,
+             ladder: bool = True) -> dict[int, int]:
+    """Expert-matmul rows one device runs, by tile height: `{height: rows}` (sum: all rows incl. tile padding).
 
     tokens: tokens the device's MoE sees (its local tokens, × `expert` when EP all-gathers them over the EP group);
-    real: how many of them are real; tile: `moe_tile`, clipped to `tokens·k` as the engine does. Balanced routing:
-    `real·k` assignments split evenly over the E experts; pads are routed to no expert (`moe.route_valid`).
+    real: how many of them are real; tile: `moe_tile`. ladder: the "loop" MoE's tile ladder
+    (`options.moe_loop_tiles`: an expert with c assignments runs c rounded up to the ladder's last height, in whole
+    tiles of each height); False: one height `h = min(tile, MOE_KERNEL_MAX_TILE)`, `⌈c/h⌉·h` (the Pallas kernel).
+    Heights are clipped to `tokens·k` as the engine does. Balanced routing: `real·k` assignments split evenly over the E experts; pads are routed to
+    no expert (`moe.route_valid`). Experts with no assignment run nothing.
     """
     k, E = cfg.experts_per_token, cfg.num_experts
-    tile = max(1, min(tile, tokens * k))
+    heights = moe_loop_tiles(tile, tokens * k) if ladder else (max(1, min(tile, MOE_KERNEL_MAX_TILE, tokens * k)),)
     q, rem = divmod(real * k, E)
-    counts = np.array([q + (e < rem) for e in range(E)], np.int64)
+    counts = [q + (e < rem) for e in range(E)]
     local = counts[: E // expert] if expert > 1 else counts  # EP rank 0 holds the first E/EP (the busiest) experts
-    return int(sum(-(-int(c) // tile) * tile for c in local if c > 0))
+    out = dict.fromkeys(heights, 0)
+    for c in local:
+        for size, rows in moe_loop_rows(c, heights).items():
+            out[size] += rows
+    return out
+
+
+def _moe_totals(by_height: dict[int, int]) -> tuple[int, int]:
+    """(rows, expert-loop iterations) of `moe_rows`' result."""
+    return sum(by_height.values()), sum(r // h for h, r in by_height.items())
+
+
+def _moe_classes(by_height: dict[int, int], passes: int, experts: int, cfg: ModelConfig) -> dict[str, tuple]:
+    """`classes` entries of the MoE for checking compiled programs: per tile height h, `moe_<h>`: (FLOPs of all its
+    tiles, FLOPs of one tile per expert: what one pass of that height's dynamic loop costs in the HLO); `moe`: the
+    same over all heights (one loop of one height: the Pallas kernel's grid)."""
+    per_row = _expert_per_row(cfg)
+    out = {f"moe_{h}": (float(passes * r * per_row), float(passes * experts * h * per_row)) for h, r in by_height.items()}
+    out["moe"] = (sum(v[0] for v in out.values()), sum(v[1] for v in out.values()))
+    return out
 
 
 def per_device(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int, n: int | None = None, m: int = 1,
@@ -236,19 +261,19 @@ def per_device(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int,
             c = cls["sliding" if cfg.is_sliding(layer) else "step0"]
             c[0] += m * nt * per_tile
             c[1] += m * -(-t // bq) * per_tile
-        rows = moe_rows(cfg, t, n, tiles.moe_tile)
-        tile = max(1, min(tiles.moe_tile, t * cfg.experts_per_token))
+        by_height = moe_rows(cfg, t, n, tiles.moe_tile, ladder=tiles.moe_impl != "pallas")
+        rows, iters = _moe_totals(by_height)
         L = cfg.num_hidden_layers
         out = {"projections": float(m * L * t * _proj_per_token(cfg)), "attention": cls["sliding"][0] + cls["step0"][0],
                "moe": float(m * L * rows * _expert_per_row(cfg)),
                "head": 2.0 * max(m, UNEMBED_MIN_ROWS) * D * V}  # the step unembeds ≥ UNEMBED_MIN_ROWS rows
         out["total"] = sum(out.values())
         out["elements"] = float(m * L * (t * _elements_per_token(cfg) + rows * _elements_per_row(cfg)))
-        out["moe_tiles"] = float(m * L * rows // tile)
+        out["moe_tiles"] = float(m * L * iters)
         out["attention_entries"] = out["attention"] / (4 * cfg.head_dim)
         both = (cls["sliding"][0] + cls["step0"][0], cls["sliding"][1] + cls["step0"][1])
         out["classes"] = {"sliding": tuple(cls["sliding"]), "step0": tuple(cls["step0"]), "attention": both,
-                          "moe": (out["moe"], float(m * L * cfg.num_experts * tile * _expert_per_row(cfg)))}
+                          **_moe_classes(by_height, m * L, cfg.num_experts, cfg)}
         return out
     S, _ = stage_slots(cfg, P)
     ticks = m + P - 1
@@ -258,8 +283,9 @@ def per_device(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int,
     per = {k: float(v[busiest]) * ticks * S / 2 for k, v in calls.items()}
     pos = _layout_positions(t, R, U).reshape(R * U, tl)
     real = int((pos < n).sum(1).max()) if expert == 1 else int((pos < n).sum())  # EP: the whole EP group's tokens
-    rows = moe_rows(cfg, tl * expert, min(real, tl * expert), tiles.moe_tile, expert)
-    tile = max(1, min(tiles.moe_tile, tl * expert * cfg.experts_per_token))
+    by_height = moe_rows(cfg, tl * expert, min(real, tl * expert), tiles.moe_tile, expert,
+                         ladder=tiles.moe_impl != "pallas")
+    rows, iters = _moe_totals(by_height)
     vrows = -(-V // (P * R * U))  # every device unembeds its vocabulary shard (`parallel.stages.vocab_shards`)
     out = {"projections": float(ticks * S * tl * _proj_per_token(cfg)),
            "attention": per["sliding"] + per["step0"] + per["ring"],
@@ -267,12 +293,11 @@ def per_device(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int,
            "head": 2.0 * max(m, UNEMBED_MIN_ROWS) * D * vrows}
     out["total"] = sum(out.values())
     out["elements"] = float(ticks * S * (tl * _elements_per_token(cfg) + rows * _elements_per_row(cfg)))
-    out["moe_tiles"] = float(ticks * S * rows // tile)
+    out["moe_tiles"] = float(ticks * S * iters)
     out["attention_entries"] = out["attention"] / (4 * cfg.head_dim)
     out["classes"] = {"sliding": (per["sliding"], per["sliding_pass"]), "step0": (per["step0"], per["step0_pass"]),
                       "ring": (per["ring"], per["ring_pass"]),
-                      "moe": (out["moe"], float(ticks * S * (cfg.num_experts // expert) * tile
-                                                * _expert_per_row(cfg)))}
+                      **_moe_classes(by_height, ticks * S, cfg.num_experts // expert, cfg)}
     return out
 
 

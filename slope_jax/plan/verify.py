@@ -15,12 +15,15 @@ their per-device block).
 
 from __future__ import annotations
 
+import re
+
 from slope_jax.plan import flops, hlo, memory, moe_traffic, traffic
 
 
 def _loop_class(op_name: str) -> str:
-    if "/moe/" in op_name:
-        return "moe"
+    if "/moe/" in op_name:  # one loop per height of the expert loop's ladder (`model.moe.experts`: "tiles<h>")
+        height = re.search(r"/tiles(\d+)/", op_name)
+        return f"moe_{height.group(1)}" if height else "moe"
     if "sliding_layer/" in op_name:
         return "sliding"
     if "ring_step0" in op_name:
