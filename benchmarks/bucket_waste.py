@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("configs", ["gpt-oss-20b", "gpt-oss-120b", "tiny", "tiny-hd64"], "Configs (configs/<name>.json).")
-flags.DEFINE_list("tiles", ["256x256x128", "64x64x128", "16x16x16"],
+flags.DEFINE_list("tiles", ["256x256x512", "64x64x128", "16x16x16"],
                   "Tile sets q_tile x kv_tile x moe_tile: the engine's defaults (XLA attention), the Pallas GPU "
                   "blocks, small tiles (attention closest to the exact square).")
 flags.DEFINE_integer("lo", 256, "Shortest prompt checked.")

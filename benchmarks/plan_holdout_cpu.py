@@ -167,6 +167,7 @@ def main(argv):
               dataclasses.asdict(e), "table": table, "rows": rows, "extra_rows": FLAGS.extra_rows,
               "held_out_worst_error": worst, "loadavg_before": load0, "loadavg_after": os.getloadavg(),
               "cpus": os.cpu_count()}
+    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)  # benchmarks/results/ is not in git
     atomic_json(FLAGS.out, result, indent=1)
     if FLAGS.write_profile:
         atomic_json(os.path.join(REPO, "configs", "hardware", "calibration", "cpu_multi.json"),

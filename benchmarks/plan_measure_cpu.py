@@ -95,6 +95,7 @@ def main(argv):
         rows.append({"pipeline": p, "ring": r, "ulysses": u, "length": pt["length"], "batch": 1,
                      "ms": min(pt["raw"]) * 1e3, "raw_ms": [x * 1e3 for x in pt["raw"]],
                      "normalised_ms": [x * 1e3 for x in pt["norm"]]})
+    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
     atomic_json(FLAGS.out, {"hardware": "cpu", "config": FLAGS.config, "dtype": "float32", "repeats": FLAGS.repeats,
                             "peak_flops_float32": best_rate, "start_peak_2048": peak, "reference_rate_1024": ref,
                             "memcpy_bytes_per_s": copy_bw,

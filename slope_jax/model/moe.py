@@ -8,9 +8,10 @@ Notable:
 - SwiGLU: gate/up interleaved (`gu[0::2]`, `gu[1::2]`), gate clamped above only, up clamped both sides,
   `gate·σ(α·gate)·(up + 1)`; the down-projection bias is added before the routing weight (pitfalls 4-7).
 - Grouped compute: the T·k (token, expert) assignments are sorted by expert; each expert that was picked dequantizes
-  its weights once and runs its rows in tiles of `tile` tokens, then its last rows in 4×, 16×, … shorter tiles
-  (`options.moe_loop_tiles`: a dynamic number of tiles of each height; < 8 pad rows per expert at tile 128). Work is
-  O(T·k + E·8), never O(T·E) — no dense compute over all experts, and no token is dropped.
+  its weights once and runs its rows in tiles of `tile` tokens, then its last rows in 4× and 16× shorter tiles
+  (`options.moe_loop_tiles`: 512, 128, 32 rows at the default tile; a dynamic number of tiles of each height, pad
+  rows only in the shortest, fewer than its height). Work is O(T·k + E·32), never O(T·E) — no dense compute over all
+  experts, and no token is dropped.
 - Three interchangeable grouped computes (`impl`): "loop" is the tile loop above (the CPU default: no dense work);
   "ragged" runs the same sorted assignments through `jax.lax.ragged_dot` (one grouped matmul per projection over all
   experts, the layer's experts dequantized at once: transient `E·3·I·D` elements of the activation dtype). XLA

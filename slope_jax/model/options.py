@@ -28,8 +28,8 @@ UNEMBED_MIN_ROWS = 8
 FIELD_HELP = {
     "q_tile": "Attention query tile (tokens).",
     "kv_tile": "Attention key/value tile (tokens).",
-    "moe_tile": "Rows per expert matmul tile: the loop MoE's tallest tile (each expert's last rows run in 4x, 16x, "
-                "... shorter tiles, down to 8 rows); the Pallas kernel caps it at 128.",
+    "moe_tile": "Rows per expert matmul tile: the loop MoE's tallest tile (each expert's last rows run in 4x and "
+                "16x shorter tiles, none under 8 rows); the Pallas kernel caps it at 128.",
     "attention_impl": "Local attention core: auto = the fused Pallas kernel on GPUs (Triton) and the pure-JAX "
                       "blockwise reference elsewhere; pallas on CPU runs in interpret mode (slow, for testing).",
     "moe_impl": "MoE grouped expert compute: loop = per-expert tile loop, ragged = jax.lax.ragged_dot, pallas = one "
@@ -153,7 +153,7 @@ class StepOptions:
     moe_tile: rows per expert matmul tile (clipped to tokens × experts_per_token): the "loop" MoE's tallest tile, it
       ends each expert's group with shorter ones (`moe_loop_tiles`); the Pallas kernel pads each group to whole tiles
       of this height capped at `MOE_KERNEL_MAX_TILE`. Default 512: on 2 CPU cores a 512-row bf16 expert matmul of the
-      peer config runs at 331 GFLOP/s, a 128-row one at 255 (`benchmarks/moe_ladder.py`).
+      peer config ran at 1.2–1.3× the FLOP rate of a 128-row one in quiet runs (`benchmarks/moe_ladder.py`).
     attention_impl: "auto" | "pallas" | "xla" (`model.attention.attend`); moe_impl: "auto" | "ragged" | "loop" |
       "pallas" (`model.moe.experts`). The step runs only resolved options (`resolve`).
     ep_dispatch: "auto" | "all_to_all" | "all_gather" (`parallel.expert_parallel`); ep_capacity: the all-to-all's

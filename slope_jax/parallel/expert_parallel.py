@@ -88,9 +88,9 @@ def moe_expert_parallel(h: jax.Array, valid: jax.Array, p: dict, *, ulysses: int
         return _all_to_all(h, weights, ids, p, rows, compute)
 
 
-# The local grouped compute as one traced call: the sliding and the full layer's expert-parallel blocks (same shapes)
-# share one trace and one lowered function of the expert loop (as `gpt_oss._moe_call` does without EP), which a
-# compilation-cache hit still pays for.
+# The local grouped compute as one traced call: calls of the same shapes (the sliding and the full layer's
+# expert-parallel blocks) share one trace of the expert loop and its tile ladder (as `gpt_oss._moe_call` does without
+# EP), which a compilation-cache hit still pays for.
 _experts_call = jax.jit(moe_lib.experts, static_argnames=("alpha", "limit", "tile", "impl"))
 
 

@@ -213,12 +213,11 @@ def moe_rows(cfg: ModelConfig, tokens: int, real: int, tile: int, expert: int = 
     k, E = cfg.experts_per_token, cfg.num_experts
     heights = moe_loop_tiles(tile, tokens * k) if ladder else (max(1, min(tile, MOE_KERNEL_MAX_TILE, tokens * k)),)
     q, rem = divmod(real * k, E)
-    counts = [q + (e < rem) for e in range(E)]
-    local = counts[: E // expert] if expert > 1 else counts  # EP rank 0 holds the first E/EP (the busiest) experts
+    local = E // expert  # EP rank 0 holds the first E/EP experts: the busiest, with q + 1 assignments each first
     out = dict.fromkeys(heights, 0)
-    for c in local:
-        for size, rows in moe_loop_rows(c, heights).items():
-            out[size] += rows
+    for count, experts in ((q + 1, min(rem, local)), (q, local - min(rem, local))):
+        for size, rows in moe_loop_rows(count, heights).items():
+            out[size] += experts * rows
     return out
 
 
