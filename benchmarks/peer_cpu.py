@@ -12,7 +12,7 @@ One measurement = one fresh process of one engine (slope_jax: this interpreter; 
 `launch/vllm_venv.sh` when missing), which loads the model, runs one 16-token warm-up prompt, then times the prompt
 of n tokens `--timed` times (bf16; float32: once) and keeps the fastest; single runs of either engine scatter by up
 to 1.5× on the shared 2-core host, and its first run of a length pays one-off costs (vLLM's start-up profile run
-already ran that length; slope_jax's first call of a bucket's program faults in its buffers):
+already ran that length; slope_jax's first call of a bucket's program runs cold):
 - slope_jax (`PrefillEngine`, one device): the bucket's program is compiled (or loaded from the persistent
   compilation cache) before the timed call and reported apart (`compile_s`, `compile_source`); TTFT is the engine's
   `compute_ms` (step start → first token on the host).
