@@ -17,7 +17,6 @@ table and writes JSON (default benchmarks/results/moe_ladder.json).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -60,6 +59,9 @@ def main(argv):
     import jax.numpy as jnp
     import numpy as np
 
+    from bench_timing import best_seconds  # benchmarks/, the script's own directory
+
+    from slope_jax.atomic import atomic_json
     from slope_jax.model import moe as moe_lib
     from slope_jax.model import options as options_lib
     from slope_jax.model.config import ModelConfig
@@ -80,7 +82,8 @@ def main(argv):
     dot_rate = {}
     for m in map(int, FLAGS.dot_rows):
         x = jnp.asarray(rng.standard_normal((m, D)), jnp.bfloat16)
-        s = _best_interleaved({"dot": dot}, (x, w1), 3 * FLAGS.repeats)["dot"]
+        jax.block_until_ready(dot(x, w1))
+        s = best_seconds(lambda: jax.block_until_ready(dot(x, w1)), 3 * FLAGS.repeats)
         dot_rate[m] = 2 * m * D * 2 * I / s
     print("bf16 expert matmul [rows, D] x [2I, D]^T: " + ", ".join(f"{m} rows {r / 1e9:.0f} GFLOP/s"
                                                                   for m, r in dot_rate.items()))
@@ -122,8 +125,7 @@ def main(argv):
            "loadavg_end": os.getloadavg()[0], "dot_gflops_by_rows": {str(m): r / 1e9 for m, r in dot_rate.items()},
            "rows": rows_out}
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out, "w") as fh:
-        json.dump(out, fh, indent=1)
+    atomic_json(FLAGS.out, out, indent=1)
     print(f"wrote {FLAGS.out}")
 
 
