@@ -279,7 +279,7 @@ def test_expert_bias_weighted_once():
     np.testing.assert_allclose(out[:, 0], (w * ids).sum(-1), rtol=1e-6)
 
 
-def test_moe_loop_ladder_pads_less_than_its_last_height():
+def test_moe_loop_ladder_pads_less_than_its_second_height():
     assert options.moe_loop_tiles(128, 2432) == (128, 32, 8)
     assert options.moe_loop_tiles(128, 20) == (20,)  # clipped to T·k, too short to step down
     assert options.moe_loop_tiles(512, 10**6) == (512, 128, 32)  # at most MOE_LADDER_HEIGHTS heights
@@ -288,10 +288,20 @@ def test_moe_loop_ladder_pads_less_than_its_last_height():
         for count in range(0, 700):
             rows = options.moe_loop_rows(count, ladder)
             assert all(r % h == 0 for h, r in rows.items())
-            assert count <= sum(rows.values()) < count + ladder[-1]  # pad rows only in the last height's tiles
+            pad = sum(rows.values()) - count
+            assert 0 <= pad < (ladder[1] if len(ladder) > 1 else ladder[0])
+            # what a height leaves to the shorter ones: never so many rows that one more tile of it would pad
+            # fewer than the next height's rows
+            for j in range(len(ladder) - 1):
+                shorter = sum(rows[h] for h in ladder[j + 1:])
+                assert shorter == 0 or shorter - pad <= ladder[j] - ladder[j + 1]
     # one height (the Pallas kernel's padding): whole tiles of it
     assert options.moe_loop_rows(152, (128,)) == {128: 256}
     assert options.moe_loop_rows(152, (128, 32, 8)) == {128: 128, 32: 0, 8: 24}
+    assert options.moe_loop_rows(490, (512, 128, 32)) == {512: 512, 128: 0, 32: 0}  # 22 pad rows < 128
+    assert options.moe_loop_rows(384, (512, 128, 32)) == {512: 0, 128: 384, 32: 0}  # 128 pad rows: not < 128
+    assert options.moe_loop_rows(120, (128, 32, 8)) == {128: 128, 32: 0, 8: 0}
+    assert options.moe_loop_rows(0, (512, 128, 32)) == {512: 0, 128: 0, 32: 0}
     with pytest.raises(ValueError, match="moe_tile=0"):
         options.moe_loop_tiles(0, 10)
 
@@ -306,6 +316,11 @@ def test_grouped_moe_equals_per_token_loop(t, tile):
     out = np.asarray(moe.moe(jnp.asarray(h), jnp.ones(t, bool), p, experts_per_token=k, alpha=1.702, limit=7.0,
                              tile=tile))
     w, ids = (np.asarray(x) for x in moe.route(jnp.asarray(h), p["router_w"], p["router_b"], k))
+    if tile == 40:  # the ladder's paths are all taken: whole tiles, a padded tall tile, the short tiles
+        ladder = options.moe_loop_tiles(tile, t * k)
+        runs = [options.moe_loop_rows(int(c), ladder) for c in np.bincount(ids.ravel(), minlength=e)]
+        assert any(r[40] > c for r, c in zip(runs, np.bincount(ids.ravel(), minlength=e)))
+        assert any(r[10] for r in runs) and any(r[40] for r in runs)
     ref = np.zeros((t, d))
     pn = {key: np.asarray(val, np.float64) for key, val in p.items()}
     for tok in range(t):

@@ -9,9 +9,10 @@ Notable:
   `gate·σ(α·gate)·(up + 1)`; the down-projection bias is added before the routing weight (pitfalls 4-7).
 - Grouped compute: the T·k (token, expert) assignments are sorted by expert; each expert that was picked dequantizes
   its weights once and runs its rows in tiles of `tile` tokens, then its last rows in 4× and 16× shorter tiles
-  (`options.moe_loop_tiles`: 512, 128, 32 rows at the default tile; a dynamic number of tiles of each height, pad
-  rows only in the shortest, fewer than its height). Work is O(T·k + E·32), never O(T·E) — no dense compute over all
-  experts, and no token is dropped.
+  (`options.moe_loop_tiles`: 512, 128, 32 rows at the default tile; a dynamic number of tiles of each height, a
+  taller tile padded rather than several shorter ones when it pads fewer rows than the next height,
+  `options.moe_loop_rows`). Work is O(T·k + E·128), never O(T·E) — no dense compute over all experts, and no token
+  is dropped.
 - Three interchangeable grouped computes (`impl`): "loop" is the tile loop above (the CPU default: no dense work);
   "ragged" runs the same sorted assignments through `jax.lax.ragged_dot` (one grouped matmul per projection over all
   experts, the layer's experts dequantized at once: transient `E·3·I·D` elements of the activation dtype). XLA
@@ -209,11 +210,12 @@ def experts(h: jax.Array, weights: jax.Array, ids: jax.Array, p: dict, *, alpha:
 
             return per_tile
 
-        # the ladder (`options.moe_loop_tiles`): whole tiles of each height, the group's last rows in the shortest
+        # the ladder (`options.moe_loop_rows`): whole tiles of each height, one more when the rows left would pad it
+        # by fewer than the next height; the last height takes what is left
         done = jnp.int32(0)
         for j, size in enumerate(ladder):
-            left = count - done
-            n = left // size if j < len(ladder) - 1 else (left + size - 1) // size
+            round_up = ladder[j + 1] if j < len(ladder) - 1 else size
+            n = jnp.maximum(count - done + (round_up - 1), 0) // size
             with jax.named_scope(f"tiles{size}"):  # `plan.verify` tells the ladder's loops apart by this name
                 out = jax.lax.fori_loop(0, n, tiles_of(size, done), out)
             done = done + n * size

@@ -113,10 +113,10 @@ def moe_loop_tiles(tile: int, assignments: int) -> tuple[int, ...]:
 
     The first height is `tile` (`StepOptions.moe_tile`) clipped to `assignments` (T·k); each next one is
     `MOE_LADDER_RATIO` times shorter, down to `MOE_LADDER_MIN` rows, at most `MOE_LADDER_HEIGHTS` heights:
-    512 → (512, 128, 32), 128 → (128, 32, 8), 32 → (32, 8), 16 → (16,). An expert with c assignments runs `c`
-    rounded up to the last height, never more (pad rows < the last height: ≤ 31 at the default, where one height of
-    128 padded up to 127 — at 600 tokens, top-4 of 16 experts, ~152 rows per expert ran 256); the tall tiles keep
-    the matmuls efficient. Each height is one more loop to trace, lower and compile in every step program (what a
+    512 → (512, 128, 32), 128 → (128, 32, 8), 32 → (32, 8), 16 → (16,). An expert group's rows go to the tallest
+    tiles that `moe_loop_rows` allows: fewer pad rows than the second height (≤ 127 at the default, ≤ 31 in the
+    shortest tiles; one height of 128 padded up to 127 and ran ~152 rows per expert as 256 at 600 tokens, top-4 of
+    16 experts); the tall tiles keep the matmuls efficient. Each height is one more loop to trace, lower and compile in every step program (what a
     compilation-cache hit still pays), hence the cap. Measured on the peer config's MoE layer
     (2 idle CPU cores, bf16): `benchmarks/moe_ladder.py`, the README's performance section. JAX-free;
     `plan.flops.moe_rows` counts the same rows.
@@ -133,13 +133,18 @@ def moe_loop_tiles(tile: int, assignments: int) -> tuple[int, ...]:
 
 def moe_loop_rows(count: int, tiles: tuple[int, ...]) -> dict[int, int]:
     """Rows by tile height, `{height: rows}`, that the ladder `tiles` (`moe_loop_tiles`) runs for an expert group of
-    `count` assignments: whole tiles of each height but the last, then ⌈rest / last⌉ tiles of the last height (one
-    height: ⌈count / tile⌉ tiles). Iterations of a height: its rows / height. JAX-free mirror of `model.moe.experts`
-    (`plan.flops.moe_rows` sums it over experts)."""
+    `count` assignments. Each height but the last runs the whole tiles the rows left fill, and one more tile when
+    the rows left after those would pad it by fewer than the next height's rows (then nothing is left for the
+    shorter heights); the last height runs ⌈rest / last⌉ tiles (one height: ⌈count / tile⌉). Pad rows: fewer than
+    `tiles[1]` (`tiles[0]` for one height). Why round up: a 512-row tile of the peer config's bf16 expert matmul
+    took 23 µs a row on 2 CPU cores, 128-row ones 27 µs and 32-row ones 34 µs, so 490 rows ran in 12 ms as one
+    padded 512-row tile and in 15 ms as 3×128 + 4×32; one MoE layer at 2048 tokens took 0.85–0.92× the time of
+    the ladder without it (interleaved, best of 12; neutral at 608 and 8192 tokens). Iterations of a height: its
+    rows / height. JAX-free mirror of `model.moe.experts` (`plan.flops.moe_rows` sums it over experts)."""
     out = dict.fromkeys(tiles, 0)
     left = count
     for j, size in enumerate(tiles):
-        n = left // size if j < len(tiles) - 1 else -(-left // size)
+        n = max(left + (tiles[j + 1] if j < len(tiles) - 1 else size) - 1, 0) // size
         out[size] += n * size
         left -= n * size
     return out
