@@ -101,7 +101,7 @@ def part_functions(cfg, options):
     def projections(x, p, cos, sin):
         h = model_lib.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
         q, k, v = model_lib.qkv(h, p, cos, sin)
-        o = jnp.einsum("tnh,dnh->td", q, p["wo"], preferred_element_type=jnp.float32) + p["bo"].astype(jnp.float32)
+        o = model_lib.project(q, p["wo"], p["bo"])
         return o.astype(x.dtype), k, v
 
     def core(window):

@@ -250,7 +250,7 @@ def main(argv):
             h = model_lib.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
             q, k, v = model_lib.qkv(h, p, cos, sin)
             o = attn_lib.attention(q, k, v, pos, pos, p["sinks"], window=window, impl=impl).astype(x.dtype)
-            return x + jnp.einsum("tnh,dnh->td", o, p["wo"], preferred_element_type=jnp.float32).astype(x.dtype)
+            return x + model_lib.project(o, p["wo"]).astype(x.dtype)
         return f
 
     def moe_step(impl):
