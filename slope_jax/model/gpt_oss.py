@@ -18,6 +18,7 @@ L layers.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable, NamedTuple
 
 import jax
@@ -217,10 +218,9 @@ def project(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array
     `[in, out]` operand — a transposed copy of the weight on every layer of every step (`wq`: `[N, H, D]` → `[D, N·H]`,
     `wo`: `[D, N, H]` → `[H·N, D]`; 8 % of the peer config's 600-token step on 2 CPU cores).
     """
-    n_in = x.ndim - 1
-    out_axes = w.shape[:w.ndim - n_in]
-    y = jnp.einsum("ti,oi->to", x.reshape(x.shape[0], -1), w.reshape(-1, x[0].size),
-                   preferred_element_type=jnp.float32)
+    out_axes = w.shape[:w.ndim - (x.ndim - 1)]
+    n_in = math.prod(x.shape[1:])
+    y = jnp.einsum("ti,oi->to", x.reshape(x.shape[0], n_in), w.reshape(-1, n_in), preferred_element_type=jnp.float32)
     if b is not None:
         y = y + b.reshape(-1).astype(jnp.float32)
     return y.reshape(x.shape[0], *out_axes)

@@ -107,18 +107,18 @@ MOE_LADDER_HEIGHTS = 3  # at most this many heights (each one more traced and co
 
 
 def moe_loop_tiles(tile: int, assignments: int) -> tuple[int, ...]:
-    """Tile heights (rows) of the "loop" MoE's ladder (`model.moe.experts`): the expert's group runs whole tiles of
-    the first height, then whole tiles of each next one, and its last rows in tiles of the last height (the only
-    ones with pad rows).
+    """Tile heights (rows) of the "loop" MoE's ladder (`model.moe.experts`): the expert's group runs tiles of the
+    first height, then of each next one, its last rows in tiles of the last height (how many of each:
+    `moe_loop_rows`).
 
     The first height is `tile` (`StepOptions.moe_tile`) clipped to `assignments` (T·k); each next one is
     `MOE_LADDER_RATIO` times shorter, down to `MOE_LADDER_MIN` rows, at most `MOE_LADDER_HEIGHTS` heights:
     512 → (512, 128, 32), 128 → (128, 32, 8), 32 → (32, 8), 16 → (16,). An expert group's rows go to the tallest
     tiles that `moe_loop_rows` allows: fewer pad rows than the second height (≤ 127 at the default, ≤ 31 in the
     shortest tiles; one height of 128 padded up to 127 and ran ~152 rows per expert as 256 at 600 tokens, top-4 of
-    16 experts); the tall tiles keep the matmuls efficient. Each height is one more loop to trace, lower and compile in every step program (what a
-    compilation-cache hit still pays), hence the cap. Measured on the peer config's MoE layer
-    (2 idle CPU cores, bf16): `benchmarks/moe_ladder.py`, the README's performance section. JAX-free;
+    16 experts); the tall tiles keep the matmuls efficient. Each height is one more loop to trace, lower and compile
+    in every step program (what a compilation-cache hit still pays), hence the cap. Measured on the peer config's
+    MoE layer (2 idle CPU cores, bf16): `benchmarks/moe_ladder.py`, the README's performance section. JAX-free;
     `plan.flops.moe_rows` counts the same rows.
 
     Raises ValueError for a tile or an assignment count below 1.

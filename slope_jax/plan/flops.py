@@ -205,7 +205,8 @@ def moe_rows(cfg: ModelConfig, tokens: int, real: int, tile: int, expert: int = 
 
     tokens: tokens the device's MoE sees (its local tokens, × `expert` when EP all-gathers them over the EP group);
     real: how many of them are real; tile: `moe_tile`. ladder: the "loop" MoE's tile ladder
-    (`options.moe_loop_tiles`, rows per height as `options.moe_loop_rows` runs them); False: one height `h = min(tile, MOE_KERNEL_MAX_TILE)`, `⌈c/h⌉·h` (the Pallas kernel).
+    (`options.moe_loop_tiles`, rows per height as `options.moe_loop_rows` runs them); False: one height
+    `h = min(tile, MOE_KERNEL_MAX_TILE)`, `⌈c/h⌉·h` (the Pallas kernel).
     Heights are clipped to `tokens·k` as the engine does. Balanced routing: `real·k` assignments split evenly over the E experts; pads are routed to
     no expert (`moe.route_valid`). Experts with no assignment run nothing.
     """
