@@ -131,6 +131,12 @@ def moe_loop_tiles(tile: int, assignments: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def moe_loop_slack(tiles: tuple[int, ...], j: int) -> int:
+    """Rows added to what is left before height `tiles[j]` divides it (`moe_loop_rows`): `tiles[j + 1] − 1`, so that
+    one more tile runs when it would pad fewer rows than the next height; `tiles[j] − 1` (a ceiling) at the last."""
+    return (tiles[j + 1] if j < len(tiles) - 1 else tiles[j]) - 1
+
+
 def moe_loop_rows(count: int, tiles: tuple[int, ...]) -> dict[int, int]:
     """Rows by tile height, `{height: rows}`, that the ladder `tiles` (`moe_loop_tiles`) runs for an expert group of
     `count` assignments. Each height but the last runs the whole tiles the rows left fill, and one more tile when
@@ -144,7 +150,7 @@ def moe_loop_rows(count: int, tiles: tuple[int, ...]) -> dict[int, int]:
     out = dict.fromkeys(tiles, 0)
     left = count
     for j, size in enumerate(tiles):
-        n = max(left + (tiles[j + 1] if j < len(tiles) - 1 else size) - 1, 0) // size
+        n = max(left + moe_loop_slack(tiles, j), 0) // size
         out[size] += n * size
         left -= n * size
     return out
