@@ -85,7 +85,7 @@ def main(argv):
     load_before = os.getloadavg()
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env.update(PYTHONPATH=REPO, VLLM_CPU_ATTN_SPLIT_KV="0")
-    proc = subprocess.run([FLAGS.vllm_python, os.path.join(REPO, "tests", "vllm_driver.py"),
+    proc = subprocess.run([FLAGS.vllm_python, os.path.join(REPO, "benchmarks", "vllm_driver.py"),
                            os.path.join(work, "spec.json"), os.path.join(work, "out.json")], env=env,
                           capture_output=True, text=True)
     if proc.returncode:

@@ -6,7 +6,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import CONFIG_A, SHIPPED
+from support import CONFIG_A, SHIPPED
 from safetensors.numpy import load_file, save_file
 
 from slope_jax import load_checkpoint

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, launcher_env
+from support import REPO, launcher_env
 
 from slope_jax.serve import requests
 

@@ -11,7 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import CONFIG_A, TILES, random_prompt
+from support import CONFIG_A, TILES, random_prompt
 
 from slope_jax.model.config import FULL, SLIDING
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO
+from support import REPO
 
 from slope_jax.model import attention as attn
 from slope_jax.model import moe, mxfp4, options, rope

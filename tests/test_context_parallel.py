@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import CONFIGS, random_prompt
+from support import CONFIGS, random_prompt
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as Ps
 

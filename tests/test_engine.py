@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 import pytest
-from conftest import CONFIG_A, SHIPPED, TILES, random_prompt
+from support import CONFIG_A, SHIPPED, TILES, random_prompt
 
 import slope_jax
 from slope_jax.serve.engine import PrefillEngine

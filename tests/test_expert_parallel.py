@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_prefill_close, random_prompt
+from support import assert_prefill_close, random_prompt
 from jax.sharding import PartitionSpec as Ps
 
 from slope_jax.checkpoints import hf as ckpt_lib

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import CONFIG_A, CONFIG_B, assert_prefill_close, random_prompt
+from support import CONFIG_A, CONFIG_B, assert_prefill_close, random_prompt
 
 from slope_jax.model import attention as attn
 from slope_jax.model import moe

@@ -8,7 +8,7 @@ transformers' cache (which keeps the last W−1 tokens on sliding layers).
 import numpy as np
 import pytest
 import torch
-from conftest import CONFIGS, TILES, random_prompt
+from support import CONFIGS, TILES, random_prompt
 
 from slope_jax.serve.engine import PrefillEngine
 

@@ -16,7 +16,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-from conftest import REPO, SHIPPED, launcher_env
+from support import REPO, SHIPPED, free_port, launcher_env
 
 from slope_jax.kv import format as kvfmt
 from slope_jax.serve import http, pd_proxy
@@ -220,14 +220,6 @@ def test_proxy_flow_stream_and_errors():
 
 
 # ---- the launcher serving HTTP on two processes ------------------------------------------------------------------
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url, body, headers=None):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
@@ -241,7 +233,7 @@ def _post(url, body, headers=None):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     base = tmp_path_factory.mktemp("http")
-    port, coord = _free_port(), _free_port()
+    port, coord = free_port(), free_port()
     procs = []
     for i in (1, 0):
         cmd = [sys.executable, "-m", "slope_jax.launch", "--num_processes=2", f"--process_id={i}",

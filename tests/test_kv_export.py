@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import CONFIG_A, TILES, random_prompt
+from support import CONFIG_A, TILES, random_prompt
 
 from slope_jax import kv
 from slope_jax.kv import decode
@@ -355,7 +355,7 @@ def test_bad_request_lines(line, match):
 
 
 def test_duplicate_ids_and_text_requests():
-    from conftest import SHIPPED
+    from support import SHIPPED
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(os.path.join(SHIPPED, "tokenizer.json"))
@@ -433,7 +433,7 @@ def test_concurrent_overwrites_publish_whole_exports(tmp_path):
     import subprocess
     import sys
 
-    from conftest import REPO, SHIPPED
+    from support import REPO, SHIPPED
 
     env = dict(os.environ, PYTHONPATH=REPO)
     kv_dir, stop = str(tmp_path / "kv"), str(tmp_path / "stop")

@@ -11,8 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import REPO, SHIPPED
-from request_fuzz import MALFORMED, MAX_TOKENS
+from support import MALFORMED, MAX_TOKENS, REPO, SHIPPED
 
 from slope_jax import kv, load_checkpoint
 from slope_jax.kv import decode

@@ -12,14 +12,13 @@ full prefill of prompt + first token.
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import CONFIG_B, REPO, SHIPPED, TILES, random_prompt
+from support import CONFIG_B, REPO, SHIPPED, TILES, free_port, random_prompt
 
 from slope_jax import kv, xla_env
 from slope_jax.model.config import ModelConfig
@@ -73,12 +72,6 @@ for policy, full in (("last_window", False), ("full", True)):
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory):
     """Starts the 2-process export of the tiny checkpoint; yields a function that waits for it and returns its dir."""
@@ -89,7 +82,7 @@ def two_process_run(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     # the XLA flags the launcher sets for --cpu_devices=4 (its programs, served by the cache)
     env.update(XLA_FLAGS=xla_env.xla_flags("", cpu_devices=4), JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
-    port = _free_port()
+    port = free_port()
     procs = []
     for i in (1, 0):
         log = open(base / f"p{i}.log", "w")

@@ -17,7 +17,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-from conftest import REPO, launcher_env
+from support import REPO, launcher_env
 
 CKPT = os.path.join(REPO, "checkpoints", "tiny-gpt-oss-hd64")
 MODEL = "tiny-gpt-oss-hd64"

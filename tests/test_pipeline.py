@@ -4,7 +4,7 @@ results equal to the single-device path. CONFIG_B has 9 layers, so stages hold o
 import jax
 import numpy as np
 import pytest
-from conftest import CONFIG_B, CONFIGS, random_prompt
+from support import CONFIG_B, CONFIGS, random_prompt
 
 from slope_jax.checkpoints import hf as ckpt_lib
 from slope_jax.model.config import ModelConfig

@@ -10,7 +10,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import CONFIG_A, CONFIG_B, REPO
+from support import CONFIG_A, CONFIG_B, REPO
 
 from slope_jax.model import gpt_oss as model
 from slope_jax.parallel.config import LayoutError, ParallelConfig

@@ -13,8 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import REPO, SHIPPED, launcher_env
-from request_fuzz import MALFORMED, MAX_TOKENS, VALID_IN_MALFORMED
+from support import MALFORMED, MAX_TOKENS, REPO, SHIPPED, VALID_IN_MALFORMED, free_port, launcher_env
 from tokenizers import Tokenizer
 
 from slope_jax.checkpoints import writer
@@ -22,14 +21,6 @@ from slope_jax.serve import fingerprint, launcher, requests
 from slope_jax.serve.scheduler import Pending, Scheduler
 
 PY = sys.executable
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_every_malformed_line_is_its_own_error():
@@ -102,7 +93,7 @@ def test_fingerprint_compare_names_each_differing_field(checkpoints, tmp_path):
     assert fingerprint.compare(fps) == ["kv_export: processes 0, 2 have True; process 1 has False",
                                         "q_tile: process 0 has 256; processes 1, 2 have 128"]
     # a checkpoint with the same shapes but other weights has another fingerprint; the same files the same one
-    from conftest import CONFIG_A
+    from support import CONFIG_A
 
     other = str(tmp_path / "other")
     writer.write_hf(other, CONFIG_A, writer.random_params(CONFIG_A, seed=1234), experts="mxfp4", num_shards=3)
@@ -213,7 +204,7 @@ def test_two_processes_that_differ_fail_fast_naming_the_field():
                                  "dtype: process 0 has 'bfloat16'; process 1 has 'float32'"),
                                 ("ring", "--ring=2", "--ring=4", "ring: process 0 has 2; process 1 has 4")]:
         t0 = time.time()
-        procs = _pair([a, "--cpu_devices=4"], [b, "--cpu_devices=4"], _free_port())
+        procs = _pair([a, "--cpu_devices=4"], [b, "--cpu_devices=4"], free_port())
         outs = {pid: p.communicate(timeout=120) for pid, p in procs.items()}
         assert time.time() - t0 < 30, field  # before JAX starts: no hang, no init timeout
         for pid, p in procs.items():
@@ -247,7 +238,7 @@ def test_two_processes_with_different_weight_bytes_refuse_to_start(tmp_path):
     _flip_one_weight_byte(os.path.join(copies["c"], "model.safetensors"), tensor)
     common = ["--cpu_devices=4", "--ring=2", "--ulysses=4", "--dtype=float32"]
     t0 = time.time()
-    procs = _pair([f"--checkpoint={copies['a']}", *common], [f"--checkpoint={copies['c']}", *common], _free_port())
+    procs = _pair([f"--checkpoint={copies['a']}", *common], [f"--checkpoint={copies['c']}", *common], free_port())
     outs = {pid: p.communicate(timeout=120) for pid, p in procs.items()}
     assert time.time() - t0 < 30  # at load time, before any compile
     for pid, p in procs.items():
@@ -279,7 +270,7 @@ def test_two_processes_with_different_weight_bytes_refuse_to_start(tmp_path):
 
 def test_layout_mistake_in_two_processes_is_reported_as_is():
     procs = _pair(["--cpu_devices=4", "--ring=2", "--ulysses=2"], ["--cpu_devices=4", "--ring=2", "--ulysses=2"],
-                  _free_port())
+                  free_port())
     for p in procs.values():
         _, err = p.communicate(timeout=300)
         assert p.returncode == 2, err[-2000:]
@@ -303,7 +294,7 @@ def _read_until(proc, text: str, deadline: float) -> str:
 def test_sigterm_while_waiting_ends_both_processes_promptly():
     """Process 0 waits on stdin (kept open), process 1 waits in the batch broadcast: SIGTERM to process 1 ends it at
     once (status 143), and process 0 stops naming it."""
-    procs = _pair(["--cpu_devices=4"], ["--cpu_devices=4"], _free_port(), extra=["--ring=2", "--ulysses=4"],
+    procs = _pair(["--cpu_devices=4"], ["--cpu_devices=4"], free_port(), extra=["--ring=2", "--ulysses=4"],
                   stdin=subprocess.PIPE)
     _read_until(procs[0], "reading requests from stdin", time.time() + 240)  # absl logs to stderr
     time.sleep(1.0)  # let process 1 reach the broadcast
@@ -366,7 +357,7 @@ sys.exit(1)
 def test_api_prompts_that_differ_across_processes_raise(tmp_path):
     script = tmp_path / "api.py"
     script.write_text(API_SCRIPT)
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([PY, str(script), str(pid), str(port), SHIPPED], cwd=REPO, env=launcher_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for pid in (1, 0)]
     for p in procs:

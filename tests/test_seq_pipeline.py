@@ -13,7 +13,7 @@ import os
 import jax
 import numpy as np
 import pytest
-from conftest import CONFIG_B, TILES, random_prompt
+from support import CONFIG_B, TILES, random_prompt
 
 from slope_jax import kv as kvfmt
 from slope_jax.model import attention as attn_lib

@@ -10,7 +10,7 @@ import re
 import subprocess
 import sys
 
-from conftest import REPO, launcher_env
+from support import REPO, launcher_env
 
 from slope_jax.model.config import ModelConfig
 from slope_jax.plan import choose_layout

@@ -5,7 +5,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from conftest import CONFIG_A
+from support import CONFIG_A
 
 from slope_jax.model import attention
 from slope_jax.model import gpt_oss as model

@@ -23,8 +23,8 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO, SHIPPED, random_prompt
-from test_pd_transformers import WORKER, _free_port
+from support import REPO, SHIPPED, free_port as _free_port, random_prompt
+from test_pd_transformers import WORKER
 
 from slope_jax import kv, xla_env
 from slope_jax.kv import vllm_plan as plan
