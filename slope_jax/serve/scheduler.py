@@ -75,6 +75,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from slope_jax.serve.steps import group_steps, step_shapes
+
 ORDERS = ("edf", "fcfs")
 SLO_POLICIES = ("reject", "serve_late", "none")
 _EPS_S = 1e-9  # clock resolution for "due" comparisons, so a wait of ~0 s cannot spin
@@ -241,16 +243,8 @@ class Scheduler:
         return 0 if self.bucket is None else int(self.bucket(int(n)))
 
     def _shapes(self, batch: Sequence[Pending]) -> set[tuple[int, int]]:
-        """The step shapes (bucket, prompts) the engine runs for this batch: per bucket, steps of `per_step`."""
-        counts: dict[int, int] = {}
-        for p in batch:
-            t = self._group(p.num_tokens)
-            counts[t] = counts.get(t, 0) + 1
-        shapes = set()
-        for t, c in counts.items():
-            full, rest = divmod(c, self.per_step)
-            shapes.update([(t, self.per_step)] * bool(full) + [(t, rest)] * bool(rest))
-        return shapes
+        """The step shapes (bucket, prompts) the engine runs for this batch (`steps.group_steps`)."""
+        return step_shapes([p.num_tokens for p in batch], self._group, self.per_step)
 
     def _compile_part_ms(self, batch: Sequence[Pending], compiled: set) -> float:
         """Expected ms compiling the step shapes of `batch` not in `compiled`."""
@@ -384,9 +378,10 @@ def _reason(p: Pending, finish_s: float, busy_s: float, pushed: int = 0, note: s
 
 def batch_predictor(step_ms: Callable[[int, int], float], bucket: Callable[[int], int], per_step: int = 1
                     ) -> Callable[[list[int]], float]:
-    """A `predict_ms` for `Scheduler` that mirrors how `PrefillEngine.prefill` runs a batch: prompts grouped by
-    bucket length, each group in steps of up to `per_step` prompts (the engine's `parallel.in_flight` on a mesh, 1 on
-    one device), steps run one after another; the batch costs the sum of its steps.
+    """A `predict_ms` for `Scheduler` that mirrors how `PrefillEngine.prefill` runs a batch (`steps.group_steps`):
+    prompts grouped by bucket length, each group in steps of up to `per_step` prompts (the engine's
+    `parallel.in_flight` on a mesh, 1 on one device), steps run one after another; the batch costs the sum of its
+    steps.
 
     Args:
       step_ms: `step_ms(t, m)`, predicted ms of one step of m prompts padded to bucket length t (memoised here), e.g.
@@ -399,15 +394,7 @@ def batch_predictor(step_ms: Callable[[int, int], float], bucket: Callable[[int]
     step = functools.lru_cache(maxsize=None)(step_ms)
 
     def predict_ms(lengths: list[int]) -> float:
-        groups: dict[int, int] = {}
-        for n in lengths:
-            t = bucket(int(n))
-            groups[t] = groups.get(t, 0) + 1
-        total = 0.0
-        for t, c in groups.items():
-            full, rest = divmod(c, per_step)
-            total += (step(t, per_step) * full if full else 0.0) + (step(t, rest) if rest else 0.0)
-        return total
+        return sum(step(t, len(idx)) for t, idx in group_steps(lengths, bucket, per_step))
 
     return predict_ms
 
