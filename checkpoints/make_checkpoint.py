@@ -14,7 +14,7 @@ r"""Write a deterministic random gpt-oss checkpoint in the released Hugging Face
   python checkpoints/make_checkpoint.py --config configs/gpt-oss-20b.json --layers 2 --out /tmp/gpt-oss-20b-2l \
       --num_shards 3
 
-Weights: MXFP4 experts, bf16 elsewhere (spec §3.1); `--original` also writes the OpenAI `original/` layout and
+Weights: MXFP4 experts, bf16 elsewhere (docs/model.md §3.1); `--original` also writes the OpenAI `original/` layout and
 `--dense` writes HF's unquantized expert layout instead of MXFP4.
 """
 
@@ -42,7 +42,7 @@ flags.DEFINE_bool("tokenizer", False, "Train and write tokenizer.json from check
 flags.DEFINE_bool("original", False, "Also write the OpenAI original/ layout.")
 flags.DEFINE_bool("dense", False, "Write unquantized HF experts (gate_up_proj/down_proj) instead of MXFP4.")
 
-# harmony special tokens (spec §4), appended after the BPE vocabulary in this order
+# harmony special tokens (docs/model.md §4), appended after the BPE vocabulary in this order
 SPECIAL_TOKENS = ["<|reserved_0|>", "<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>",
                   "<|channel|>", "<|start|>", "<|end|>", "<|message|>", "<|call|>"]
 

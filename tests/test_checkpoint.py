@@ -65,7 +65,7 @@ def test_shipped_checkpoint_is_released_layout():
     ck = open_checkpoint(SHIPPED)
     assert ck.layout == "hf" and ck.config.expert_format == "mxfp4"
     assert os.path.exists(os.path.join(SHIPPED, "tokenizer.json"))
-    assert len(ck.source.header) == 19 * ck.config.num_hidden_layers + 3  # spec §3.1: 19 tensors a layer + 3
+    assert len(ck.source.header) == 19 * ck.config.num_hidden_layers + 3  # docs/model.md §3.1: 19 tensors a layer + 3
 
 
 def test_missing_tensor(ckpt):
@@ -172,7 +172,7 @@ def test_index_pointing_to_missing_shard(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ configs
 def test_released_configs_parameter_counts():
-    """Counts from the declared shapes match the model card (spec §1): 20.915 B / 116.83 B total."""
+    """Counts from the declared shapes match the model card (docs/model.md §1): 20.915 B / 116.83 B total."""
     for name, total in (("gpt-oss-20b", 20.915e9), ("gpt-oss-120b", 116.83e9)):
         cfg = ModelConfig.from_json(os.path.join(os.path.dirname(SHIPPED), "..", "configs", f"{name}.json"))
         n = 0

@@ -1,4 +1,4 @@
-"""Component checks with known values (spec §2-§3, shared/pitfalls.md): YaRN, window, sinks, router, SwiGLU, MXFP4,
+"""Component checks with known values (docs/model.md §2-§3, §5.1): YaRN, window, sinks, router, SwiGLU, MXFP4,
 expert biases, the online-softmax merge, and blockwise attention against a dense NumPy reference."""
 
 import json
@@ -21,7 +21,7 @@ RELEASED = ModelConfig.from_json(os.path.join(REPO, "configs", "gpt-oss-120b.jso
 # ------------------------------------------------------------------------------------------------ YaRN RoPE
 def test_yarn_bounds_are_not_rounded():
     low, high = rope.yarn_correction_range(RELEASED)
-    assert abs(low - 8.092779) < 1e-6 and abs(high - 17.398025) < 1e-6  # spec §2.2: 8.0928 / 17.3980
+    assert abs(low - 8.092779) < 1e-6 and abs(high - 17.398025) < 1e-6  # docs/model.md §2.2: 8.0928 / 17.3980
     assert RELEASED.rope_truncate is False
     assert rope.attention_scaling(RELEASED) == pytest.approx(1.3465735902799727, abs=1e-15)
 
@@ -334,12 +334,12 @@ def test_grouped_moe_equals_per_token_loop(t, tile):
 
 
 # ------------------------------------------------------------------------------------------------ MXFP4
-LUT = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]  # spec §3.3
+LUT = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]  # docs/model.md §3.3
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_mxfp4_all_bytes_all_scales(dtype):
-    """Every byte 0..255 in every block position, for scale bytes 2..255: bit-exact with the spec's table (overflow to
+    """Every byte 0..255 in every block position, for scale bytes 2..255: bit-exact with LUT (overflow to
     ±inf at the top included). Scale bytes 0 and 1 give float32 subnormals, which XLA on CPU flushes to zero."""
     scales = np.arange(2, 256, dtype=np.uint8)
     # [O=16, G=len(scales), 16 bytes]: row o holds bytes 16o..16o+15 in every block, block g has scale byte scales[g]

@@ -83,7 +83,7 @@ def test_cp_batch_of_mixed_lengths(references):
 
 def test_cp_bf16_close_to_single_device_bf16(checkpoints):
     """bf16: the CP path and the single-device path round differently (tile order, bf16 all-to-all payloads), and bf16
-    routing is discontinuous (spec §5), so later layers drift. Stated tolerance, measured in brackets:
+    routing is discontinuous (docs/model.md §5), so later layers drift. Stated tolerance, measured in brackets:
     layer 0 K/V bit-identical [0]; logits within 5% of the logit range [1%]; mean |ΔK|, |ΔV| < 0.02 per layer [0.01];
     and the CP path is no further from float32 than 1.5× the single-device bf16 path's distance + 0.05 [≤ 1.2×]."""
     c = checkpoints["B"]

@@ -58,7 +58,7 @@ def test_bf16_close_to_float32(checkpoints, reference_engines):
     """bf16 weights/activations vs the float32 path on the same checkpoint. Measured: max |Δlogit| 0.024 (0.7% of the
     largest |logit|), correlation 0.99997. Top-1: where float32's margin between its best two logits exceeds twice
     the tolerance, bf16 must pick the same token (the error bound makes any other choice impossible); inside that
-    margin (a near-tie; routing is discontinuous, spec §5) bf16's choice must be a float32 near-tie."""
+    margin (a near-tie; routing is discontinuous, docs/model.md §5) bf16's choice must be a float32 near-tie."""
     f32 = reference_engines["A"]
     bf16 = PrefillEngine.from_checkpoint(checkpoints["A"]["mxfp4"], dtype="bfloat16", progress=False, **TILES)
     prompts = [random_prompt(CONFIG_A, n, seed=n) for n in (5, 30)]

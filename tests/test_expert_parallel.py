@@ -277,7 +277,7 @@ ENTRY %main (x: f32[4]) -> f32[4] {
 
 
 def test_expert_bias_added_once_weighted():
-    """pitfalls.md: zero expert weights, bias 1 → output exactly 1.0 per channel; bias[e] = e → Σ_k w_k·e_k."""
+    """docs/model.md §5.1: zero expert weights, bias 1 → output exactly 1.0 per channel; bias[e] = e → Σ_k w_k·e_k."""
     rng = np.random.default_rng(4)
     e, d, i, k, t = 8, 24, 10, 3, 40  # the shapes of test_skewed_routing_and_pads: its compiled program
     p = _dense_moe_params(rng, e, d, i)

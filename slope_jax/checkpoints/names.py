@@ -1,4 +1,4 @@
-"""Checkpoint name maps: each declared parameter ↔ its tensor in the HF and OpenAI `original/` layouts (spec §3).
+"""Checkpoint name maps: each declared parameter ↔ tensor in the HF and OpenAI `original/` layouts (docs/model.md §3).
 
 Each map is written once, as rows `Name(param, key, dims)`, and read both ways: the loader (`hf.tensor_table`)
 turns a checkpoint tensor into the parameter's layout, the writer (`writer.checkpoint_tensors`) the reverse.
@@ -68,7 +68,7 @@ ORIGINAL: tuple[Name, ...] = (
     Name("final_norm", "norm.scale"),
     Name("unembed", "unembedding.weight"),
     Name("layers/attn_norm", _B + "attn.norm.scale"),
-    # fused qkv: rows 0:NH → q, NH:(N+K)H → k, (N+K)H: → v (spec §3.2)
+    # fused qkv: rows 0:NH → q, NH:(N+K)H → k, (N+K)H: → v (docs/model.md §3.2)
     Name("layers/wq", _B + "attn.qkv.weight", "q_heads*head_dim, embed"),
     Name("layers/wk", _B + "attn.qkv.weight", "kv_heads*head_dim, embed"),
     Name("layers/wv", _B + "attn.qkv.weight", "kv_heads*head_dim, embed"),

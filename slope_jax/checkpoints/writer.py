@@ -1,6 +1,6 @@
 """Write gpt-oss checkpoints in the released formats (for tests, benchmarks and the shipped tiny model).
 
-Layouts (spec §3): "hf-mxfp4" — the released HF layout (`_blocks`/`_scales` experts, bf16 elsewhere, optionally
+Layouts (docs/model.md §3): "hf-mxfp4" — the released HF layout (`_blocks`/`_scales` experts, bf16 elsewhere, optionally
 sharded with `model.safetensors.index.json`); "hf-dense" — HF's unquantized layout (`gate_up_proj [E, D, 2I]`,
 `down_proj [E, I, D]`, as `save_pretrained` writes it); "original" — OpenAI's `original/` layout (fused qkv,
 `block.N.…` names, `dtypes.json`). Every file is written to a temporary name and renamed; the index last.
@@ -103,7 +103,7 @@ def hf_tensors(cfg: ModelConfig, params: dict, experts: str = "mxfp4") -> dict[s
 
 
 def original_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
-    """Map engine-layout numpy params to OpenAI `original/` names (fused qkv, spec §3.2)."""
+    """Map engine-layout numpy params to OpenAI `original/` names (fused qkv, docs/model.md §3.2)."""
     return checkpoint_tensors(cfg, params, "original")
 
 

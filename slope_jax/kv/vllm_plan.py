@@ -6,7 +6,7 @@ Notable:
 - vLLM must compute the prompt's last token itself (it samples the first token from it), so a prompt of n tokens
   loads n−1 external tokens: positions [start, n−1), `start` being vLLM's own (block-aligned) prefix-cache hit.
 - What a sliding layer needs depends on vLLM's KV cache manager and prefix caching (`layer_rows`):
-  WINDOW (prefix caching off): the keys position n−1 attends to, [max(start, n−W), n−1) (spec §2.3); earlier slots
+  WINDOW (prefix caching off): keys position n−1 attends to, [max(start, n−W), n−1) (docs/model.md §2.3); earlier slots
   are either the null block (hybrid manager) or never read (plain manager: masked by the window, never reused).
   BLOCK (prefix caching on, hybrid manager): vLLM publishes every full non-null block as computed, and a later
   request with the same prefix may hit one and attend to all its slots, so the block holding n−W must be filled

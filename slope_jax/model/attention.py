@@ -2,14 +2,14 @@
 
 Notable:
 - Masks come from **global token positions**, never from local indices: key j is visible to query i iff
-  `0 <= pos_k[j] <= pos_q[i]` and, on sliding layers, `pos_q[i] − pos_k[j] < window` (spec §2.3: a window of W
+  `0 <= pos_k[j] <= pos_q[i]` and, on sliding layers, `pos_q[i] − pos_k[j] < window` (docs/model.md §2.3: a window of W
   covers W keys, the query itself included). Keys with a negative position (`INVALID_POS`) do not exist (tile
   padding, a halo before token 0).
 - The running state is `(o, m, l)` in float32 — un-normalised output, running max, running sum — updated per KV tile
   with the online softmax (Milakov & Gimelshein 2018; Dao et al. 2022). Fully masked tiles and rows give zeros, never
   NaN, and merging with an empty state returns the other state unchanged.
 - The sink logit enters **once**, in `finalize`: `out = o·e^(m−m') / (l·e^(m−m') + e^(S−m'))`, `m' = max(m, S)`
-  (spec §2.3). It is not scaled by 1/√D.
+  (docs/model.md §2.3). It is not scaled by 1/√D.
 - Memory is `O(Tq_tile · Tk_tile)` per head: tiles that the positions prove fully masked are skipped by a
   dynamic KV-tile range per query tile, so sliding layers cost `O(T·W)` and causal layers ~half the square.
 
@@ -238,7 +238,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: ja
         `slope_jax.kernels.flash_attention`; its partial is merged into `state`); "auto" is resolved before
         (`options.StepOptions.resolve`) and raises ValueError here.
     Returns:
-      Updated AttnState for the `Tq` queries. Scale `D^-0.5` is applied to q·k (spec §2.3).
+      Updated AttnState for the `Tq` queries. Scale `D^-0.5` is applied to q·k (docs/model.md §2.3).
     """
     if impl not in ("xla", "pallas"):
         raise ValueError(f"attention_impl={impl!r}: the step runs a concrete core, 'xla' or 'pallas' "

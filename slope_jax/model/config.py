@@ -1,7 +1,7 @@
 """gpt-oss model configuration: one frozen dataclass, built from a Hugging Face or an OpenAI `original/` config.
 
 Notable:
-- Both `config.json` dialects map onto the same fields (spec §1: `num_local_experts` ↔ `num_experts`,
+- Both `config.json` dialects map onto the same fields (docs/model.md §1: `num_local_experts` ↔ `num_experts`,
   `beta_fast` ↔ `rope_ntk_beta`, `beta_slow` ↔ `rope_ntk_alpha`, `original_max_position_embeddings` ↔
   `initial_context_length`). transformers ≥ 5 writes `rope_parameters` instead of `rope_scaling`; both are read.
 - Validation happens once, here, with errors that name the field, its value and the rule it broke.
@@ -26,8 +26,8 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """gpt-oss hyper-parameters (spec §1). Sizes are counts; `sliding_window` is in tokens (keys seen by a query,
-    itself included); `rope_*` follow YaRN (Peng et al. 2023, arXiv:2309.00071) as used by gpt-oss (spec §2.2)."""
+    """gpt-oss hyper-parameters (docs/model.md §1). Sizes: counts; `sliding_window` is in tokens (keys seen by a query,
+    itself included); `rope_*` follow YaRN (Peng et al. 2023, arXiv:2309.00071) in gpt-oss (docs/model.md §2.2)."""
 
     num_hidden_layers: int
     num_experts: int
@@ -53,7 +53,7 @@ class ModelConfig:
     swiglu_alpha: float = 1.702
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
-    # How the checkpoint stores expert weights: "mxfp4" (packed uint8 blocks + E8M0 scales, spec §3.3) or
+    # How the checkpoint stores expert weights: "mxfp4" (packed uint8 blocks + E8M0 scales, docs/model.md §3.3) or
     # "dense" (unquantized floats). The loader sets it from the tensors it finds.
     expert_format: Literal["mxfp4", "dense"] = "mxfp4"
 
@@ -62,7 +62,7 @@ class ModelConfig:
 
     # ----------------------------------------------------------------------------------------------------------
     def is_sliding(self, layer: int) -> bool:
-        """Whether global layer `layer` uses the sliding window (spec §1: even layers in the released models)."""
+        """Whether global layer `layer` uses the sliding window (docs/model.md §1: even layers in the releases)."""
         return self.layer_types[layer] == SLIDING
 
     @property
@@ -91,7 +91,7 @@ class ModelConfig:
         try:
             n_layers = _req(d, "num_hidden_layers", source)
             layer_types = d.get("layer_types")
-            if layer_types is None:  # HF derives the same alternating pattern (spec §1)
+            if layer_types is None:  # HF derives the same alternating pattern (docs/model.md §1)
                 layer_types = [SLIDING if i % 2 == 0 else FULL for i in range(n_layers)]
             rope = d.get("rope_scaling") or d.get("rope_parameters") or {
                 "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -136,7 +136,7 @@ class ModelConfig:
 
     @classmethod
     def from_original_dict(cls, d: dict[str, Any], *, source: str = "original/config.json") -> ModelConfig:
-        """Build from OpenAI's `original/config.json` (spec §1 key mapping). Always MXFP4 experts, YaRN RoPE."""
+        """Build from OpenAI's `original/config.json` (docs/model.md §1 key mapping). Always MXFP4 experts, YaRN."""
         n_layers = _req(d, "num_hidden_layers", source)
         factor = float(d.get("rope_scaling_factor", 1.0))
         return cls(
@@ -182,7 +182,7 @@ class ModelConfig:
         return cls.from_hf_dict(d, source=path)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The released-layout `config.json` (spec §1) for this configuration."""
+        """The released-layout `config.json` (docs/model.md §1) for this configuration."""
         d = {
             "architectures": ["GptOssForCausalLM"],
             "model_type": "gpt_oss",
@@ -226,7 +226,7 @@ class ModelConfig:
         return d
 
     def to_original_dict(self) -> dict[str, Any]:
-        """OpenAI's `original/config.json` (spec §1 key list)."""
+        """OpenAI's `original/config.json` (docs/model.md §1 key list)."""
         return {
             "num_hidden_layers": self.num_hidden_layers, "num_experts": self.num_experts,
             "experts_per_token": self.experts_per_token, "vocab_size": self.vocab_size,
@@ -243,9 +243,9 @@ class ModelConfig:
         """Fields of the HF dialect that this engine does not implement are rejected, not ignored."""
         if d.get("attention_bias", True) is not True:
             raise ConfigError(f"{source}: attention_bias={d['attention_bias']!r}; gpt-oss has q/k/v/o biases "
-                              "(spec §2), only attention_bias=true is supported")
+                              "(docs/model.md §2), only attention_bias=true is supported")
         if d.get("tie_word_embeddings", False):
-            raise ConfigError(f"{source}: tie_word_embeddings=true; gpt-oss unembedding is untied (spec §2.3)")
+            raise ConfigError(f"{source}: tie_word_embeddings=true; gpt-oss unembedding is untied (docs/model.md §2.3)")
         return self
 
 
@@ -271,7 +271,7 @@ def _validate(c: ModelConfig) -> None:
         raise ConfigError(f"num_attention_heads={c.num_attention_heads} must be divisible by "
                           f"num_key_value_heads={c.num_key_value_heads} (GQA groups)")
     if c.head_dim % 2:
-        raise ConfigError(f"head_dim={c.head_dim} must be even (RoPE rotates two halves, spec §2.2)")
+        raise ConfigError(f"head_dim={c.head_dim} must be even (RoPE rotates two halves, docs/model.md §2.2)")
     if c.experts_per_token > c.num_experts:
         raise ConfigError(f"experts_per_token={c.experts_per_token} exceeds num_experts={c.num_experts}")
     if len(c.layer_types) != c.num_hidden_layers:
@@ -295,7 +295,7 @@ def _validate(c: ModelConfig) -> None:
         for name in ("hidden_size", "intermediate_size"):
             if getattr(c, name) % 32:
                 raise ConfigError(f"{name}={getattr(c, name)} must be a multiple of 32: MXFP4 blocks cover 32 "
-                                  "input channels (spec §3.3)")
+                                  "input channels (docs/model.md §3.3)")
     for t in c.eos_token_ids:
         if not 0 <= t < c.vocab_size:
             raise ConfigError(f"eos_token_id {t} is outside the vocabulary [0, {c.vocab_size})")

@@ -16,7 +16,7 @@ import numpy as np
 
 BLOCK = 32  # elements per block (OCP MX block size)
 FP4_VALUES = (+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0,
-              -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # E2M1 code table, bit 3 = sign (spec §3.3)
+              -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # E2M1 code table, bit 3 = sign (docs/model.md §3.3)
 SCALE_BIAS = 127  # E8M0: byte s encodes 2^(s - 127)
 _BYTE_PAIRS = np.stack([np.asarray(FP4_VALUES, np.float32)[np.arange(256) & 0x0F],
                         np.asarray(FP4_VALUES, np.float32)[np.arange(256) >> 4]], axis=-1)  # [256, 2]
@@ -31,7 +31,7 @@ def decode(blocks: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax.Arra
       dtype: output dtype (bfloat16 or float32; both are exact).
     Returns:
       `[..., O, G*32]` in `dtype`, i.e. `W[..., o, 32g + 2j] = LUT[lo(B[..., o, g, j])] · 2^(S[..., o, g] − 127)` and
-      the high nibble at `32g + 2j + 1` (spec §3.3).
+      the high nibble at `32g + 2j + 1` (docs/model.md §3.3).
     """
     # one gather per byte from a 256-entry table of (low nibble, high nibble) values: [..., O, G, 16, 2]
     vals = jnp.asarray(_BYTE_PAIRS)[blocks.astype(jnp.int32)].reshape(*blocks.shape[:-1], BLOCK)

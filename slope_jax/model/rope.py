@@ -1,8 +1,8 @@
-"""Rotary position embedding with YaRN scaling, as gpt-oss uses it (spec §2.2).
+"""Rotary position embedding with YaRN scaling, as gpt-oss uses it (docs/model.md §2.2).
 
 Notable:
 - `truncate: false`: the YaRN correction bounds stay fractional (8.0928 / 17.3980 for the released config); rounding
-  them to 8 / 18 is a known bug of other engines (spec §5 pitfall 1).
+  them to 8 / 18 is a known bug of other engines (docs/model.md §5 pitfall 1).
 - The concentration `0.1·ln(factor) + 1` multiplies both cos and sin, so q·k logits carry its square.
 - Half-split ("NeoX") rotation on the full head_dim.
 - Tables are computed from global token positions in float32, the order of operations following HF
@@ -21,7 +21,7 @@ from slope_jax.model.config import ModelConfig
 
 
 def yarn_correction_range(cfg: ModelConfig) -> tuple[float, float]:
-    """YaRN (low, high) dimension bounds (Peng et al. 2023, eq. 17-18; spec §2.2), clamped to [0, head_dim−1].
+    """YaRN (low, high) dimension bounds (Peng et al. 2023, eq. 17-18; docs/model.md §2.2), clamped to [0, head_dim−1].
 
     `low = (D/2)·ln(L_orig / (beta_fast·2π)) / ln(theta)`, `high` likewise with `beta_slow`; floored/ceiled only when
     `rope_truncate` is set (gpt-oss: not set).
@@ -39,7 +39,7 @@ def yarn_correction_range(cfg: ModelConfig) -> tuple[float, float]:
 
 
 def inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Per-pair inverse frequencies `[D/2]` float32 (radians per token), YaRN-blended (spec §2.2)."""
+    """Per-pair inverse frequencies `[D/2]` float32 (radians per token), YaRN-blended (docs/model.md §2.2)."""
     dim = cfg.head_dim
     # theta^(2i/D): exponent in float32 as HF computes it, the power correctly rounded (float64, then float32), so
     # the table does not depend on a library's float32 pow (torch's differs from it by 1 ulp in 2 of 32 dims)

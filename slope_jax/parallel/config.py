@@ -2,7 +2,7 @@
 
 Mesh axes, outermost first: `pipeline` (stages of layers), `ring` (ring attention over zigzag sequence chunks),
 `ulysses` (all-to-all that trades sequence shards for head shards). `ulysses` is innermost so that its all-to-all
-stays on the fastest links (inside a host); `ring` and `pipeline` may cross hosts (design §5).
+stays on the fastest links (inside a host); `ring` and `pipeline` may cross hosts (docs/design.md §5).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Context-parallel attention cores (inside `shard_map` over `(ring, ulysses)`): exact sink attention on a sequence
 split in the zigzag layout of `slope_jax.layout`.
 
-Full-attention layers — Ulysses × ring (design §2.4):
+Full-attention layers — Ulysses × ring (docs/design.md §2.4):
   1. all-to-all over `ulysses`: `[2, Pz, N, H]` → `[2, C, N/U, H]` (sequence shards → head shards); with GQA the KV
      heads are split when U ≤ K, or replicated first when U > K so that the rank holding query head h holds KV head
      h // G. Each rank uses the sinks of its own query heads.
@@ -11,7 +11,7 @@ Full-attention layers — Ulysses × ring (design §2.4):
      s > r query chunk 2R−1−r sees both KV chunks. The next `ppermute` is issued before the current block's compute.
      Partial results merge in float32 `(o, m, l)`; the sink enters once, at the end.
   3. inverse all-to-all back to `[2, Pz, N, H]`.
-Sliding-window layers — halo (design §2.5): each piece receives the K/V (and positions) of the W−1 tokens before it,
+Sliding-window layers — halo (docs/design.md §2.5): each piece gets the K/V (and positions) of the W−1 tokens before it,
 then attends locally over exactly those W−1 + Pz keys. No all-to-all and no ring. Two ways, chosen per bucket
 (`halo_by_gather`) so that the collectives per sliding layer never grow as the prompt shrinks:
   * Pz ≥ W−1 (long buckets): one hop of `collectives.piece_pass` (2 ppermutes, 3 when U > 1) brings the tail of the

@@ -1,4 +1,4 @@
-"""The device mesh for a `ParallelConfig`: axes `(pipeline, ring, ulysses)`, `ulysses` innermost (design §5).
+"""The device mesh for a `ParallelConfig`: axes `(pipeline, ring, ulysses)`, `ulysses` innermost (docs/design.md §5).
 
 Each Ulysses group (the devices of one (stage, ring rank), which exchange all-to-alls every full-attention layer) must
 sit inside one host: crossing hosts would put the heaviest collective on the slowest links. A host here is a JAX

@@ -3,7 +3,7 @@ estimate of XLA's temporaries, by part.
 
 Parameters (`gpt_oss.Layers` declarations): per layer q/k/v/o weights and biases, router, expert biases in the
 activation dtype; norms and sinks float32; experts MXFP4-packed — 16 bytes of 4-bit values per 32 weights plus one
-scale byte, 4.25 bits per weight (OCP MX spec v1.0 §5; spec/gpt-oss.md) — or dense; experts divided by the EP degree.
+scale byte, 4.25 bits per weight (OCP MX spec v1.0 §5; docs/model.md §3.3) — or dense; experts divided by the EP degree.
 A stage stores ⌈L/P⌉ layers; embedding and unembedding rows are split over every device, as the sharding table says
 (`parallel.stages.vocab_rows` / `vocab_shards`: V rounded up to a multiple of P·R·U, 1/(P·R·U) of it per device).
 

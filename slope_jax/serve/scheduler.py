@@ -10,7 +10,7 @@ compiled) it adds the compilation of every shape the plan has not compiled befor
 bucket pays it, later ones do not. The scheduler treats every member of a batch as finishing when the whole batch
 does (the launcher writes a batch's records when it ends).
 
-Policy (design.md §7, "the request loop uses the same model"):
+Policy (docs/design.md §7, "the request loop uses the same model"):
   * Order: `order="edf"` serves the earliest deadline first; requests without an SLO come after all requests with
     one; ties (and requests without SLO) go first-come first-served. `order="fcfs"` serves in arrival order.
   * Batches (the same former plans the queue and releases the head batch, so a request is admitted by the finish

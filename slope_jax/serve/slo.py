@@ -1,5 +1,5 @@
 """The SLO side of the launcher: which hardware profile predicts this machine, the layout for a length mix
-(`--layout=auto`), and the batch-time model the scheduler admits requests by (design §7: "the request loop uses the
+(`--layout=auto`), and the batch-time model the scheduler admits requests by (docs/design.md §7: "request loop uses the
 same model"). Thin glue over `slope_jax.plan` (cost model, layout search) and `slope_jax.serve.scheduler`.
 
 The model that admits requests is the planner's predicted step time per (bucket, requests in flight), corrected
