@@ -14,11 +14,11 @@ from __future__ import annotations
 import itertools
 import os
 import sys
-import time
 
 from absl import app, flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from common import best_jax_seconds, start_load, write_result  # noqa: E402  (benchmarks/common.py)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "benchmarks/results/attention_blocks.json", "JSON output path.")
@@ -34,11 +34,11 @@ def main(argv):
     import jax
     import jax.numpy as jnp
 
-    from slope_jax.atomic import atomic_json
     from slope_jax.kernels import flash_attention as fa
     from slope_jax.model import attention as attn
     from slope_jax.plan import flops
 
+    load0 = start_load()
     n, kh, d = 64, 8, 64
     rows = []
     for t in (int(x) for x in FLAGS.lengths):
@@ -56,12 +56,7 @@ def main(argv):
                 rng = attn._kv_tile_range(pos.reshape(-1, bq), pos.reshape(-1, bk), window)
                 f = jax.jit(lambda q, k, v, rng, bq=bq, bk=bk, w=int(warps), s=int(stages): fa.flash_partial(
                     q, k, v, pos, pos, rng, window, block_q=bq, block_k=bk, num_warps=w, num_stages=s))
-                jax.block_until_ready(f(q, k, v, rng))
-                best = float("inf")
-                for _ in range(FLAGS.repeats):
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(f(q, k, v, rng))
-                    best = min(best, time.perf_counter() - t0)
+                best = best_jax_seconds(f, (q, k, v, rng), FLAGS.repeats)
                 row.update(ms=best * 1e3, tflops=pair_flops / best / 1e12)
                 print(f"T={t} {bq}x{bk} warps={warps} stages={stages}: {best * 1e3:.2f} ms, "
                       f"{pair_flops / best / 1e12:.0f} TFLOP/s", flush=True)
@@ -71,8 +66,7 @@ def main(argv):
             rows.append(row)
     doc = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "heads": [n, kh], "head_dim": d,
            "rows": rows}
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    atomic_json(FLAGS.out, doc)
+    write_result(FLAGS.out, doc, load_start=load0)
     print(f"wrote {FLAGS.out}")
 
 

@@ -23,10 +23,8 @@ benchmarks/results/breakdown.json). Takes ~2 min on 2 idle cores at 2K+8K for th
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from slope_jax import xla_env  # noqa: E402  (no JAX)
@@ -37,6 +35,7 @@ from absl import app, flags  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from common import best_jax_seconds, matmul_peaks, start_load, write_result  # noqa: E402  (benchmarks/common.py)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("lengths", ["2048", "8192"], "Prompt lengths (tokens); add 32768 for the long point.")
@@ -50,33 +49,6 @@ flags.DEFINE_integer("kv_tile", None, "Override StepOptions.kv_tile.")
 flags.DEFINE_integer("moe_tile", None, "Override StepOptions.moe_tile.")
 flags.DEFINE_bool("step", True, "Also time the whole compiled step (for `rest`).")
 flags.DEFINE_string("out", "benchmarks/results/breakdown.json", "JSON output path.")
-
-
-def _best(fn, args, repeats: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def matmul_peaks(n: int, repeats: int) -> dict[str, float]:
-    """FLOP/s of an n×n×n `jnp.dot`: float32, and bfloat16 inputs with float32 accumulation (the step's einsums)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    a = np.random.default_rng(0).standard_normal((n, n), np.float32)
-    out = {}
-    for name, dt, pet in (("float32", jnp.float32, None), ("bfloat16", jnp.bfloat16, jnp.float32)):
-        x = jnp.asarray(a, dt)
-        f = jax.jit(lambda x, y, pet=pet: jnp.dot(x, y, preferred_element_type=pet))
-        out[name] = 2 * n ** 3 / _best(f, (x, x), repeats)
-    return out
 
 
 def model_config():
@@ -144,7 +116,8 @@ def main(argv):
     fields = {k: getattr(FLAGS, k) for k in ("q_tile", "kv_tile", "moe_tile") if getattr(FLAGS, k) is not None}
     options = StepOptions(**fields).resolve()
     dtype = jnp.dtype(FLAGS.dtype)
-    peaks = matmul_peaks(FLAGS.peak_n, FLAGS.repeats)
+    load0 = start_load()
+    peaks = matmul_peaks(FLAGS.peak_n, repeats=FLAGS.repeats)  # float32, and bfloat16 accumulating in float32
     peak = peaks[FLAGS.dtype]
     params = model_lib.init_params(cfg, jax.random.key(0), dtype)
     p0 = jax.tree.map(lambda a: a[0], params["layers"])
@@ -164,7 +137,7 @@ def main(argv):
         args = {"projections": (x, p0, cos, sin), "attn_full": (q, k, v, p0["sinks"]),
                 "attn_sliding": (q, k, v, p0["sinks"]), "moe": (x, p0), "embed": (params["embed"], tokens),
                 "unembed": (x, params["final_norm"], params["unembed"])}
-        secs = {name: _best(fns[name], args[name], FLAGS.repeats) for name in fns}
+        secs = {name: best_jax_seconds(fns[name], args[name], FLAGS.repeats) for name in fns}
         ex = flops.per_device(cfg, 1, 1, 1, t, tiles=options)
         D, N, K, H, E = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                          cfg.num_experts)
@@ -199,9 +172,7 @@ def main(argv):
               "loadavg": os.getloadavg(), "cpus": os.cpu_count(), "jax": jax.__version__, "rows": rows}
     print(f"matmul peak ({FLAGS.peak_n}^3): " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks.items())
           + f"; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_result(FLAGS.out, result, load_start=load0)
     print(f"wrote {FLAGS.out}")
 
 

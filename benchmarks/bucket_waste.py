@@ -26,6 +26,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from absl import app, flags  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from common import start_load, write_result  # noqa: E402  (benchmarks/common.py)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("configs", ["gpt-oss-20b", "gpt-oss-120b", "tiny", "tiny-hd64"], "Configs (configs/<name>.json).")
@@ -113,10 +114,10 @@ def compiled_check(name: str, tiles, lengths: list[int]) -> list[dict]:
 
 def main(argv):
     del argv
-    from slope_jax.atomic import atomic_json
     from slope_jax.model.config import ModelConfig
     from slope_jax.parallel import layout
 
+    load0 = start_load()
     out = {"lo": FLAGS.lo, "hi": FLAGS.hi, "bound": FLAGS.bound, "fine_from": layout.FINE_FROM,
            "buckets_per_octave": layout.BUCKETS_PER_OCTAVE, "model": [], "rows": [], "compiled": []}
     for m in (int(x) for x in FLAGS.multiples):
@@ -135,7 +136,7 @@ def main(argv):
             print(f"model {name:<13} tiles {spec:<12} worst {r['worst_ratio']:.4f} at L={r['worst_length']} "
                   f"(T={r['worst_bucket']}), exact work non-decreasing: {r['exact_work_non_decreasing']} "
                   f"[{r['seconds']:.0f} s]", flush=True)
-            atomic_json(FLAGS.out, out)
+            write_result(FLAGS.out, out, load_start=load0)
     if FLAGS.compile_lengths:
         out["compiled"] = compiled_check(FLAGS.compile_config, _tiles(FLAGS.compile_tiles),
                                          [int(x) for x in FLAGS.compile_lengths])
@@ -144,8 +145,7 @@ def main(argv):
     out["worst_ratio"] = worst
     out["within_bound"] = worst <= FLAGS.bound
     print(f"worst ratio over everything checked: {worst:.4f} (bound {FLAGS.bound})")
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    atomic_json(FLAGS.out, out)
+    write_result(FLAGS.out, out, load_start=load0)
     print(f"wrote {FLAGS.out}")
 
 

@@ -12,7 +12,6 @@ Prints a table and writes JSON (default benchmarks/measured/cpu/compile_cache_wr
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -23,6 +22,7 @@ from absl import app, flags
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, REPO)
+from common import start_load, write_result  # noqa: E402  (benchmarks/common.py)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("shapes", 100, "Array shapes; each compiles ~4 small programs (eager ops).")
@@ -65,6 +65,7 @@ def _fill(directory: str, entries: int) -> None:
 
 def main(argv):
     del argv
+    load0 = start_load()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
     rows = []
     for entries in (int(e) for e in FLAGS.entries):
@@ -85,9 +86,7 @@ def main(argv):
         off = next(o["seconds"] for o in rows if o["case"] == "off" and o["entries_before"] == r["entries_before"])
         r["vs_off"] = round(r["seconds"] / off, 3)
         print(f"{r['case']:16s} {r['entries_before']:8d} {r['seconds']:8.2f} {r['vs_off']:8.2f}x")
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out, "w") as f:
-        json.dump(dict(cpu_count=os.cpu_count(), rows=rows), f, indent=1)
+    write_result(FLAGS.out, dict(cpu_count=os.cpu_count(), rows=rows), load_start=load0)
     print(f"wrote {FLAGS.out}")
 
 

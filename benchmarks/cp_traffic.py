@@ -14,7 +14,6 @@ Prints a table and writes JSON (default benchmarks/results/cp_traffic.json).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -23,6 +22,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 from absl import app, flags  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from common import start_load, write_result  # noqa: E402  (benchmarks/common.py)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("tokens", 8192, "Padded prompt length for the traffic check (compile only).")
@@ -83,6 +83,7 @@ def measure(cfg, params, layout, tokens, work_tokens, dtype, tile):
 
 def main(argv):
     del argv
+    load0 = start_load()
     import jax
     import numpy as np
 
@@ -106,9 +107,7 @@ def main(argv):
               f"{r['sliding_hlo_bytes'] / mib:>12.3f} {r['sliding_analytic_bytes'] / mib:>13.3f} "
               f"{'+'.join(r['sliding_collective_kinds']) or '-':>20} {r['wire_bytes_at_model_dtype'] / mib:>9.2f} "
               f"{r['work_max_over_mean']:>14.4f}")
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out, "w") as fh:
-        json.dump({"config": SHAPES, "dtype": FLAGS.dtype, "rows": rows}, fh, indent=2)
+    write_result(FLAGS.out, {"config": SHAPES, "dtype": FLAGS.dtype, "rows": rows}, load_start=load0, indent=2)
     print(f"\nwrote {FLAGS.out}")
 
 

@@ -40,6 +40,7 @@ import traceback
 from absl import app, flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from common import best_jax_seconds, matmul_peak, start_load, write_result  # noqa: E402  (benchmarks/common.py)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "benchmarks/results/device_prefill.json", "JSON output path (rewritten after every step).")
@@ -72,6 +73,7 @@ class Run:
         self.out, self.budget_s = out, budget_s
         self.doc: dict = {"status": "running", "steps": {}, "failures": {}, "skipped": {}}
         self.lock = threading.Lock()
+        self.load_start = start_load()
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
@@ -80,12 +82,9 @@ class Run:
         return self.budget_s - self.elapsed()
 
     def save(self) -> None:
-        from slope_jax.atomic import atomic_json
-
         with self.lock:
             self.doc["elapsed_s"] = round(self.elapsed(), 2)
-            os.makedirs(os.path.dirname(os.path.abspath(self.out)), exist_ok=True)
-            atomic_json(self.out, self.doc)
+            write_result(self.out, self.doc, load_start=self.load_start)
 
     def step(self, name: str, fn, estimate_s: float = 0.0):
         """Run `fn()` unless `estimate_s` exceeds the time left; record its result, failure or skip."""
@@ -113,17 +112,6 @@ class Run:
         return res
 
 
-def _best(fn, repeats: int) -> float:
-    import jax
-
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def _peak_bytes() -> int | None:
     import jax
 
@@ -147,23 +135,15 @@ def _timed_compiled(fn, args, repeats: int) -> dict:
     t = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
     compile_s = time.perf_counter() - t
-    jax.block_until_ready(compiled(*args))  # first run (autotuning, allocation) is not timed
-    best = _best(lambda: compiled(*args), repeats)
+    best = best_jax_seconds(compiled, args, repeats)  # after one untimed run (autotuning, allocation)
     return {"compile_s": round(compile_s, 3), "seconds": best, "program_bytes": _program_bytes(compiled),
             "peak_bytes_in_use": _peak_bytes()}
 
 
-def matmul_peak(n: int, repeats: int) -> dict:
-    import jax
-    import jax.numpy as jnp
-
-    ka, kb = jax.random.split(jax.random.key(0))
-    a = jax.random.normal(ka, (n, n), jnp.bfloat16)
-    b = jax.random.normal(kb, (n, n), jnp.bfloat16)
-    f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
-    jax.block_until_ready(f(a, b))
-    best = _best(lambda: f(a, b), max(repeats, 5))
-    return {"n": n, "seconds": best, "bf16_flops_per_s": 2 * n ** 3 / best}
+def bf16_matmul_peak(n: int, repeats: int) -> dict:
+    """`common.matmul_peak`: bf16 n×n×n `jnp.dot` (float32 accumulation), best of max(repeats, 5)."""
+    flops_per_s = matmul_peak(n, "bfloat16", max(repeats, 5))
+    return {"n": n, "seconds": 2 * n ** 3 / flops_per_s, "bf16_flops_per_s": flops_per_s}
 
 
 def model_config(smoke: bool, layers: int):
@@ -218,7 +198,7 @@ def main(argv):
         f"D={cfg.hidden_size}, E={cfg.num_experts}; lengths {lengths}; budget {FLAGS.budget_s:.0f} s")
     run.save()
 
-    peak = run.step("matmul_peak", lambda: matmul_peak(64 if smoke else FLAGS.matmul_n, repeats))
+    peak = run.step("matmul_peak", lambda: bf16_matmul_peak(64 if smoke else FLAGS.matmul_n, repeats))
     peak_flops = peak["bf16_flops_per_s"] if peak else None
 
     def init():

@@ -27,6 +27,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 from absl import app, flags  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from common import start_load, write_result  # noqa: E402  (benchmarks/common.py)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("layouts", ["1x2x4", "1x4x8", "1x1x8", "2x2x4", "4x2x1"],
@@ -132,6 +133,7 @@ def measured(layout, dispatch: str) -> dict:
 
 def main(argv):
     del argv
+    load0 = start_load()
     from slope_jax.model.config import ModelConfig
 
     here = os.path.dirname(os.path.abspath(__file__))
@@ -179,10 +181,7 @@ def main(argv):
                   f"{share:>8} {max(m['per_device_expert_bytes']) / 1024:>15.1f} {m['ideal'] / 1024:>14.1f} "
                   f"{m['memory_analysis_expert_bytes'] / 1024:>17.1f} {m['hlo_moe_block_bytes'] / 1024:>12.1f} "
                   f"{m['formula_moe_block_bytes'] / 1024:>12.1f} {m['formula_moe_wire_bytes'] / 1024:>9.1f}")
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    from slope_jax.atomic import atomic_json
-
-    atomic_json(FLAGS.out, {"declared": rows, "measured": meas, "small_config": SMALL})
+    write_result(FLAGS.out, {"declared": rows, "measured": meas, "small_config": SMALL}, load_start=load0)
     print(f"\nwrote {FLAGS.out}")
 
 

@@ -24,6 +24,7 @@ import time
 from absl import app, flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from common import start_load, write_result  # noqa: E402  (benchmarks/common.py)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "benchmarks/results/kernel_parity.json", "JSON output path.")
@@ -140,16 +141,14 @@ def check_moe(name, case, dtype, smoke):
 
 def main(argv):
     del argv
+    load0 = start_load()
     import jax
     import jax.numpy as jnp
-
-    from slope_jax.atomic import atomic_json
 
     jax.config.update("jax_default_matmul_precision", "highest")
     t_start = time.perf_counter()
     doc = {"jax": jax.__version__, "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
            "smoke": FLAGS.smoke, "tol_f32": FLAGS.tol, "ok": True, "cases": {}, "skipped": []}
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
     parts = {"attention": (attention_cases, check_attention), "moe": (moe_cases, check_moe)}
     for part in FLAGS.parts:
         cases, check = parts[part]
@@ -168,9 +167,9 @@ def main(argv):
                 doc["cases"][key] = row
                 doc["ok"] &= not bad
                 print(f"{key:<40} {msg}{'  FAIL' if bad else ''}", flush=True)
-                atomic_json(FLAGS.out, doc)
+                write_result(FLAGS.out, doc, load_start=load0)
     doc["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-    atomic_json(FLAGS.out, doc)
+    write_result(FLAGS.out, doc, load_start=load0)
     print(f"kernel parity {'ok' if doc['ok'] else 'FAILED'}; wrote {FLAGS.out}", flush=True)
     sys.exit(0 if doc["ok"] else 1)
 

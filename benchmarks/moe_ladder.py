@@ -29,6 +29,7 @@ xla_env.configure(cpu_devices=1)
 from absl import app, flags  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from common import best_seconds, start_load, write_result  # noqa: E402  (benchmarks/common.py)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("lengths", ["608", "2048", "8192"], "Tokens of the MoE layer's input.")
@@ -55,13 +56,11 @@ def _best_interleaved(fns: dict, args: tuple, repeats: int) -> dict[str, float]:
 
 def main(argv):
     del argv
+    load0 = start_load()
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from bench_timing import best_seconds  # benchmarks/, the script's own directory
-
-    from slope_jax.atomic import atomic_json
     from slope_jax.model import moe as moe_lib
     from slope_jax.model import options as options_lib
     from slope_jax.model.config import ModelConfig
@@ -124,8 +123,7 @@ def main(argv):
     out = {"config": os.path.relpath(FLAGS.config, REPO), "repeats": FLAGS.repeats, "cpus": os.cpu_count(),
            "loadavg_end": os.getloadavg()[0], "dot_gflops_by_rows": {str(m): r / 1e9 for m, r in dot_rate.items()},
            "rows": rows_out}
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    atomic_json(FLAGS.out, out, indent=1)
+    write_result(FLAGS.out, out, load_start=load0)
     print(f"wrote {FLAGS.out}")
 
 

@@ -154,7 +154,9 @@ def ensure_vllm(python: str) -> None:
 def main(argv):
     del argv
     from absl import flags
+    from common import start_load, write_result  # benchmarks/common.py (not imported by the children)
 
+    load0 = start_load()
     F = flags.FLAGS
     ensure_checkpoint(F.checkpoint_dir)
     vllm_python = F.vllm_python
@@ -217,8 +219,7 @@ def main(argv):
     result = {"config": CONFIG, "checkpoint": F.checkpoint_dir, "cpus": os.cpu_count(), "repeats": F.repeats,
               "f32_repeats": F.f32_repeats, "vllm_mode": "compile" if F.vllm_compile else "eager", "table": table,
               "runs": runs}
-    os.makedirs(os.path.dirname(os.path.abspath(F.out)), exist_ok=True)
-    _write(F.out, result)
+    write_result(F.out, result, load_start=load0)
     print(f"\nwrote {F.out}")
     failed = [x for x in runs if "error" in x]
     mismatched = [x for x in table if x.get("f32_same_first_token") is False]

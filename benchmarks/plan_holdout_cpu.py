@@ -37,7 +37,7 @@ from absl import app, flags  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench_timing import best_seconds  # noqa: E402  (benchmarks/, the script's own directory)
+from common import matmul_peak, start_load, write_result  # noqa: E402  (benchmarks/common.py)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("lengths", ["1024", "2048", "4096", "8192"], "Prompt lengths.")
@@ -98,11 +98,7 @@ def measure(names: dict[str, dict], lengths: list[int]) -> tuple[list[dict], flo
     from slope_jax.model.config import ModelConfig
     from slope_jax.serve.engine import PrefillEngine
 
-    n = 2048
-    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32))
-    mm = jax.jit(lambda x, y: x @ y)
-    mm(a, a).block_until_ready()
-    peak = 2 * n ** 3 / best_seconds(lambda: mm(a, a).block_until_ready(), 5)
+    peak = matmul_peak(2048, "float32", 5)
     print(f"XLA float32 matmul peak {peak / 1e9:.1f} GFLOP/s", flush=True)
     points = []
     for name, hf in names.items():
@@ -131,7 +127,7 @@ def main(argv):
     from slope_jax.plan import calibrate, hardware
 
     lengths = [int(x) for x in FLAGS.lengths]
-    load0 = os.getloadavg()
+    load0 = start_load()
     rows, peak = measure({k: hf_config(v) for k, v in {**CAL, **HELD}.items()}, lengths)
     cal = [r for r in rows if r["name"] in CAL]
     held = [r for r in rows if r["name"] in HELD]
@@ -167,11 +163,11 @@ def main(argv):
               dataclasses.asdict(e), "table": table, "rows": rows, "extra_rows": FLAGS.extra_rows,
               "held_out_worst_error": worst, "loadavg_before": load0, "loadavg_after": os.getloadavg(),
               "cpus": os.cpu_count()}
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)  # benchmarks/results/ is not in git
-    atomic_json(FLAGS.out, result, indent=1)
+    write_result(FLAGS.out, result, load_start=load0)
     if FLAGS.write_profile:
-        atomic_json(os.path.join(REPO, "configs", "hardware", "calibration", "cpu_multi.json"),
-                    {"hardware": "cpu", "dtype": "float32", "peak_flops_float32": peak, "rows": rows}, indent=1)
+        write_result(os.path.join(REPO, "configs", "hardware", "calibration", "cpu_multi.json"),
+                     {"hardware": "cpu", "dtype": "float32", "peak_flops_float32": peak, "rows": rows},
+                     load_start=load0)
         out = fitted.to_dict()
         scale = fitted.peak("float32") / peak
         out["sources"] = {**out.get("sources", {}), "peak_flops": f"measured: XLA float32 2048^3 matmul, best of 5, "

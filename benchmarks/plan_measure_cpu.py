@@ -27,7 +27,7 @@ from absl import app, flags  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_timing import best_seconds  # noqa: E402  (benchmarks/, the script's own directory)
+from common import best_seconds, matmul_peak, start_load, write_result  # noqa: E402  (benchmarks/common.py)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "configs/tiny.json", "Model config to measure.")
@@ -43,21 +43,18 @@ def main(argv):
     import jax.numpy as jnp
     import numpy as np
 
-    from slope_jax.atomic import atomic_json
     from slope_jax.checkpoints import writer
     from slope_jax.model.config import ModelConfig
     from slope_jax.parallel.config import ParallelConfig
     from slope_jax.serve.engine import PrefillEngine
 
-    n = 2048
-    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32))
-    mm = jax.jit(lambda x, y: x @ y)
-    mm(a, a).block_until_ready()
-    peak = 2 * n ** 3 / best_seconds(lambda: mm(a, a).block_until_ready(), 5)
+    load0 = start_load()
+    peak = matmul_peak(2048, "float32", 5)
     buf = np.ones(64 * 2**20 // 4, np.float32)
     copy_bw = buf.nbytes / best_seconds(lambda: buf.copy(), 5)
     print(f"XLA f32 matmul peak {peak / 1e9:.1f} GFLOP/s, memcpy {copy_bw / 1e9:.2f} GB/s")
 
+    mm = jax.jit(lambda x, y: x @ y)
     small = jnp.asarray(np.random.default_rng(1).standard_normal((1024, 1024), np.float32))
     mm(small, small).block_until_ready()
 
@@ -95,12 +92,11 @@ def main(argv):
         rows.append({"pipeline": p, "ring": r, "ulysses": u, "length": pt["length"], "batch": 1,
                      "ms": min(pt["raw"]) * 1e3, "raw_ms": [x * 1e3 for x in pt["raw"]],
                      "normalised_ms": [x * 1e3 for x in pt["norm"]]})
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    atomic_json(FLAGS.out, {"hardware": "cpu", "config": FLAGS.config, "dtype": "float32", "repeats": FLAGS.repeats,
+    write_result(FLAGS.out, {"hardware": "cpu", "config": FLAGS.config, "dtype": "float32", "repeats": FLAGS.repeats,
                             "peak_flops_float32": best_rate, "start_peak_2048": peak, "reference_rate_1024": ref,
                             "memcpy_bytes_per_s": copy_bw,
                             "cpu_count": os.cpu_count(),
-                            "jax": jax.__version__, "rows": rows})
+                            "jax": jax.__version__, "rows": rows}, load_start=load0)
     print(f"wrote {FLAGS.out}")
 
 

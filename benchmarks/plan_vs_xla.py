@@ -1,5 +1,5 @@
 """The cost model vs what XLA compiles, on the CPU mesh (8 virtual devices): FLOPs per device, collective bytes per
-device, argument + temp memory per device (design §6; issue 9 "must show").
+device, argument + temp memory per device (docs/design.md §6; issue 9 "must show").
 
     python benchmarks/plan_vs_xla.py                         # tiny + mid configs, 7 layouts, lengths 1..8192
     python benchmarks/plan_vs_xla.py --configs=tiny --lengths=1,300 --layouts=1x1x1,2x2x2
@@ -22,6 +22,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 from absl import app, flags  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from common import start_load, write_result  # noqa: E402  (benchmarks/common.py)
 
 FLAGS = flags.FLAGS
 MID = dict(num_hidden_layers=4, num_experts=16, experts_per_token=4, vocab_size=32768, hidden_size=1024,
@@ -37,9 +38,9 @@ flags.DEFINE_string("out", "benchmarks/results/plan_vs_xla.json", "JSON output p
 
 def main(argv):
     del argv
+    load0 = start_load()
     import jax
 
-    from slope_jax.atomic import atomic_json
     from slope_jax.checkpoints import writer
     from slope_jax.model.config import FULL, SLIDING, ModelConfig
     from slope_jax.parallel.config import ParallelConfig
@@ -78,8 +79,7 @@ def main(argv):
                for k, tgt in (("flops_ratio", 0.05), ("bytes_ratio", 0.05), ("memory_ratio", 0.15))}
     for k, v in summary.items():
         print(f"{k}: worst |ratio - 1| = {v['max_abs_error']:.4f} (target {v['target']})")
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    atomic_json(FLAGS.out, {"rows": rows, "summary": summary, "jax": jax.__version__})
+    write_result(FLAGS.out, {"rows": rows, "summary": summary, "jax": jax.__version__}, load_start=load0)
     print(f"wrote {FLAGS.out}")
 
 

@@ -12,7 +12,6 @@ Prints tables and writes JSON (default benchmarks/results/pp_memory.json).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -21,6 +20,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 from absl import app, flags  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from common import start_load, write_result  # noqa: E402  (benchmarks/common.py)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("pipelines", ["1", "2", "4", "8"], "Pipeline degrees to measure.")
@@ -109,6 +109,7 @@ def _leaves(tree):
 
 def main(argv):
     del argv
+    load0 = start_load()
     import jax
     import numpy as np
 
@@ -142,9 +143,7 @@ def main(argv):
         print(f"{d['model']:>14} {d['pipeline']:>3} {d['per_device_bytes'] / 2**30:>11.2f} "
               f"{d['total_bytes'] / d['pipeline'] / 2**30:>12.2f} {d['ratio_to_ideal']:>7.3f} {d['empty_slots']:>12} "
               f"{d['cost_model_ratio']:>20.4f}")
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out, "w") as fh:
-        json.dump({"config": SMALL, "measured": rows, "declared": decl}, fh, indent=2, default=float)
+    write_result(FLAGS.out, {"config": SMALL, "measured": rows, "declared": decl}, load_start=load0, indent=2)
     print(f"\nwrote {FLAGS.out}")
     del np
 

@@ -25,6 +25,8 @@ import time
 from absl import app, flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from common import (best_seconds, matmul_peak, numpy_matmul_peak, start_load,  # noqa: E402  (benchmarks/common.py)
+                    write_result)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("lengths", ["512", "2048"], "Prompt lengths to time.")
@@ -45,26 +47,6 @@ def mid_config():
     from slope_jax.model.config import FULL, SLIDING, ModelConfig
 
     return ModelConfig(**MID, layer_types=tuple(SLIDING if i % 2 == 0 else FULL for i in range(4)))
-
-
-def matmul_peak(n: int = 2048, repeats: int = 5) -> dict[str, float]:
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32))
-    f = jax.jit(lambda x, y: x @ y)
-    f(a, a).block_until_ready()
-    best = min(_timed(lambda: f(a, a).block_until_ready()) for _ in range(repeats))
-    an = np.asarray(a)
-    best_np = min(_timed(lambda: an @ an) for _ in range(repeats))
-    return {"xla_f32_flops": 2 * n ** 3 / best, "numpy_f32_flops": 2 * n ** 3 / best_np}
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def _proc_status(key: str) -> int:
@@ -145,7 +127,8 @@ def main(argv):
     from slope_jax.plan import flops
     from slope_jax.serve.engine import PrefillEngine
 
-    peak = matmul_peak()
+    load0 = start_load()
+    peak = {"xla_f32_flops": matmul_peak(2048, "float32", 5), "numpy_f32_flops": numpy_matmul_peak(2048, 5)}
     with tempfile.TemporaryDirectory() as tmp:
         if FLAGS.checkpoint:
             ckpt = FLAGS.checkpoint
@@ -164,7 +147,7 @@ def main(argv):
         t0 = time.perf_counter()
         engine.prefill([ids], return_kv=False)
         first = time.perf_counter() - t0
-        best = min(_timed(lambda: engine.prefill([ids], return_kv=False)) for _ in range(FLAGS.repeats))
+        best = best_seconds(lambda: engine.prefill([ids], return_kv=False), FLAGS.repeats)
         f = flops.prefill(cfg, t)
         achieved = f["total"] / best
         rows.append({"tokens": t, "bucket": engine.bucket(t), "seconds": best, "first_call_s": first,
@@ -189,9 +172,7 @@ def main(argv):
     for r in rows:
         print(f"{r['tokens']:>6} {r['bucket']:>6} {r['seconds']:>8.3f} {r['tokens_per_s']:>9.1f} "
               f"{r['model_gflop']:>8.1f} {r['achieved_gflops']:>8.1f} {r['mfu_vs_xla_peak']:>6.1%}")
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out, "w") as fh:
-        json.dump(result, fh, indent=2)
+    write_result(FLAGS.out, result, load_start=load0, indent=2)
     print(f"\nwrote {FLAGS.out}")
 
 

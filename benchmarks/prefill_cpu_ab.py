@@ -27,6 +27,7 @@ flags.DEFINE_integer("repeats", 3, "Timed runs per length inside each child (bes
 flags.DEFINE_string("out", "benchmarks/results/prefill_cpu_ab.json", "JSON output path.")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from common import start_load, write_result  # noqa: E402  (benchmarks/common.py)
 
 
 def _run_side(tree: str, out: str) -> dict:
@@ -41,6 +42,9 @@ def _run_side(tree: str, out: str) -> dict:
 
 def main(argv):
     del argv
+    load0 = start_load()
+    base_commit = subprocess.run(["git", "-C", REPO, "rev-parse", FLAGS.base], capture_output=True, text=True,
+                                 check=True).stdout.strip()
     runs: dict[str, list[dict]] = {"base": [], "head": []}
     with tempfile.TemporaryDirectory() as tmp:
         base_tree = os.path.join(tmp, "base")
@@ -71,9 +75,8 @@ def main(argv):
     for r in table:
         print(f"{r['tokens']:>6} {r['base_tokens_per_s']:>11.1f} {r['head_tokens_per_s']:>11.1f} "
               f"{r['tokens_per_s_ratio']:>6.3f} {r['base_mfu']:>9.1%} {r['head_mfu']:>9.1%} {r['mfu_ratio']:>6.3f}")
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out, "w") as f:
-        json.dump({"base": FLAGS.base, "rounds": FLAGS.rounds, "table": table, "runs": runs}, f, indent=2)
+    write_result(FLAGS.out, {"base": FLAGS.base, "base_commit": base_commit, "rounds": FLAGS.rounds, "table": table,
+                             "runs": runs}, load_start=load0, indent=2)
     print(f"\nwrote {FLAGS.out}")
 
 

@@ -40,6 +40,7 @@ from absl import app, flags  # noqa: E402
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, REPO)
+from common import start_load, write_result  # noqa: E402  (benchmarks/common.py)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", os.path.join(REPO, "checkpoints", "gpt-oss-20b-2l"), "HF MXFP4 checkpoint.")
@@ -227,6 +228,7 @@ def main(argv):
                         "--config", os.path.join(REPO, "configs", "gpt-oss-20b.json"), f"--layers={FLAGS.layers}",
                         f"--out={FLAGS.checkpoint}", "--num_shards=3"], check=True)
     orbax_dir = FLAGS.orbax_dir or FLAGS.checkpoint.rstrip("/") + "-orbax"
+    load0 = start_load()
     runs: dict[str, list[dict]] = {"hf": [], "orbax": [], "floor": []}
     try:
         conv = _run_child("convert", FLAGS.layout)
@@ -264,9 +266,7 @@ def main(argv):
               "speedup_median": med["hf"] / med["orbax"], "speedup_best": best["hf"] / best["orbax"],
               "rss_ratio": rss["orbax"] / rss["hf"],
               "bitwise_equal_same_layout": equal_same, "bitwise_equal_other_layout": equal_other}
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_result(FLAGS.out, result, load_start=load0)
     print(f"wrote {FLAGS.out}")
     if not (equal_same and equal_other):
         raise SystemExit("restored parameters differ from the HF load")

@@ -15,7 +15,6 @@ Prints tables and writes JSON (default benchmarks/results/seq_pipeline.json).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -24,6 +23,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 from absl import app, flags  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from common import start_load, write_result  # noqa: E402  (benchmarks/common.py)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("model_tokens", 100_000, "Prompt length for the cost-model table.")
@@ -78,6 +78,7 @@ def measured() -> list[dict]:
 
 def main(argv):
     del argv
+    load0 = start_load()
     table = model_table()
     print(f"\npredicted TTFT, gpt-oss-120b, {FLAGS.model_tokens} tokens, P={FLAGS.model_pipeline}, R=U=1, assumed "
           f"{FLAGS.peak_tflops:.0f} TFLOP/s x {FLAGS.efficiency:.2f} per device (assumption, not measured)")
@@ -96,10 +97,8 @@ def main(argv):
     for r in rows:
         print(f"{r['chunks']:>3} {r['ticks']:>6} {r['expected_ticks']:>6} {r['temp_bytes'] / mib:>9.2f} "
               f"{r['output_bytes'] / mib:>11.2f} {r['argument_bytes'] / mib:>9.2f}")
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out, "w") as fh:
-        json.dump({"assumed": {"peak_tflops": FLAGS.peak_tflops, "efficiency": FLAGS.efficiency},
-                   "model_table": table, "measured": rows}, fh, indent=1)
+    write_result(FLAGS.out, {"assumed": {"peak_tflops": FLAGS.peak_tflops, "efficiency": FLAGS.efficiency},
+                             "model_table": table, "measured": rows}, load_start=load0)
     print(f"\nwrote {FLAGS.out}")
 
 

@@ -34,6 +34,7 @@ import time
 from absl import app, flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from common import start_load, write_result  # noqa: E402  (benchmarks/common.py)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", "checkpoints/tiny-gpt-oss", "Checkpoint of the engine (measured fit and replay).")
@@ -226,6 +227,7 @@ def fmt(x, spec):
 
 def main(argv):
     del argv
+    load0 = start_load()
     if FLAGS.devices == "8":
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
     from slope_jax.serve import simulate as sim
@@ -313,10 +315,7 @@ def main(argv):
         for text, ok in replay_checks:
             print(("PASS " if ok else "FAIL ") + text)
         result["replay_checks"] = [{"check": t, "pass": ok} for t, ok in replay_checks]
-    from slope_jax.atomic import atomic_json
-
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    atomic_json(FLAGS.out, result)
+    write_result(FLAGS.out, result, load_start=load0)
     print(f"\nwrote {FLAGS.out}")
 
 

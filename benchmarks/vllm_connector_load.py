@@ -32,6 +32,7 @@ from absl import app, flags  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from common import start_load, write_result  # noqa: E402  (benchmarks/common.py)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("lengths", ["128", "512", "1000", "2000"], "Prompt lengths (tokens).")
@@ -82,7 +83,7 @@ def main(argv):
             "max_model_len": max(lengths) + 16}
     with open(os.path.join(work, "spec.json"), "w") as f:
         json.dump(spec, f)
-    load_before = os.getloadavg()
+    load_before = start_load()
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env.update(PYTHONPATH=REPO, VLLM_CPU_ATTN_SPLIT_KV="0")
     proc = subprocess.run([FLAGS.vllm_python, os.path.join(REPO, "benchmarks", "vllm_driver.py"),
@@ -118,9 +119,7 @@ def main(argv):
               f"{r['validate_ms']:>12.1f} {r['load_over_plain']:>13.3f}")
     print(f"load average before/after: {load_before} / {result['loadavg_after']} on {os.cpu_count()} CPUs")
     if FLAGS.out:
-        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-        with open(FLAGS.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_result(FLAGS.out, result, load_start=load_before)
 
 
 if __name__ == "__main__":

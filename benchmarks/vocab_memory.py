@@ -20,6 +20,7 @@ import resource
 import sys
 
 from absl import app, flags
+from common import start_load, write_result  # benchmarks/common.py (stdlib only: no JAX yet)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("layout", "1x2x4", "pipeline x ring x ulysses (8 devices in all).")
@@ -39,6 +40,7 @@ def _peak_rss_gib() -> float:
 
 def main(argv):
     del argv
+    load0 = start_load()
     p, r, u = (int(x) for x in FLAGS.layout.split("x"))
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={p * r * u}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -86,9 +88,7 @@ def main(argv):
            "same_first_token": par_res.first_token == ref_res.first_token,
            "peak_rss_gib_after_parallel": rss_parallel, "peak_rss_gib": _peak_rss_gib()}
     print(json.dumps(doc, indent=1))
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_result(FLAGS.out, doc, load_start=load0)
     ok = doc["per_device_equals_total_over_PRU"] and diff <= doc["tolerance"]
     sys.exit(0 if ok else 1)
 
