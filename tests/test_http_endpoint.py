@@ -19,6 +19,7 @@ import pytest
 from support import REPO, SHIPPED, free_port, launcher_env
 
 from slope_jax.kv import format as kvfmt
+from slope_jax.kv.store import KVStore
 from slope_jax.serve import http, pd_proxy
 
 W = 32  # the shipped checkpoint's sliding window
@@ -77,7 +78,7 @@ def _tokenizer():
 def test_every_rule_is_a_4xx_naming_the_field(tmp_path):
     tok, seen = _tokenizer(), {"taken"}
     limits = dict(model_name="tiny", vocab_size=VOCAB, max_tokens=100, tokenizer=tok, seen_ids=seen, top_k=TOP_K,
-                  kv_dir=str(tmp_path), overwrite=False)
+                  kv_store=KVStore(str(tmp_path)))
     for number, (body, status, param) in enumerate(MALFORMED, 1):
         with pytest.raises(http.HttpError) as e:
             http.validate(body, {}, number, **limits)
@@ -118,8 +119,8 @@ def test_answer_logprobs_are_a_log_softmax_of_the_logits():
               "kv_path": "kv/r"}
     tok = _tokenizer()
     v = http.validate(b'{"prompt": [7, 8, 9], "logprobs": 3, "request_id": "r"}', {}, 1, model_name="m",
-                      vocab_size=VOCAB, max_tokens=100, tokenizer=tok, seen_ids=set(), top_k=TOP_K, kv_dir="kv",
-                      overwrite=False)
+                      vocab_size=VOCAB, max_tokens=100, tokenizer=tok, seen_ids=set(), top_k=TOP_K,
+                      kv_store=KVStore("kv"))
     status, body = http.completion_body(record, v, "m")
     assert status == 200
     top = body["choices"][0]["logprobs"]["top_logprobs"][0]

@@ -220,8 +220,9 @@ def test_missing_peer_at_startup_is_a_clear_error():
 
 
 def test_request_over_the_memory_budget_gets_an_error_record(tmp_path):
-    """--device_memory_gib: a prompt whose bucket's compiled step (XLA memory analysis) needs more is refused; the
-    others run. Single device: ~11 MiB at 20 tokens, ~40 MiB at 4000 on the shipped checkpoint (bf16)."""
+    """--device_memory_gib: a prompt whose bucket's step the planner's memory model predicts to need more is refused
+    at intake (no compile); the others run. Single device, shipped checkpoint (bf16): predicted 4.9 MiB at 20 tokens,
+    32.0 MiB at 4000 (XLA's memory analysis of the compiled steps: ~11 and ~40 MiB)."""
     reqs = tmp_path / "r.jsonl"
     reqs.write_text(json.dumps({"id": "small", "tokens": list(range(20))}) + "\n"
                     + json.dumps({"id": "huge", "tokens": [7] * 4000}) + "\n")
@@ -231,8 +232,10 @@ def test_request_over_the_memory_budget_gets_an_error_record(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     out = {json.loads(x)["id"]: json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()}
     assert "first_token" in out["small"]
-    assert "need" in out["huge"]["error"] and "per device for the compiled step, devices have 20.5 MiB" in \
-        out["huge"]["error"]
+    err = out["huge"]["error"]
+    assert "4000 tokens (bucket 4032) need a predicted 0.031 GiB per device" in err, err
+    assert "over the budget of 0.020 GiB (--device_memory_gib)" in err, err
+    assert "compile: 1 step program(s)" in r.stderr, r.stderr[-2000:]  # the refused bucket was never compiled
 
 
 def test_help_explains_the_flags():

@@ -17,7 +17,7 @@ from support import MALFORMED, MAX_TOKENS, REPO, SHIPPED, VALID_IN_MALFORMED, fr
 from tokenizers import Tokenizer
 
 from slope_jax.checkpoints import writer
-from slope_jax.serve import fingerprint, launcher, requests
+from slope_jax.serve import compute, fingerprint, requests
 from slope_jax.serve.scheduler import Pending, Scheduler
 
 PY = sys.executable
@@ -149,7 +149,7 @@ def test_a_failing_step_is_retried_per_request_and_blamed_on_one():
     eng = _FlakyEngine()
     prompts = [[1] * 5, [13] * 6, [2] * 7, [3] * 20, [4] * 3]
     ids = ["a", "bad", "c", "long", "e"]
-    out = launcher._prefill_isolated(eng, prompts, ids, None, top_k=5)
+    out = compute.prefill_isolated(eng, prompts, ids, None, top_k=5)
     assert out[0] == "result-a" and out[2] == "result-c" and out[3] == "result-long" and out[4] == "result-e"
     assert out[1].startswith("prefill failed: RuntimeError: RESOURCE_EXHAUSTED")
     # steps of one bucket and at most in_flight prompts; the failed step is retried one request at a time

@@ -106,8 +106,7 @@ def _param_of(message: str) -> str:
 
 
 def validate(body: bytes, headers: dict, number: int, *, model_name: str, vocab_size: int, max_tokens: int,
-             tokenizer, seen_ids: set[str], top_k: int, kv_dir: str, overwrite: bool,
-             arrival: float | None = None) -> Validated:
+             tokenizer, seen_ids: set[str], top_k: int, kv_store, arrival: float | None = None) -> Validated:
     """Check one POST /v1/completions body. Raises HttpError naming the field and the rule.
 
     Args:
@@ -116,7 +115,8 @@ def validate(body: bytes, headers: dict, number: int, *, model_name: str, vocab_
       model_name: the served model name. vocab_size, max_tokens, tokenizer: the boundary's limits and tokenizer
         (`tokenizers.Tokenizer` or None; not shared with another thread: the boundary toggles a flag on it).
       seen_ids: ids used so far in this run (updated; the boundary's uniqueness rule).
-      top_k: the most `logprobs` a request may ask for (--top_k). kv_dir, overwrite: the export target rule.
+      top_k: the most `logprobs` a request may ask for (--top_k). kv_store: the owner of the export directory's
+        policy (`slope_jax.kv.store.KVStore`): its `check_new` refuses an id whose export exists (409).
       arrival: perf_counter() seconds of the request's arrival (default now).
     """
     obj = _decode_body(body, number)
@@ -134,7 +134,7 @@ def validate(body: bytes, headers: dict, number: int, *, model_name: str, vocab_
         message = str(e).replace("'tokens'", "'prompt'").replace("'text'", "'prompt'")
         raise HttpError(400, message, param_id if _param_of(message) == "request_id" else _param_of(message)) from e
     try:
-        kvfmt.check_target(kv_dir, req.id, overwrite)
+        kv_store.check_new(req.id)
     except kvfmt.ExportExistsError as e:
         raise HttpError(409, f"{where} ({req.id}): {e}", param_id) from e
     return Validated(req, logprobs)
@@ -281,14 +281,14 @@ class HttpIntake:
       host, port: where to listen (port 0: any free port; `port` then holds the bound one after `start`).
       model_name: the name /v1/models and responses give; `model` in a request must match it.
       vocab_size, max_tokens: the boundary's limits. tokenizer_path: the checkpoint's tokenizer.json, or None.
-      top_k: --top_k (the most `logprobs`). kv_dir, overwrite: the export target (--kv_dir, --overwrite).
+      top_k: --top_k (the most `logprobs`). kv_store: the launcher's `kv.store.KVStore` (--kv_dir, --overwrite).
     """
 
     def __init__(self, host: str, port: int, *, model_name: str, vocab_size: int, max_tokens: int,
-                 tokenizer_path: str | None, top_k: int, kv_dir: str, overwrite: bool):
+                 tokenizer_path: str | None, top_k: int, kv_store):
         self.host, self.port, self.model_name = host, port, model_name
         self._limits = dict(model_name=model_name, vocab_size=vocab_size, max_tokens=max_tokens, top_k=top_k,
-                            kv_dir=kv_dir, overwrite=overwrite)
+                            kv_store=kv_store)
         self._tokenizer_path = tokenizer_path
         self._queue: queue.Queue = queue.Queue()
         self._waiters: dict[str, tuple[asyncio.Future, Validated]] = {}

@@ -1,0 +1,119 @@
+"""The launcher's compute loop, run by every process: process 0's front (`serve.front.Front`) takes the next batch
+from the scheduler, `Broadcast` sends it to all processes, all run it (`prefill_isolated`: in the engine steps of
+`steps.group_steps`, a failing step retried one request at a time), and process 0 writes the records.
+
+Nothing here reads absl flags: the export options come in as arguments. No JAX or numpy at import.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+
+from absl import logging
+
+from slope_jax.serve.steps import group_steps
+
+
+class Broadcast:
+    """Process 0 → all processes: one JSON value per call (a batch, or None to stop)."""
+
+    def __init__(self, multi: bool):
+        self.multi = multi
+
+    def __call__(self, value):
+        if not self.multi:
+            return value
+        import jax
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        data = json.dumps(value).encode() if jax.process_index() == 0 else b""
+        n = int(multihost_utils.broadcast_one_to_all(np.array([len(data)], np.int64))[0])
+        size = 1 << max(6, (n - 1).bit_length())  # a few padded sizes: few compiled broadcasts
+        buf = np.zeros(size, np.uint8)
+        buf[:len(data)] = np.frombuffer(data, np.uint8)
+        out = np.asarray(multihost_utils.broadcast_one_to_all(buf))
+        return json.loads(out[:n].tobytes().decode())
+
+
+def any_process(flag: bool) -> bool:
+    """True on every process if `flag` is True on any (one small all-gather; identity for one process)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return flag
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(np.asarray(multihost_utils.process_allgather(np.array([int(flag)], np.int32))).any())
+
+
+def _failure_text(err: BaseException) -> str:
+    return f"prefill failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
+
+
+def prefill_isolated(engine, prompts, ids, arrivals=None, *, kv_store=None, kv_full: bool = False,
+                     top_k: int = 5) -> list:
+    """Run prompts so that a failure is attributed to the request that causes it: prompts go in the engine steps of
+    `steps.group_steps` (one length bucket, at most `parallel.in_flight` prompts each, as the engine groups them); a
+    step that fails (on any process) is retried one request at a time, and only a request that fails alone gets an
+    error. `kv_store` (`kv.store.KVStore` or None): where the exports go and whether they may replace earlier ones.
+    Returns a PrefillResult or an error string per prompt, in order."""
+    from slope_jax.serve.requests import RequestError
+
+    export = ({} if kv_store is None else {"kv_dir": kv_store.kv_dir, "overwrite": kv_store.overwrite})
+
+    def attempt(idx):
+        err = out = None
+        try:
+            out = engine.prefill([prompts[i] for i in idx], ids=[ids[i] for i in idx],
+                                 arrival_times=None if arrivals is None else [arrivals[i] for i in idx],
+                                 kv_full=kv_full, return_kv=False, top_k=top_k, **export)
+        except Exception as e:  # noqa: BLE001 - attributed below; a dead peer is reported by the peer watch
+            err = e
+            if not isinstance(e, RequestError):
+                logging.warning("prefill of %s failed: %s", [ids[i] for i in idx], traceback.format_exc(limit=3))
+        if not any_process(err is not None):
+            return out
+        if len(idx) > 1:
+            return [r for i in idx for r in attempt([i])]
+        return ["prefill failed on another process (see its log)" if err is None else _failure_text(err)]
+
+    per_step = 1 if engine.mesh is None else engine.parallel.in_flight
+    outcomes: list = [None] * len(prompts)
+    for _, idx in group_steps([len(p) for p in prompts], engine.bucket, per_step):
+        for i, out in zip(idx, attempt(idx)):
+            outcomes[i] = out
+    return outcomes
+
+
+def compute_loop(engine, broadcast, front, *, kv_store=None, kv_full: bool = False, top_k: int = 5) -> None:
+    """Every process: process 0 (`front`, None elsewhere) takes the next batch from the scheduler and broadcasts it;
+    all compute it; process 0 corrects the cost model online and writes the records. Ends when process 0 broadcasts
+    None."""
+    import numpy as np
+
+    pending: dict = {}
+    while True:
+        payload = None
+        if front is not None:
+            batch = front.intake.next_batch()
+            if batch is not None:
+                pending = {item.id: item for item in batch}
+                payload = [[item.id, item.request.tokens.tolist()] for item in batch]
+        payload = broadcast(payload)
+        if payload is None:
+            break
+        ids = [p[0] for p in payload]
+        prompts = [np.asarray(p[1], np.int32) for p in payload]
+        arrivals = [pending[i].arrival_s for i in ids] if front is not None else None
+        t_batch, compiled_before = time.perf_counter(), set(engine.compile_ms)
+        outcomes = prefill_isolated(engine, prompts, ids, arrivals, kv_store=kv_store, kv_full=kv_full, top_k=top_k)
+        if front is not None:
+            # the engine's busy time for the cost model's online correction: wall time less first-time compilation
+            busy_ms = (time.perf_counter() - t_batch) * 1e3 - sum(ms for key, ms in engine.compile_ms.items()
+                                                                  if key not in compiled_before)
+            front.observe([len(p) for p in prompts], busy_ms)
+            front.record_batch(ids, outcomes, pending)
