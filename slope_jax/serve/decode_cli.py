@@ -30,6 +30,7 @@ Exit status 1 if any request failed or its first token did not match.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -84,6 +85,34 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
 # and the decode engine round differently (op order; a bfloat16 prefill against a float32 decode engine), so two
 # almost equal top logits may swap. Per export dtype; logits of gpt-oss are O(10), bf16 keeps 8 mantissa bits.
 TIE_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.125}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """The command's options, one field per flag of `define_flags` (same name; read once, by `from_flags`)."""
+
+    kv_dir: str | None = None
+    ids: tuple[str, ...] = ()
+    checkpoint: str = SHIPPED_CHECKPOINT
+    engine: str = "transformers"
+    dtype: str = "float32"
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_at_eos: bool = True
+    requests: str | None = None
+    results: str | None = None
+    output: str = "-"
+    check_fingerprint: bool = True
+    tie_tolerance: float | None = None
+    summary: bool = True
+
+    @classmethod
+    def from_flags(cls, fv: flags.FlagValues) -> DecodeConfig:
+        """The options the parsed flags `fv` give (`define_flags`)."""
+        values = {f.name: fv[f.name].value for f in dataclasses.fields(cls)}
+        return cls(**{**values, "ids": tuple(values["ids"])})
 
 
 class DecodeError(ValueError):
@@ -249,16 +278,16 @@ def decode_request(engine, path: str, *, max_new_tokens: int, temperature: float
     return rec
 
 
-def _engine(F):
-    if F.engine == "transformers":
+def _engine(config: DecodeConfig):
+    if config.engine == "transformers":
         try:
             import torch  # noqa: F401
             import transformers  # noqa: F401
         except ImportError as e:
             raise app.UsageError(f"--engine=transformers needs torch and transformers ({e}); install them with "
                                  "pip install -e '.[decode]', or use --engine=reference") from e
-        return TransformersEngine(F.checkpoint, F.dtype, F.check_fingerprint)
-    return ReferenceEngine(F.checkpoint, F.dtype, F.max_new_tokens, F.check_fingerprint)
+        return TransformersEngine(config.checkpoint, config.dtype, config.check_fingerprint)
+    return ReferenceEngine(config.checkpoint, config.dtype, config.max_new_tokens, config.check_fingerprint)
 
 
 def random_weights_note(checkpoint: str) -> str | None:
@@ -270,7 +299,7 @@ def random_weights_note(checkpoint: str) -> str | None:
             "gibberish by design; first_token_check = ok is what shows prefill and decode agree")
 
 
-def _summary(records: list[dict], wall_s: float, F) -> str:
+def _summary(records: list[dict], wall_s: float, config) -> str:
     lines = [f"{'id':<20} {'prompt':>7} {'first':>6} {'check':>9} {'new':>4} {'ms':>8}  text / error"]
     for r in records:
         if "error" in r:
@@ -282,8 +311,9 @@ def _summary(records: list[dict], wall_s: float, F) -> str:
     ok = [r for r in records if "error" not in r]
     bad = [r for r in ok if r["first_token_check"] == "mismatch"]
     lines.append(f"{len(ok)} decoded, {len(records) - len(ok)} failed, {len(bad)} first-token mismatch(es); "
-                 f"{sum(len(r['tokens']) for r in ok)} tokens in {wall_s:.1f} s (engine {F.engine}, {F.dtype})")
-    note = random_weights_note(F.checkpoint)
+                 f"{sum(len(r['tokens']) for r in ok)} tokens in {wall_s:.1f} s (engine {config.engine}, "
+                 f"{config.dtype})")
+    note = random_weights_note(config.checkpoint)
     if note:
         lines.append(note)
     return "\n".join(lines)
@@ -293,38 +323,39 @@ def main(argv, F: flags.FlagValues = FLAGS) -> int:
     """Decode the requests named by the parsed flags `F`; returns the exit status."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not F.kv_dir:
+    c = DecodeConfig.from_flags(F)  # the only read of the flags
+    if not c.kv_dir:
         raise app.UsageError("--kv_dir is required")
-    if not os.path.isdir(F.kv_dir):
-        raise app.UsageError(f"--kv_dir={F.kv_dir}: no such directory")
+    if not os.path.isdir(c.kv_dir):
+        raise app.UsageError(f"--kv_dir={c.kv_dir}: no such directory")
     from slope_jax import kv
 
     t_start = time.perf_counter()
     tokenizer = None
-    tok_path = os.path.join(F.checkpoint, "tokenizer.json")
+    tok_path = os.path.join(c.checkpoint, "tokenizer.json")
     if os.path.exists(tok_path):
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(tok_path)
     # every request directory; names starting with '.' are an exporter's staging / replaced directories, never exports
-    ids = F.ids or sorted(d for d in os.listdir(F.kv_dir)
-                          if not d.startswith(".") and os.path.isdir(os.path.join(F.kv_dir, d)))
-    prompts = read_prompts(F.requests, tokenizer) if F.requests else {}
-    firsts = read_first_tokens(F.results) if F.results else {}
-    engine = _engine(F)
-    eos = tuple(engine.cfg.eos_token_ids) if F.stop_at_eos else ()
-    logging.info("decode engine %s (%s) from %s; %d request(s) in %s", engine.name, F.dtype, F.checkpoint,
-                 len(ids), F.kv_dir)
-    out = sys.stdout if F.output == "-" else open(F.output, "w")
+    ids = c.ids or sorted(d for d in os.listdir(c.kv_dir)
+                          if not d.startswith(".") and os.path.isdir(os.path.join(c.kv_dir, d)))
+    prompts = read_prompts(c.requests, tokenizer) if c.requests else {}
+    firsts = read_first_tokens(c.results) if c.results else {}
+    engine = _engine(c)
+    eos = tuple(engine.cfg.eos_token_ids) if c.stop_at_eos else ()
+    logging.info("decode engine %s (%s) from %s; %d request(s) in %s", engine.name, c.dtype, c.checkpoint,
+                 len(ids), c.kv_dir)
+    out = sys.stdout if c.output == "-" else open(c.output, "w")
     records = []
     for rid in ids:
-        path = os.path.join(F.kv_dir, rid)
+        path = os.path.join(c.kv_dir, rid)
         try:
-            if F.requests and rid not in prompts:
+            if c.requests and rid not in prompts:
                 logging.warning("%s: not in --requests; first-token check skipped", rid)
-            rec = decode_request(engine, path, max_new_tokens=F.max_new_tokens, temperature=F.temperature,
-                                 top_p=F.top_p, seed=F.seed, eos=eos, prompt=prompts.get(rid),
-                                 first_token=firsts.get(rid), tie_tolerance=F.tie_tolerance)
+            rec = decode_request(engine, path, max_new_tokens=c.max_new_tokens, temperature=c.temperature,
+                                 top_p=c.top_p, seed=c.seed, eos=eos, prompt=prompts.get(rid),
+                                 first_token=firsts.get(rid), tie_tolerance=c.tie_tolerance)
             if tokenizer is not None:
                 rec["text"] = tokenizer.decode(rec["tokens"])
         except (kv.KVFormatError, DecodeError, ValueError) as e:
@@ -334,8 +365,8 @@ def main(argv, F: flags.FlagValues = FLAGS) -> int:
         out.flush()
     if out is not sys.stdout:
         out.close()
-    if F.summary:
-        print(_summary(records, time.perf_counter() - t_start, F), file=sys.stderr)
+    if c.summary:
+        print(_summary(records, time.perf_counter() - t_start, c), file=sys.stderr)
     failed = [r for r in records if "error" in r or r.get("first_token_check") == "mismatch"]
     return 1 if failed or not records else 0
 
