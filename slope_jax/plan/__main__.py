@@ -8,10 +8,10 @@ layout search and goodput: slope_jax/plan/search.py; both predict, nothing is me
 
 Plan: for every layout (pipeline × ring × ulysses, with and without expert parallelism) of hosts × devices_per_host
 devices, predicts TTFT, memory per device, bytes per link kind and goodput at each length; prints a table per length
-(layouts that fit memory, fastest first), the chosen layout (the one with the highest goodput among those that fit
-memory and meet the SLO) and why — or, when nothing meets the SLO, the fastest there is. --png draws predicted TTFT
-(ms) per layout against length with the choice marked at each length (or "none meets the SLO"), and the goodput
-of the best layouts per length.
+(layouts that fit the usable memory, fastest first, with their headroom), the chosen layout (the one with the highest
+goodput among those that fit and meet the SLO) and why — or, when nothing meets the SLO, the fastest there is. --png
+draws predicted TTFT (ms) per layout against length with the choice marked at each length (or "none meets the SLO"),
+and the goodput of the best layouts per length.
 Calibrate: fits a profile's efficiency factors to measured step times and writes the profile.
 Scenario: writes the gpt-oss-120b on 4 × 8 MI250 GCDs document (tables, plot, choice, TP8 cross-check).
 
@@ -110,9 +110,10 @@ def cmd_plan():
                        FLAGS.dtype, FLAGS.expert_parallel)
     print(f"{FLAGS.model} on {FLAGS.hosts} host(s) x {FLAGS.devices_per_host} {hw.name} ({hw.description})")
     print(f"efficiency: matmul {hw.efficiency.matmul:.3g}, attention {hw.efficiency.attention:.3g} — "
-          f"{hw.efficiency.source or 'no source given'}\n")
+          f"{hw.efficiency.source or 'no source given'}")
+    print(f"memory: {hw.memory_budget()} (the profile's memory_fraction and runtime_reserve_gib, sources in it)\n")
     for e in entries:
-        print(report.table(e, hw.hbm_bytes) + "\n")
+        print(report.table(e) + "\n")
     print("columns:\n" + report.column_key() + "\n")
     result = {"model": FLAGS.model, "hardware": hw.to_dict(), "hosts": FLAGS.hosts,
               "devices_per_host": FLAGS.devices_per_host, "ttft_slo_ms": FLAGS.ttft_slo_ms,

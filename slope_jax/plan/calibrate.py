@@ -1,14 +1,14 @@
 """Fit a hardware profile's efficiency factors to measured step times.
 
-Model (`model.predict`): `time = F_matmul/(peak·e_mm) + F_attention/(peak·e_att) + elements·element_s
-+ score_entries·attention_entry_s + moe_tiles·moe_tile_s + weight_bytes·ticks·weight_byte_s + communication
-+ overhead_s + layer_overhead_s · (layer slots executed)`, where e_att is `attention` for sharded steps and `attention_one_device`
-for one-device steps (`hardware.Efficiency`: different programs with differently shaped attention tiles),
-`elements` / `score_entries` are the activation elements and attention score entries of `flops.per_device` and
-weight_bytes the parameter bytes a device holds. With `x = (1/e_mm, 1/e_att, 1/e_att1, element_s, attention_entry_s,
-weight_byte_s, overhead_s, layer_overhead_s, moe_tile_s)` this is linear in x; the fit minimises the squared
-*relative* error over the measured rows subject to x ≥ 0 (an exhaustive active-set search over the subsets of free coefficients:
-exact). `attention_one_device` is fitted only when the rows hold both one-device and sharded steps; otherwise the one
+Model (`model.predict`): `time = F_matmul/(peak·e_mm) + F_attention/(peak·e_att) + elements·element_s +
+score_entries·attention_entry_s + moe_tiles·moe_tile_s + weight_bytes·ticks·weight_byte_s + communication + overhead_s
++ layer_overhead_s · (layer slots executed)`, where e_att is `attention` for sharded steps and `attention_one_device`
+for one-device steps (`hardware.Efficiency`: different programs with differently shaped attention tiles), `elements` /
+`score_entries` are the activation elements and attention score entries of `flops.per_device` and weight_bytes the
+parameter bytes a device holds. With `x = (1/e_mm, 1/e_att, 1/e_att1, element_s, attention_entry_s, weight_byte_s,
+overhead_s, layer_overhead_s, moe_tile_s)` this is linear in x; the fit minimises the squared *relative* error over
+the measured rows subject to x ≥ 0 (an exhaustive active-set search over the subsets of free coefficients: exact).
+`attention_one_device` is fitted only when the rows hold both one-device and sharded steps; otherwise the one
 attention efficiency covers every row. Rows of several model configs (a row's own `"config"`) let the fit tell the
 FLOP terms from the element terms, so that the profile carries over to configs it was not fitted on
 (benchmarks/plan_holdout_cpu.py checks that on held-out configs).

@@ -207,8 +207,8 @@ def moe_rows(cfg: ModelConfig, tokens: int, real: int, tile: int, expert: int = 
     real: how many of them are real; tile: `moe_tile`. ladder: the "loop" MoE's tile ladder
     (`options.moe_loop_tiles`, rows per height as `options.moe_loop_rows` runs them); False: one height
     `h = min(tile, MOE_KERNEL_MAX_TILE)`, `⌈c/h⌉·h` (the Pallas kernel).
-    Heights are clipped to `tokens·k` as the engine does. Balanced routing: `real·k` assignments split evenly over the E experts; pads are routed to
-    no expert (`moe.route_valid`). Experts with no assignment run nothing.
+    Heights are clipped to `tokens·k` as the engine does. Balanced routing: `real·k` assignments split evenly over the
+    E experts; pads are routed to no expert (`moe.route_valid`). Experts with no assignment run nothing.
     """
     k, E = cfg.experts_per_token, cfg.num_experts
     heights = moe_loop_tiles(tile, tokens * k) if ladder else (max(1, min(tile, MOE_KERNEL_MAX_TILE, tokens * k)),)
@@ -231,7 +231,8 @@ def _moe_classes(by_height: dict[int, int], passes: int, experts: int, cfg: Mode
     tiles, FLOPs of one tile per expert: what one pass of that height's dynamic loop costs in the HLO); `moe`: the
     same over all heights (one loop of one height: the Pallas kernel's grid)."""
     per_row = _expert_per_row(cfg)
-    out = {f"moe_{h}": (float(passes * r * per_row), float(passes * experts * h * per_row)) for h, r in by_height.items()}
+    out = {f"moe_{h}": (float(passes * r * per_row), float(passes * experts * h * per_row))
+           for h, r in by_height.items()}
     out["moe"] = (sum(v[0] for v in out.values()), sum(v[1] for v in out.values()))
     return out
 
@@ -249,31 +250,42 @@ def per_device(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int,
     iterations (MoE rows / tile: a fixed cost each, which grows with the expert count), for the cost model.
     """
     n = t if n is None else n
-    P, R, U = pipeline, ring, ulysses
+    if pipeline * ring * ulysses == 1:
+        return _per_device_single(cfg, t, n, m, tiles)
+    return _per_device_sharded(cfg, pipeline, ring, ulysses, t, n, m, tiles, expert)
+
+
+def _per_device_single(cfg: ModelConfig, t: int, n: int, m: int, tiles: Tiles) -> dict[str, float]:
+    """`per_device` of the single-device path: all L layers in order, the window per layer."""
     D, V = cfg.hidden_size, cfg.vocab_size
-    if P * R * U == 1:
-        cls = {"sliding": [0.0, 0.0], "step0": [0.0, 0.0]}
-        for layer in range(cfg.num_hidden_layers):
-            w = cfg.sliding_window if cfg.is_sliding(layer) else NO_WINDOW
-            nt, bq, bk = _visited_tiles_in_order(t, w, tiles.q_tile, tiles.kv_tile)
-            per_tile = 4 * bq * bk * cfg.num_attention_heads * cfg.head_dim
-            c = cls["sliding" if cfg.is_sliding(layer) else "step0"]
-            c[0] += m * nt * per_tile
-            c[1] += m * -(-t // bq) * per_tile
-        by_height = moe_rows(cfg, t, n, tiles.moe_tile, ladder=tiles.moe_impl != "pallas")
-        rows, iters = _moe_totals(by_height)
-        L = cfg.num_hidden_layers
-        out = {"projections": float(m * L * t * _proj_per_token(cfg)), "attention": cls["sliding"][0] + cls["step0"][0],
-               "moe": float(m * L * rows * _expert_per_row(cfg)),
-               "head": 2.0 * max(m, UNEMBED_MIN_ROWS) * D * V}  # the step unembeds ≥ UNEMBED_MIN_ROWS rows
-        out["total"] = sum(out.values())
-        out["elements"] = float(m * L * (t * _elements_per_token(cfg) + rows * _elements_per_row(cfg)))
-        out["moe_tiles"] = float(m * L * iters)
-        out["attention_entries"] = out["attention"] / (4 * cfg.head_dim)
-        both = (cls["sliding"][0] + cls["step0"][0], cls["sliding"][1] + cls["step0"][1])
-        out["classes"] = {"sliding": tuple(cls["sliding"]), "step0": tuple(cls["step0"]), "attention": both,
-                          **_moe_classes(by_height, m * L, cfg.num_experts, cfg)}
-        return out
+    cls = {"sliding": [0.0, 0.0], "step0": [0.0, 0.0]}
+    for layer in range(cfg.num_hidden_layers):
+        w = cfg.sliding_window if cfg.is_sliding(layer) else NO_WINDOW
+        nt, bq, bk = _visited_tiles_in_order(t, w, tiles.q_tile, tiles.kv_tile)
+        per_tile = 4 * bq * bk * cfg.num_attention_heads * cfg.head_dim
+        c = cls["sliding" if cfg.is_sliding(layer) else "step0"]
+        c[0] += m * nt * per_tile
+        c[1] += m * -(-t // bq) * per_tile
+    by_height = moe_rows(cfg, t, n, tiles.moe_tile, ladder=tiles.moe_impl != "pallas")
+    rows, iters = _moe_totals(by_height)
+    L = cfg.num_hidden_layers
+    out = {"projections": float(m * L * t * _proj_per_token(cfg)), "attention": cls["sliding"][0] + cls["step0"][0],
+           "moe": float(m * L * rows * _expert_per_row(cfg)),
+           "head": 2.0 * max(m, UNEMBED_MIN_ROWS) * D * V}  # the step unembeds ≥ UNEMBED_MIN_ROWS rows
+    out["total"] = sum(out.values())
+    out["elements"] = float(m * L * (t * _elements_per_token(cfg) + rows * _elements_per_row(cfg)))
+    out["moe_tiles"] = float(m * L * iters)
+    out["attention_entries"] = out["attention"] / (4 * cfg.head_dim)
+    both = (cls["sliding"][0] + cls["step0"][0], cls["sliding"][1] + cls["step0"][1])
+    out["classes"] = {"sliding": tuple(cls["sliding"]), "step0": tuple(cls["step0"]), "attention": both,
+                      **_moe_classes(by_height, m * L, cfg.num_experts, cfg)}
+    return out
+
+
+def _per_device_sharded(cfg: ModelConfig, P: int, R: int, U: int, t: int, n: int, m: int, tiles: Tiles,
+                        expert: int) -> dict[str, float]:
+    """`per_device` of the pipelined shard_map step: `m + P − 1` ticks × S slots, the busiest device's share."""
+    D, V = cfg.hidden_size, cfg.vocab_size
     S, _ = stage_slots(cfg, P)
     ticks = m + P - 1
     tl = t // (R * U)

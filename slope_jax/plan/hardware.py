@@ -6,6 +6,11 @@ Profile fields (SI units):
   intra_host_bytes_per_s (one device's link to a peer in its host, per direction),
   inter_host_bytes_per_s (one device's share of the host's network, per direction),
   shared_compute (true when the "devices" are virtual and share one host's cores: the CPU profile),
+  memory_fraction (required, in (0, 1]: the fraction of hbm_bytes XLA's allocator may take, the number the launch
+  scripts export as XLA_PYTHON_CLIENT_MEM_FRACTION; the rest is left to the driver context and the collective
+  library's own buffers), runtime_reserve_gib (required, >= 0, GiB: what the runtime takes from inside that pool
+  beyond the planned buffers — BLAS workspaces, collective scratch, allocator fragmentation); the planner's
+  capacity per device is `usable_bytes` = hbm_bytes × memory_fraction − runtime_reserve_gib GiB,
   efficiency {matmul, attention: fraction of peak reached; attention_one_device: the attention's fraction of peak in
   the one-device program where it differs from the sharded program's (optional; absent = `attention`, the neutral
   value for every profile measured without that distinction); overhead_s per step; layer_overhead_s per executed
@@ -24,6 +29,9 @@ from typing import Any
 
 HARDWARE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                             "configs", "hardware")
+
+
+GIB = 2**30
 
 
 class HardwareError(ValueError):
@@ -84,6 +92,18 @@ class Hardware:
     shared_compute: bool = False
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
     compile_s: float | None = None
+    memory_fraction: float = 1.0
+    runtime_reserve_gib: float = 0.0
+
+    @property
+    def usable_bytes(self) -> float:
+        """Bytes per device the planned buffers may use: HBM × memory_fraction − the runtime reserve."""
+        return self.hbm_bytes * self.memory_fraction - self.runtime_reserve_gib * GIB
+
+    def memory_budget(self) -> str:
+        """The capacity `usable_bytes` as a sentence with its terms, for tables and documents."""
+        return (f"{self.usable_bytes / GIB:.1f} GiB usable per device = {self.hbm_bytes / GIB:.1f} GiB HBM x "
+                f"memory_fraction {self.memory_fraction:g} - runtime reserve {self.runtime_reserve_gib:g} GiB")
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s of one device in `dtype` ("bfloat16" or "float32"). Raises HardwareError if unknown."""
@@ -98,7 +118,7 @@ class Hardware:
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "<dict>") -> Hardware:
         required = ("name", "peak_flops", "hbm_bytes", "hbm_bytes_per_s", "intra_host_bytes_per_s",
-                    "inter_host_bytes_per_s", "efficiency")
+                    "inter_host_bytes_per_s", "efficiency", "memory_fraction", "runtime_reserve_gib")
         for key in required:
             if key not in d:
                 raise HardwareError(f"{source}: missing field {key!r} (required: {', '.join(required)})")
@@ -116,6 +136,7 @@ class Hardware:
         for key in ("hbm_bytes", "hbm_bytes_per_s", "intra_host_bytes_per_s", "inter_host_bytes_per_s"):
             if not isinstance(d[key], (int, float)) or d[key] <= 0:
                 raise HardwareError(f"{source}: {key}={d[key]!r} must be a positive number")
+        _check_memory(d, source)
         compile_s = d.get("compile_s")
         if compile_s is not None and (not isinstance(compile_s, (int, float)) or not compile_s >= 0):
             raise HardwareError(f"{source}: compile_s={compile_s!r} must be a number >= 0")
@@ -132,7 +153,28 @@ class Hardware:
                                          float(eff.get("element_s", 0.0)), float(eff.get("attention_entry_s", 0.0)),
                                          float(eff.get("weight_byte_s", 0.0)), float(eff.get("moe_tile_s", 0.0))),
                    shared_compute=bool(d.get("shared_compute", False)), sources=dict(d.get("sources", {})),
-                   compile_s=None if compile_s is None else float(compile_s))
+                   compile_s=None if compile_s is None else float(compile_s),
+                   memory_fraction=float(d["memory_fraction"]), runtime_reserve_gib=float(d["runtime_reserve_gib"]))
+
+
+def _check_memory(d: dict[str, Any], source: str) -> None:
+    """Raise HardwareError unless memory_fraction is in (0, 1], runtime_reserve_gib >= 0 and the two leave a
+    positive usable capacity."""
+    frac, reserve = d["memory_fraction"], d["runtime_reserve_gib"]
+    if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac <= 1:
+        raise HardwareError(f"{source}: memory_fraction={frac!r} must be a number in (0, 1] (the fraction of "
+                            "hbm_bytes XLA may allocate)")
+    if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or not reserve >= 0:
+        raise HardwareError(f"{source}: runtime_reserve_gib={reserve!r} must be a number >= 0 (GiB)")
+    if d["hbm_bytes"] * frac - reserve * GIB <= 0:
+        raise HardwareError(f"{source}: runtime_reserve_gib={reserve!r} must be less than hbm_bytes x "
+                            f"memory_fraction = {d['hbm_bytes'] * frac / GIB:.3g} GiB")
+
+
+def memory_fraction(hardware: str | Hardware) -> float:
+    """The fraction of a device's memory XLA may allocate on this profile (name, JSON path or Hardware): the value
+    for XLA_PYTHON_CLIENT_MEM_FRACTION, which must be set before JAX initialises its GPU backend."""
+    return load(hardware).memory_fraction
 
 
 def available() -> list[str]:

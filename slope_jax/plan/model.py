@@ -61,6 +61,10 @@ class Prediction:
     hardware: str
     assumptions: list[str]
     seq_chunks: int = 1
+    # the capacity `fits_memory` is checked against (the profile's usable bytes, `Hardware.usable_bytes`, unless
+    # `memory_limit_bytes` was given) and what is left of it: capacity − memory_bytes_per_device (< 0: does not fit)
+    memory_limit_bytes: float = 0.0
+    headroom_bytes: float = 0.0
 
     @property
     def layout(self) -> str:
@@ -104,7 +108,8 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
       batch: requests per step (default 1: the TTFT of a request on an idle server).
       dtype: activation dtype (default float32 on shared-compute CPU profiles, else bfloat16).
       devices_per_host: for the link kind of each collective. tiles: the engine's tile sizes.
-      memory_limit_bytes: capacity to check against (default the profile's HBM).
+      memory_limit_bytes: capacity to check against (default the profile's usable bytes, `Hardware.usable_bytes`:
+        HBM × memory_fraction − runtime reserve).
       bucket: padded length (default the engine's bucket policy); must be >= length and a multiple of 2·R·U.
     Returns: a Prediction. Raises LayoutError (the layout breaks a rule) or HardwareError (bad profile).
     """
@@ -115,29 +120,86 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
     P, R, U = parallel.pipeline, parallel.ring, parallel.ulysses
     ep = parallel.expert_degree(cfg)  # validate() checked it: 1, or R·U dividing num_experts
     m = batch or 1
+    t = _bucket(length, parallel, bucket)
+    n = min(length, t)
+    devices = parallel.num_devices
+    peak = hw.peak(dtype) / (devices if hw.shared_compute else 1)  # virtual devices share the host's cores
+    f = flops.per_device(cfg, P, R, U, t, n, m, tiles, ep)
+    S, _ = flops.stage_slots(cfg, P) if devices > 1 else (cfg.num_hidden_layers, cfg.num_hidden_layers)
+    ticks = m + P - 1 if devices > 1 else m
+    C = parallel.seq_chunks
+    chunk_ratio = _chunk_ratio(cfg, t, P, R, U, C, m) if C > 1 and P > 1 else 1.0
+    times = _compute_times(cfg, hw, f, peak, devices, chunk_ratio)
+    links = _links(parallel, devices_per_host)
+    lb, comm = _communication(cfg, hw, parallel, f, t, m, S, b, ep, tiles, peak, links)
+    compute_s, comm_s = sum(times.values()), sum(comm.values())
+    ticks_run = m * C + P - 1 if devices > 1 else m
+    eff, share = hw.efficiency, devices if hw.shared_compute else 1
+    overhead_s = eff.overhead_s + eff.layer_overhead_s * ticks_run * S
+    params = memory.param_bytes(cfg, b, P, ep, ring=R, ulysses=U)
+    weight_s = params["total"] * ticks_run * eff.weight_byte_s * share
+    step_s = compute_s + comm_s + overhead_s + weight_s
+    mem = _memory(cfg, parallel, t, m, b, tiles, ep, params)
+    mem_total = sum(mem.values())
+    limit = hw.usable_bytes if memory_limit_bytes is None else memory_limit_bytes
+    model_f = flops.model_flops(cfg, n) * m
+    assumptions = _assumptions(hw, cfg, parallel, dtype, peak, length, t, m, ticks, S, ep, tiles, chunk_ratio)
+    return Prediction(
+        pipeline=P, ring=R, ulysses=U, expert=ep, length=length, bucket=t, batch=m, ttft_ms=step_s * 1e3,
+        step_ms=step_s * 1e3, compute_ms=compute_s * 1e3, communication_ms=comm_s * 1e3,
+        fill_ms=(step_s * (P - 1) / ticks_run if devices > 1 else 0.0) * 1e3,
+        time_breakdown_ms=_breakdown_ms(times, weight_s, overhead_s, comm), layer_slots=ticks * S,
+        flops_per_device=f["total"], model_flops=model_f,
+        mfu=model_f / (devices * hw.peak(dtype) / (devices if hw.shared_compute else 1) * step_s),
+        memory_bytes_per_device=mem_total, memory_breakdown=mem, fits_memory=mem_total <= limit,
+        collective_bytes_per_device=lb["total"],
+        link_bytes_per_device={k: lb[k] for k in traffic.LINK_KINDS}, link_kind=links, hardware=hw.name,
+        assumptions=assumptions, seq_chunks=C, memory_limit_bytes=float(limit),
+        headroom_bytes=float(limit - mem_total))
+
+
+def _bucket(length: int, parallel: ParallelConfig, bucket: int | None) -> int:
+    """The padded length: `bucket`, checked (>= length, a multiple of 2·R·U), or the engine's bucket policy."""
     t = bucket_length(length, parallel) if bucket is None else bucket
     if t < length or t % parallel.token_multiple:
         raise ValueError(f"bucket={t}: must be >= length={length} and a multiple of 2*ring*ulysses="
                          f"{parallel.token_multiple}")
-    n = min(length, t)
-    devices = parallel.num_devices
-    peak = hw.peak(dtype)
-    if hw.shared_compute:
-        peak /= devices  # virtual devices share the host's cores
-    eff = hw.efficiency
-    f = flops.per_device(cfg, P, R, U, t, n, m, tiles, ep)
-    S, _ = flops.stage_slots(cfg, P) if devices > 1 else (cfg.num_hidden_layers, cfg.num_hidden_layers)
-    ticks = m + P - 1 if devices > 1 else m
-    mm_s = (f["projections"] + f["moe"]) / (peak * eff.matmul)
-    head_s = f["head"] / (peak * eff.matmul)
-    att_s = f["attention"] / (peak * eff.attention_for(devices))
-    # per-element terms (seconds per element of one device; virtual devices share the host's cores)
-    share = devices if hw.shared_compute else 1
-    elem_s = f["elements"] * eff.element_s * share
-    entry_s = f["attention_entries"] * eff.attention_entry_s * share
-    tile_s = f["moe_tiles"] * eff.moe_tile_s * share
+    return t
 
-    links = _links(parallel, devices_per_host)
+
+def _breakdown_ms(times: dict[str, float], weight_s: float, overhead_s: float, comm: dict[str, float]
+                  ) -> dict[str, float]:
+    """`Prediction.time_breakdown_ms`: the compute parts (matmul includes the head), weights, overhead and each
+    collective's exposed time, in ms."""
+    return {"matmul": (times["matmul"] + times["head"]) * 1e3, "attention": times["attention"] * 1e3,
+            "elementwise": times["elementwise"] * 1e3, "attention_entries": times["attention_entries"] * 1e3,
+            "moe_tiles": times["moe_tiles"] * 1e3, "weights": weight_s * 1e3,
+            "overhead": overhead_s * 1e3} | {k: v * 1e3 for k, v in comm.items()}
+
+
+def _compute_times(cfg: ModelConfig, hw: Hardware, f: dict, peak: float, devices: int, chunk_ratio: float
+                   ) -> dict[str, float]:
+    """Seconds of each compute part of a step from its executed FLOPs `f` (`flops.per_device`): matmul (projections
+    + MoE), head, attention (FLOPs / (peak × efficiency)), the per-element, per-score-entry and per-MoE-tile terms;
+    all scaled by `chunk_ratio` (sequence-pipelined prefill: the stages overlap on a request's chunks)."""
+    eff = hw.efficiency
+    share = devices if hw.shared_compute else 1  # per-element terms: virtual devices share the host's cores
+    out = {"matmul": (f["projections"] + f["moe"]) / (peak * eff.matmul),
+           "attention": f["attention"] / (peak * eff.attention_for(devices)),
+           "head": f["head"] / (peak * eff.matmul),
+           "elementwise": f["elements"] * eff.element_s * share,
+           "attention_entries": f["attention_entries"] * eff.attention_entry_s * share,
+           "moe_tiles": f["moe_tiles"] * eff.moe_tile_s * share}
+    return {k: v * chunk_ratio for k, v in out.items()}
+
+
+def _communication(cfg: ModelConfig, hw: Hardware, parallel: ParallelConfig, f: dict, t: int, m: int, S: int, b: int,
+                   ep: int, tiles: flops.Tiles, peak: float, links: dict[str, str]) -> tuple[dict, dict[str, float]]:
+    """(bytes per link kind `traffic.link_bytes`, seconds per collective kind not hidden behind compute): each
+    collective's bytes / its link's bandwidth, except the ring's K/V ppermute, which only costs what exceeds the
+    ring step's attention compute (`ring_ppermute_exposed`)."""
+    devices, eff = parallel.num_devices, hw.efficiency
+    share = devices if hw.shared_compute else 1
     bw = {"intra": hw.intra_host_bytes_per_s, "inter": hw.inter_host_bytes_per_s}
     if hw.shared_compute:  # virtual devices' collectives are copies through the one host's memory
         bw = {k: v / devices for k, v in bw.items()}
@@ -148,32 +210,27 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
     # ring: per step max(compute of the step's two blocks, transfer of the next K/V block)
     ring_compute_s = (f["classes"]["ring"][0] * (1 / (peak * eff.attention)
                                                  + eff.attention_entry_s * share / (4 * cfg.head_dim))
-                      if R > 1 else 0.0)
+                      if parallel.ring > 1 else 0.0)
     ring_transfer_s = lb["ring_ppermute"] / bw[links["ring_ppermute"]]
-    ring_exposed_s = max(ring_compute_s, ring_transfer_s) - ring_compute_s
     comm = {k: lb[k] / bw[links[k]] for k in traffic.LINK_KINDS if k != "ring_ppermute"}
-    comm["ring_ppermute_exposed"] = ring_exposed_s
-    comm_s = sum(comm.values())
-    C = parallel.seq_chunks
-    chunk_ratio = _chunk_ratio(cfg, t, P, R, U, C, m) if C > 1 and P > 1 else 1.0
-    # sequence-pipelined prefill: the stages overlap on a request's chunks
-    mm_s, att_s, head_s = mm_s * chunk_ratio, att_s * chunk_ratio, head_s * chunk_ratio
-    elem_s, entry_s, tile_s = elem_s * chunk_ratio, entry_s * chunk_ratio, tile_s * chunk_ratio
-    compute_s = mm_s + att_s + head_s + elem_s + entry_s + tile_s
-    ticks_run = m * C + P - 1 if devices > 1 else m
-    overhead_s = eff.overhead_s + eff.layer_overhead_s * ticks_run * S
-    params = memory.param_bytes(cfg, b, P, ep, ring=R, ulysses=U)
-    weight_s = params["total"] * ticks_run * eff.weight_byte_s * share
-    step_s = compute_s + comm_s + overhead_s + weight_s
-    fill_s = step_s * (P - 1) / ticks_run if devices > 1 else 0.0
+    comm["ring_ppermute_exposed"] = max(ring_compute_s, ring_transfer_s) - ring_compute_s
+    return lb, comm
 
+
+def _memory(cfg: ModelConfig, parallel: ParallelConfig, t: int, m: int, b: int, tiles: flops.Tiles, ep: int,
+            params: dict[str, float]) -> dict[str, float]:
+    """Predicted bytes per device by part (`plan.memory`): parameters, inputs, temporaries, K/V export."""
+    P, R, U = parallel.pipeline, parallel.ring, parallel.ulysses
     temps = memory.temp_bytes(cfg, P, R, U, t, m, b, tiles, ep)
-    mem = {"parameters": params["total"], "inputs": memory.input_bytes(t, m, R * U),
-           "temporaries": temps["total"], "kv_export": memory.kv_export_bytes(cfg, P, R, U, t, m, b)}
-    mem_total = sum(mem.values())
-    limit = hw.hbm_bytes if memory_limit_bytes is None else memory_limit_bytes
-    model_f = flops.model_flops(cfg, n) * m
-    assumptions = [
+    return {"parameters": params["total"], "inputs": memory.input_bytes(t, m, R * U),
+            "temporaries": temps["total"], "kv_export": memory.kv_export_bytes(cfg, P, R, U, t, m, b)}
+
+
+def _assumptions(hw: Hardware, cfg: ModelConfig, parallel: ParallelConfig, dtype: str, peak: float, length: int,
+                 t: int, m: int, ticks: int, S: int, ep: int, tiles: flops.Tiles, chunk_ratio: float) -> list[str]:
+    """The assumptions behind a prediction, one sentence each (returned with every Prediction)."""
+    devices, eff = parallel.num_devices, hw.efficiency
+    out = [
         f"{hw.name}: peak {peak / 1e12:.4g} TFLOP/s per device ({dtype}"
         + (f", host peak shared by {devices} virtual devices" if hw.shared_compute else "") + ")",
         f"efficiency matmul {eff.matmul:.3g}, attention {eff.attention_for(devices):.3g}"
@@ -185,33 +242,22 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
         f"{hw.inter_host_bytes_per_s / 1e9:.4g} GB/s per device; Ulysses inside a host",
         f"bucket {t} tokens (prompt {length}); {m} request(s) per step over {ticks} tick(s) of {S} layer slot(s)",
         "MoE routing balanced over experts (tile padding per expert); ring transfer overlapped with ring compute",
+        f"memory: {hw.memory_budget()}",
     ]
     if ep > 1:
         if tiles.resolve("").ep_dispatch == "all_to_all":
-            rows = tiles.ep_rows(t // (R * U), cfg.experts_per_token, ep)
-            assumptions.append(f"EP{ep}: all-to-all dispatch, one round of c = {rows} rows per device pair "
-                               "(routing no more skewed than ep_capacity allows), (EP-1) x c x (D x b + 8k + 4D) "
-                               "bytes per MoE block (plan.moe_traffic)")
+            rows = tiles.ep_rows(t // (parallel.ring * parallel.ulysses), cfg.experts_per_token, ep)
+            out.append(f"EP{ep}: all-to-all dispatch, one round of c = {rows} rows per device pair "
+                       "(routing no more skewed than ep_capacity allows), (EP-1) x c x (D x b + 8k + 4D) "
+                       "bytes per MoE block (plan.moe_traffic)")
         else:
-            assumptions.append(f"EP{ep}: all-gather tokens + reduce-scatter outputs, (EP-1) x T_local x "
-                               "(D x b + 8k + 4D) bytes per MoE block (plan.moe_traffic)")
-    if C > 1 and P > 1:
-        assumptions.append(f"seq_chunks={C}: compute scaled by the chunked critical path / the unchunked one "
-                           f"({chunk_ratio:.3f}; plan.seq_chunks: lock-step ticks, fill and attention imbalance); the "
-                           "prefix-attention query ring over earlier chunks is not counted in the link bytes")
-    return Prediction(
-        pipeline=P, ring=R, ulysses=U, expert=ep, length=length, bucket=t, batch=m, ttft_ms=step_s * 1e3,
-        step_ms=step_s * 1e3, compute_ms=compute_s * 1e3, communication_ms=comm_s * 1e3, fill_ms=fill_s * 1e3,
-        time_breakdown_ms={"matmul": (mm_s + head_s) * 1e3, "attention": att_s * 1e3, "elementwise": elem_s * 1e3,
-                           "attention_entries": entry_s * 1e3, "moe_tiles": tile_s * 1e3, "weights": weight_s * 1e3,
-                           "overhead": overhead_s * 1e3}
-        | {k: v * 1e3 for k, v in comm.items()}, layer_slots=ticks * S,
-        flops_per_device=f["total"], model_flops=model_f,
-        mfu=model_f / (devices * hw.peak(dtype) / (devices if hw.shared_compute else 1) * step_s),
-        memory_bytes_per_device=mem_total, memory_breakdown=mem, fits_memory=mem_total <= limit,
-        collective_bytes_per_device=lb["total"],
-        link_bytes_per_device={k: lb[k] for k in traffic.LINK_KINDS}, link_kind=links, hardware=hw.name,
-        assumptions=assumptions, seq_chunks=C)
+            out.append(f"EP{ep}: all-gather tokens + reduce-scatter outputs, (EP-1) x T_local x "
+                       "(D x b + 8k + 4D) bytes per MoE block (plan.moe_traffic)")
+    if parallel.seq_chunks > 1 and parallel.pipeline > 1:
+        out.append(f"seq_chunks={parallel.seq_chunks}: compute scaled by the chunked critical path / the unchunked "
+                   f"one ({chunk_ratio:.3f}; plan.seq_chunks: lock-step ticks, fill and attention imbalance); the "
+                   "prefix-attention query ring over earlier chunks is not counted in the link bytes")
+    return out
 
 
 def _chunk_ratio(cfg: ModelConfig, t: int, P: int, R: int, U: int, C: int, m: int) -> float:

@@ -20,6 +20,9 @@ COLUMNS = (
     ("loaded ms", "predicted time of one step with the pipeline full (M = P requests in flight, each waiting the "
                   "whole step; equals TTFT when P = 1); goodput takes the better of this and TTFT as the step"),
     ("GiB/dev", "predicted memory per device at M = 1: parameters + inputs + temporaries + KV export"),
+    ("headroom", "GiB per device left of the usable memory (HBM x the profile's memory_fraction - its runtime "
+                 "reserve for collective buffers and workspaces) at the larger of M = 1 and loaded; only layouts "
+                 "with headroom >= 0 are listed and chosen"),
     ("a2a MB", "MB (1e6 bytes) each device sends per request over Ulysses all-to-alls"),
     ("ring MB", "... over ring-attention K/V ppermutes"),
     ("halo MB", "... over sliding-window halo ppermutes"),
@@ -41,24 +44,26 @@ def column_key(width: int = 118) -> str:
                                     subsequent_indent=" " * (pad + 2)) for name, text in COLUMNS)
 
 
-def table(entry: dict, hbm_bytes: float) -> str:
+def table(entry: dict, hbm_bytes: float | None = None) -> str:
     """One length's table (columns: `COLUMNS`): every layout that fits memory (fastest first), then how many did
-    not fit, then the chosen layout and why — or why none is."""
+    not fit, then the chosen layout and why — or why none is. The heading states the memory budget
+    (`entry["memory_budget"]` of `search.plan`; `hbm_bytes` only for entries without one)."""
     rows = sorted((r for r in entry["layouts"] if r["fits_memory"]), key=lambda r: r["ttft_ms"])
-    head = (f"{'layout':<18} {'TTFT ms':>9} {'loaded ms':>10} {'GiB/dev':>8} "
+    head = (f"{'layout':<18} {'TTFT ms':>9} {'loaded ms':>10} {'GiB/dev':>8} {'headroom':>9} "
             + " ".join(f"{short + ' MB':>9}" for _, short in _LINKS) + f" {'req/s':>8} {'tok/s':>9}  SLO")
+    budget = entry.get("memory_budget") or f"{(hbm_bytes or 0) / GiB:.0f} GiB per device"
     lines = [f"context {entry['length']} tokens, SLO {entry['slo_ms']:g} ms at p{entry['percentile'] * 100:g}, "
-             f"{hbm_bytes / GiB:.0f} GiB per device", head, "-" * len(head)]
+             f"{budget}", head, "-" * len(head)]
     for r in rows:
         mark = "*" if entry["chosen"] and r["layout"] == entry["chosen"]["layout"] else " "
         lines.append(f"{mark}{r['layout']:<17} {r['ttft_ms']:>9.0f} {r['loaded_step_ms']:>10.0f} "
-                     f"{r['memory_bytes_per_device'] / GiB:>8.1f} "
+                     f"{r['memory_bytes_per_device'] / GiB:>8.1f} {r['headroom_bytes'] / GiB:>9.1f} "
                      + " ".join(f"{r['link_bytes_per_device'][k] / 1e6:>9.0f}" for k, _ in _LINKS)
                      + f" {r['goodput_requests_per_s']:>8.3g} {r['goodput_tokens_per_s']:>9.3g}  "
                      + ("meets" if r["meets_slo"] else "misses"))
     skipped = len(entry["layouts"]) - len(rows)
     if skipped:
-        lines.append(f"({skipped} layout(s) do not fit in memory)")
+        lines.append(f"({skipped} layout(s) do not fit in the usable memory)")
     lines.append(("chosen: " + entry["chosen"]["layout"] + ": " if entry["chosen"] else "") + entry["reason"])
     return "\n".join(lines)
 
@@ -134,10 +139,8 @@ def write_png(path: str, entries: list[dict], slo_ms: float, title: str, caption
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker  # noqa: F401 - matplotlib.ticker.FuncFormatter below
 
     marks = figure_marks(entries)
-    lengths = [e["length"] for e in entries]
     rows = {(e["length"], r["layout"]): r for e in entries for r in e["layouts"]}
     palette = plt.get_cmap("tab10" if len(marks["layouts"]) <= 10 else "tab20")
     colour = {k: palette(i % palette.N) for i, k in enumerate(marks["layouts"])}
@@ -145,8 +148,24 @@ def write_png(path: str, entries: list[dict], slo_ms: float, title: str, caption
     n_bars = sum(max(len(m["bars"]), 1) + 1 for m in marks["lengths"])
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, max(5.5, 0.26 * n_bars + 2.2)),
                                    gridspec_kw={"width_ratios": [1.15, 1]})
+    pct = entries[-1]["percentile"] * 100 if entries else 90
+    _draw_ttft(ax1, entries, marks, rows, colour, slo_ms, pct, tp)
+    _draw_goodput(ax2, marks, colour, slo_ms, pct)
+    fig.suptitle(title)
+    if cap:
+        fig.text(0.01, 0.01, cap, fontsize=7.5, ha="left", va="bottom")
+    fig.tight_layout(rect=(0, 0.025 * (cap.count("\n") + 1) + 0.01 if cap else 0, 1, 1))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    marks["texts"] = [t.get_text() for t in fig.findobj(matplotlib.text.Text) if t.get_text()]
+    plt.close(fig)
+    return marks
 
-    # left: TTFT per layout, the choice (or its absence) marked per length
+
+def _draw_ttft(ax1, entries: list[dict], marks: dict, rows: dict, colour: dict, slo_ms: float, pct: float,
+               tp: list[dict] | None) -> None:
+    """The left panel: TTFT per layout, the SLO line, the TP rows, the choice (or its absence) marked per length."""
+    lengths = [e["length"] for e in entries]
     for k in marks["layouts"]:
         ys = [rows[n, k]["ttft_ms"] if (n, k) in rows and rows[n, k]["fits_memory"] else float("nan")
               for n in lengths]
@@ -154,7 +173,6 @@ def write_png(path: str, entries: list[dict], slo_ms: float, title: str, caption
     if tp:
         ax1.plot([x["length"] for x in tp], [x["ttft_ms"] for x in tp], "k--", marker="s", ms=4,
                  label=tp[0]["layout"] + " (one host, for comparison)")
-    pct = entries[-1]["percentile"] * 100 if entries else 90
     ax1.axhline(slo_ms, color="red", linestyle=":", label=f"SLO {slo_ms:g} ms (p{pct:g})")
     for j, (e, m) in enumerate(zip(entries, marks["lengths"])):
         name = m["chosen"]
@@ -169,6 +187,15 @@ def write_png(path: str, entries: list[dict], slo_ms: float, title: str, caption
                      ("left" if j == 0 else "right"), fontsize=8, fontweight="bold",
                      color="black" if name else "red",
                      bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="black" if name else "red", alpha=0.9))
+    drawn_ms = ([r["ttft_ms"] for (_, k), r in rows.items() if k in colour and r["fits_memory"]] + [slo_ms]
+                + [x["ttft_ms"] for x in tp or []])
+    _ttft_axes(ax1, lengths, drawn_ms)
+
+
+def _ttft_axes(ax1, lengths: list[int], drawn_ms: list[float]) -> None:
+    """The left panel's axes: log-scale ms in plain numbers, the lengths as ticks, legend and title."""
+    import matplotlib.ticker
+
     ax1.set_xlabel("context length (tokens)")
     ax1.set_ylabel("predicted TTFT (ms, log scale)")
     ax1.set_yscale("log")
@@ -176,8 +203,6 @@ def write_png(path: str, entries: list[dict], slo_ms: float, title: str, caption
     ax1.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     ax1.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(
         lambda v, _: f"{v:g}" if f"{v:e}"[0] in "235" else ""))
-    drawn_ms = ([r["ttft_ms"] for (_, k), r in rows.items() if k in colour and r["fits_memory"]] + [slo_ms]
-                + [x["ttft_ms"] for x in tp or []])
     ax1.set_ylim(min(drawn_ms) / 1.9, max(drawn_ms) * 1.15)
     pad = 0.08 * (max(lengths) - min(lengths) or max(lengths))
     ax1.set_xlim(min(lengths) - pad, max(lengths) + pad)
@@ -186,7 +211,9 @@ def write_png(path: str, entries: list[dict], slo_ms: float, title: str, caption
     ax1.legend(fontsize=7, loc="lower right")
     ax1.set_title("predicted TTFT per layout (star: chosen layout; X: none meets the SLO)", fontsize=10)
 
-    # right: goodput of the best layouts per length, grouped by length, the chosen bar outlined
+
+def _draw_goodput(ax2, marks: dict, colour: dict, slo_ms: float, pct: float) -> None:
+    """The right panel: goodput of the best layouts per length, grouped by length, the chosen bar outlined."""
     y, ticks, labels = 0, [], []
     for m in marks["lengths"]:
         ax2.text(0, y, f"{m['length']} tokens", fontsize=9, fontweight="bold", va="center")
@@ -209,13 +236,3 @@ def write_png(path: str, entries: list[dict], slo_ms: float, title: str, caption
     ax2.set_xlabel(f"goodput (requests/s with TTFT <= {slo_ms:g} ms at p{pct:g}, queueing included)")
     ax2.set_title("goodput of the best layouts per length", fontsize=10)
     ax2.grid(True, axis="x", alpha=0.3)
-
-    fig.suptitle(title)
-    if cap:
-        fig.text(0.01, 0.01, cap, fontsize=7.5, ha="left", va="bottom")
-    fig.tight_layout(rect=(0, 0.025 * (cap.count("\n") + 1) + 0.01 if cap else 0, 1, 1))
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
-    marks["texts"] = [t.get_text() for t in fig.findobj(matplotlib.text.Text) if t.get_text()]
-    plt.close(fig)
-    return marks

@@ -82,8 +82,21 @@ def evaluate(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: 
     d.update(goodput_requests_per_s=rates[best], goodput_tokens_per_s=rates[best] * length * percentile,
              goodput_batch=rows[best].batch, loaded_step_ms=loaded.step_ms, loaded_batch=loaded.batch,
              loaded_memory_bytes_per_device=loaded.memory_bytes_per_device,
-             meets_slo=one.ttft_ms <= slo_ms, fits_memory=loaded.fits_memory and one.fits_memory)
+             meets_slo=one.ttft_ms <= slo_ms, fits_memory=loaded.fits_memory and one.fits_memory,
+             headroom_bytes=min(one.headroom_bytes, loaded.headroom_bytes))
     return d
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.1f} GiB"
+
+
+def _headroom(row: dict) -> str:
+    """A row's memory and headroom, for reasons: "33.3 GiB per device, headroom 21.3 GiB of the 54.6 GiB usable"
+    (memory: the larger of M = 1 and loaded)."""
+    used = row["memory_limit_bytes"] - row["headroom_bytes"]
+    return (f"{_gib(used)} per device, headroom {_gib(row['headroom_bytes'])} of the "
+            f"{_gib(row['memory_limit_bytes'])} usable")
 
 
 def plan(cfg: ModelConfig, hardware: str | Hardware, num_devices: int, devices_per_host: int, lengths, *,
@@ -91,7 +104,10 @@ def plan(cfg: ModelConfig, hardware: str | Hardware, num_devices: int, devices_p
     """Per length: every layout's evaluation, the feasible ones, the chosen one and the reason (or why none).
 
     layouts: the candidates (default `enumerate_layouts`, with EP layouts unless `with_expert` is False); `kw` goes
-    to `predict` (dtype, tiles, bucket, memory_limit_bytes).
+    to `predict` (dtype, tiles, bucket, memory_limit_bytes). A layout fits when its memory at M = 1 and loaded is
+    within the usable capacity (`Hardware.usable_bytes`: HBM × memory_fraction − runtime reserve, unless
+    memory_limit_bytes is given); every row carries `headroom_bytes` (capacity − the larger of the two), and only a
+    layout that fits is chosen.
     """
     hw = load(hardware)
     layouts = layouts or enumerate_layouts(cfg, num_devices, devices_per_host, with_expert=with_expert)
@@ -101,25 +117,33 @@ def plan(cfg: ModelConfig, hardware: str | Hardware, num_devices: int, devices_p
                          **kw) for par in layouts]
         fitting = [r for r in rows if r["fits_memory"]]
         feasible = [r for r in fitting if r["meets_slo"]]
-        chosen, reason = None, ""
-        if feasible:
-            chosen = max(feasible, key=lambda r: (r["goodput_requests_per_s"], -r["ttft_ms"]))
-            reason = (f"meets {slo_ms:g} ms at p{percentile * 100:g} with the highest goodput "
-                      f"({chosen['goodput_requests_per_s']:.3g} req/s; predicted TTFT {chosen['ttft_ms']:.0f} ms) "
-                      f"among {len(feasible)} feasible of {len(rows)} layouts")
-        elif fitting:
-            best = min(fitting, key=lambda r: r["ttft_ms"])
-            reason = (f"no layout meets {slo_ms:g} ms at {n} tokens on this cluster; best is {best['layout']} at "
-                      f"{best['ttft_ms']:.0f} ms ({best['ttft_ms'] / slo_ms:.2f}x the SLO)")
-        else:
-            least = min(rows, key=lambda r: r["memory_bytes_per_device"]) if rows else None
-            reason = (f"no layout fits in memory at {n} tokens on this cluster" + (
-                f"; the smallest needs {least['memory_bytes_per_device'] / 2**30:.1f} GiB per device ({least['layout']}"
-                f") vs {hw.hbm_bytes / 2**30:.1f} GiB" if least else ""))
+        chosen = max(feasible, key=lambda r: (r["goodput_requests_per_s"], -r["ttft_ms"])) if feasible else None
         out.append({"length": n, "slo_ms": slo_ms, "percentile": percentile, "layouts": rows,
                     "feasible": [r["layout"] for r in feasible], "fitting": [r["layout"] for r in fitting],
-                    "chosen": chosen, "reason": reason})
+                    "chosen": chosen, "reason": _reason(n, rows, fitting, feasible, chosen, slo_ms, percentile),
+                    "memory_limit_bytes": rows[0]["memory_limit_bytes"] if rows else hw.usable_bytes,
+                    "memory_budget": hw.memory_budget() if kw.get("memory_limit_bytes") is None else
+                    f"{_gib(kw['memory_limit_bytes'])} per device (memory_limit_bytes)"})
     return out
+
+
+def _reason(n: int, rows: list[dict], fitting: list[dict], feasible: list[dict], chosen: dict | None, slo_ms: float,
+            percentile: float) -> str:
+    """Why `chosen` (the feasible layout with the highest goodput), or why none is: the fastest that fits memory
+    and how far it misses the SLO, or the smallest layout's memory against the usable capacity."""
+    if chosen:
+        return (f"meets {slo_ms:g} ms at p{percentile * 100:g} with the highest goodput "
+                f"({chosen['goodput_requests_per_s']:.3g} req/s; predicted TTFT {chosen['ttft_ms']:.0f} ms; "
+                f"{_headroom(chosen)}) among {len(feasible)} feasible of {len(rows)} layouts ({len(fitting)} fit "
+                "memory)")
+    if fitting:
+        best = min(fitting, key=lambda r: r["ttft_ms"])
+        return (f"no layout meets {slo_ms:g} ms at {n} tokens on this cluster; best is {best['layout']} at "
+                f"{best['ttft_ms']:.0f} ms ({best['ttft_ms'] / slo_ms:.2f}x the SLO; {_headroom(best)})")
+    least = min(rows, key=lambda r: r["memory_limit_bytes"] - r["headroom_bytes"]) if rows else None
+    return (f"no layout fits in memory at {n} tokens on this cluster" + (
+        f"; the smallest needs {_gib(least['memory_limit_bytes'] - least['headroom_bytes'])} per device "
+        f"({least['layout']}) vs {_gib(least['memory_limit_bytes'])} usable" if least else ""))
 
 
 def choose_layout(cfg: ModelConfig, hardware: str | Hardware, num_devices: int, devices_per_host: int, lengths,
