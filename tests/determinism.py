@@ -27,6 +27,8 @@ import os
 import subprocess
 import sys
 
+# REPO and SHIPPED as in tests/support.py, not imported from it: a child imports nothing (numpy included) before
+# `_prepare` has set up its allocator state
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = os.path.join(REPO, "checkpoints", "tiny-gpt-oss")
 STATES = ("torch", "arrays", "perturb")
