@@ -28,6 +28,7 @@ def exported(checkpoints, reference_engines, tmp_path_factory):
     par = PrefillEngine.from_checkpoint(checkpoints["A"]["mxfp4"], ParallelConfig(pipeline=2, ring=2, ulysses=2),
                                         dtype="float32", progress=False, **TILES)
     multi = par.prefill(prompts, str(base / "pp_cp"), ids=ids)
+    par.prefill(prompts, str(base / "pp_cp_last_window"), ids=ids, prefix_reuse=False)  # for the tamper tests
     return prompts, ids, base, single, multi
 
 
@@ -41,10 +42,14 @@ def test_export_layout_and_manifest(exported):
         assert m["num_tokens"] == len(p) and m["token_ids_sha256"] == kv.token_hash(p)
         assert m["axes"]["k"] == ["token", "kv_head", "head_dim"] and m["rope_applied"] is True
         assert m["model"]["fingerprint"] == CONFIG_A.fingerprint() and m["first_token"] == res.first_token
+        # prefix reuse is on by default, so sliding layers keep every token (a later prompt may reuse this export
+        # from any block boundary); the last_window policy is the default with prefix_reuse=False (test below)
+        assert m["sliding_policy"] == "full" and m["prefix"]["block_size"] == 128
+        assert len(m["prefix"]["hashes"]) == len(p) // 128
         loaded = kv.load(str(path))
         assert sorted(loaded) == list(range(CONFIG_A.num_hidden_layers))
         for layer, lk in loaded.items():
-            start = max(0, len(p) - w) if CONFIG_A.is_sliding(layer) else 0  # sliding layers keep the last W
+            start = 0
             np.testing.assert_array_equal(lk.positions, np.arange(start, len(p)))
             np.testing.assert_array_equal(lk.k, res.kv[layer].k[start:])
             np.testing.assert_array_equal(lk.v, res.kv[layer].v[start:])
@@ -74,6 +79,18 @@ def test_decode_continuation_equals_full_forward(exported, reference_engines, ch
             assert np.abs(logits - full).max() < DECODE_TOL, (rid, str(path))
 
 
+def test_without_prefix_reuse_sliding_layers_keep_the_last_window(reference_engines, tmp_path):
+    w = CONFIG_A.sliding_window
+    p = random_prompt(CONFIG_A, 3 * w + 2, seed=2)
+    res = reference_engines["A"].prefill([p], str(tmp_path), ids=["x"], prefix_reuse=False, return_kv=True)[0]
+    m = kv.read_manifest(res.kv_path)
+    assert m["sliding_policy"] == "last_window" and "prefix" not in m
+    for layer, lk in kv.load(res.kv_path).items():
+        start = max(0, len(p) - w) if CONFIG_A.is_sliding(layer) else 0  # sliding layers keep the last W
+        np.testing.assert_array_equal(lk.positions, np.arange(start, len(p)))
+        np.testing.assert_array_equal(lk.k, res.kv[layer].k[start:])
+
+
 def test_full_kv_export(reference_engines, tmp_path):
     p = random_prompt(CONFIG_A, 3 * CONFIG_A.sliding_window, seed=1)
     res = reference_engines["A"].prefill([p], str(tmp_path), ids=["x"], kv_full=True, return_kv=True)[0]
@@ -88,7 +105,7 @@ def _export_copy(exported, tmp_path, rid="len-32"):
 
     _, _, base, _, _ = exported
     dst = tmp_path / rid
-    shutil.copytree(base / "pp_cp" / rid, dst)
+    shutil.copytree(base / "pp_cp_last_window" / rid, dst)  # last_window: token ranges depend on the window
     with open(dst / "manifest.json") as f:
         return dst, json.load(f)
 

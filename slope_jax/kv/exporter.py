@@ -34,15 +34,21 @@ class KVExporter:
       run_nonce: this run's nonce, the same on every process (staging names, manifest).
     """
 
-    def __init__(self, cfg, stack_layers: Sequence[int], dtype: str, run_nonce: str):
+    def __init__(self, cfg, stack_layers: Sequence[int], dtype: str, run_nonce: str, weights_digest: str | None = None):
         self.cfg, self.stack_layers, self.dtype, self.run_nonce = cfg, list(stack_layers), dtype, run_nonce
+        self.weights_digest = weights_digest  # recorded as the manifest's model.weights_digest
         self.count = 0  # exports begun, advanced identically on every process
 
     def export_batch(self, kv_dir: str, ids: list[str], batch: list[np.ndarray], k, v, positions: np.ndarray,
-                     full: bool, results: list, overwrite: bool) -> None:
-        """Export every request of a step. `batch[j]`: request j's token ids; `positions[i]`: the natural position
-        of layout row i; `results[j]` gets `kv_path` and `export_ms` (first token on the host → this request's
+                     full: bool, results: list, overwrite: bool, *, offsets: Sequence[int] | None = None,
+                     prefixes: Sequence | None = None, reuse: Sequence[dict | None] | None = None) -> None:
+        """Export every request of a step. `batch[j]`: request j's token ids; `positions[i]`: the position of layout
+        row i within the step; `results[j]` gets `kv_path` and `export_ms` (first token on the host → this request's
         export published). Each device shard of K/V is copied to the host once for the whole batch.
+        Prefix hits: the step computed request j's tokens from `offsets[j]` on (its rows hold positions
+        `positions + offsets[j]`); `prefixes[j]` (`kv.prefix.PrefixKV`) holds its first `offsets[j]` tokens, which
+        process 0 writes into its own file, so the export is whole: a decode engine cannot tell it from a cold one.
+        `reuse[j]`: the prefix record for the manifest (`{"block_size", "hashes"}`) or None.
         Raises ExportFailed naming the requests whose export process 0 could not publish (multi-process: on every
         process); a single process raises process 0's error itself."""
         import jax
@@ -53,11 +59,12 @@ class KVExporter:
                 for sk, sv in zip(k.addressable_shards, v.addressable_shards)]
         failed: dict[str, str] = {}
         for j, (rid, res) in enumerate(zip(ids, results)):
-            n = int(batch[j].size)
-            staging = self._write_own_pieces(kv_dir, rid, host, j, n, full, positions, me, multi)
+            req = _Req(batch[j], positions + (0 if offsets is None else int(offsets[j])),
+                       None if prefixes is None else prefixes[j], None if reuse is None else reuse[j])
+            staging = self._write_own_pieces(kv_dir, rid, host, j, req, full, me, multi)
             if me == 0:
                 try:
-                    self._publish(kv_dir, rid, staging, k, j, batch[j], full, positions, res.first_token, overwrite)
+                    self._publish(kv_dir, rid, staging, k, j, req, full, res.first_token, overwrite)
                 except Exception as e:  # noqa: BLE001 - reported to every process below, then raised
                     if not multi:
                         raise
@@ -67,30 +74,49 @@ class KVExporter:
         if multi:
             _agree_published(ids, failed)
 
-    def _write_own_pieces(self, kv_dir, rid, host, j, n, full, positions, me, multi) -> str:
+    def _write_own_pieces(self, kv_dir, rid, host, j, req: _Req, full, me, multi) -> str:
         """This process's pieces of request j into a fresh staging directory, then the barrier; its path."""
         staging = kvfmt.staging_dir(kv_dir, rid, self.run_nonce, self.count)
         self.count += 1
-        local = [seg for index, hk, hv in host for seg in self.segments(index, hk, hv, j, n, full, positions)]
-        if local:
-            kvfmt.write_shard_file(staging, me, local)
+        n = int(req.tokens.size)
+        local = [seg for index, hk, hv in host for seg in self.segments(index, hk, hv, j, n, full, req.positions)]
+        if me == 0:
+            local += list(self.prefix_segments(req.prefix, n, full))
+        if local or me == 0:
+            kvfmt.write_shard_file(staging, me, local, token_ids=req.tokens if me == 0 else None)
         if multi:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices(f"slope_jax kv export {os.path.basename(staging)}")
         return staging
 
-    def _publish(self, kv_dir, rid, staging, k, j, tokens, full, positions, first_token, overwrite) -> None:
+    def _publish(self, kv_dir, rid, staging, k, j, req: _Req, full, first_token, overwrite) -> None:
         """Process 0: the manifest of every process's pieces, then the atomic publish."""
-        records = self.segment_records(k, j, int(tokens.size), full, positions)
-        kvfmt.write_manifest(staging, request_id=rid, token_ids=tokens, cfg=self.cfg, dtype=self.dtype, full=full,
-                             segments=records, files=[r["file"] for r in records], first_token=first_token,
-                             run_nonce=self.run_nonce)
+        n = int(req.tokens.size)
+        records = self.segment_records(k, j, n, full, req.positions)
+        records += [_record(0, layer, a, b) for layer, a, b, _, _ in self.prefix_segments(req.prefix, n, full,
+                                                                                            shapes_only=True)]
+        files = sorted({r["file"] for r in records} | {kvfmt.shard_file_name(0)})
+        kvfmt.write_manifest(staging, request_id=rid, token_ids=req.tokens, cfg=self.cfg, dtype=self.dtype,
+                             full=full, segments=records, files=files, first_token=first_token,
+                             run_nonce=self.run_nonce, weights_digest=self.weights_digest, prefix=req.reuse)
         kvfmt.publish(kv_dir, rid, staging, overwrite=overwrite)
+
+    def prefix_segments(self, prefix, n: int, full: bool, shapes_only: bool = False):
+        """(layer, start, end, k, v) of a prefix hit's reused tokens [0, p) that the export keeps (process 0)."""
+        if prefix is None:
+            return
+        for layer in range(self.cfg.num_hidden_layers):
+            start, end = kvfmt.kept_range(n, self.cfg.layer_types[layer], self.cfg.sliding_window, full)
+            a, b = start, min(end, prefix.num_tokens)
+            if b > a:
+                k, v = (None, None) if shapes_only else prefix.rows(layer, a, b)
+                yield layer, a, b, k, v
 
     def segments(self, index, rows_k, rows_v, j: int, n: int, full: bool, positions: np.ndarray):
         """K/V pieces of request j in one shard (`index` into the global `[M, stack, T, K, H]`, data `rows_k/v`):
-        (layer, start, end, k, v) in natural token order, limited to the tokens an export keeps."""
+        (layer, start, end, k, v) in natural token order, limited to the tokens an export keeps. `positions`: the
+        natural position of each layout row of the step (pads at positions ≥ n)."""
         stack_lo = index[1].indices(len(self.stack_layers))[0]
         tok_lo = index[2].indices(len(positions))[0]
         pos_local = positions[tok_lo:tok_lo + rows_k.shape[2]]
@@ -115,12 +141,23 @@ class KVExporter:
             seen.add(key)
             shape = [len(range(*sl)) for sl in key]
             empty = np.zeros((shape[0], shape[1], shape[2], 0, 0), np.float32)  # shapes only: names, not data
-            fname = f"kv-p{device.process_index}.safetensors"
             for layer, a, b, _, _ in self.segments(index, empty, empty, j, n, full, positions):
-                records.append({"layer": layer, "start": a, "end": b, "file": fname,
-                                "k": kvfmt.segment_name(layer, "k", a, b), "v": kvfmt.segment_name(layer, "v", a, b),
-                                "positions": kvfmt.segment_name(layer, "positions", a, b)})
+                records.append(_record(device.process_index, layer, a, b))
         return records
+
+
+class _Req:
+    """One request of an export: token ids, the natural position of each step row, the reused prefix (or None) and
+    its manifest prefix record (or None)."""
+
+    def __init__(self, tokens, positions, prefix, reuse):
+        self.tokens, self.positions, self.prefix, self.reuse = tokens, positions, prefix, reuse
+
+
+def _record(process: int, layer: int, a: int, b: int) -> dict:
+    return {"layer": layer, "start": a, "end": b, "file": kvfmt.shard_file_name(process),
+            "k": kvfmt.segment_name(layer, "k", a, b), "v": kvfmt.segment_name(layer, "v", a, b),
+            "positions": kvfmt.segment_name(layer, "positions", a, b)}
 
 
 def _agree_published(ids: list[str], failed: dict[str, str]) -> None:

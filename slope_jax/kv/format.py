@@ -15,7 +15,7 @@ Format `slope_jax.kv` version 3 (readable without JAX: numpy + safetensors + JSO
   global positions;
 - layers are keyed by **global** layer id with their kind; full layers hold tokens [0, n); sliding layers hold the
   last W tokens [max(0, n−W), n) unless the export was asked for the full KV (`sliding_policy: "full"`), W tokens
-  being all a decoder needs (spec §2.3);
+  being all a decoder needs (docs/model.md §2.3);
 - `num_tokens`, the SHA-256 of the token ids (int32 little-endian), the model fingerprint and layer types identify
   what the KV belongs to; `run_nonce` names the engine run that wrote it; `checksums` gives every file's size and
   SHA-256.
@@ -78,6 +78,7 @@ GC_GRACE_S = 60.0  # a superseded version is kept this long after the pointer le
 STALE_S = 3600.0  # staging debris of another run is removed after this long (its writer crashed, or is stuck)
 _READ_ATTEMPTS = 8  # a read restarts at the current version when its version was collected meanwhile
 _DIGEST_SUFFIX = ".digest.json"
+TOKEN_IDS = "token_ids"  # process 0's file holds the request's token ids (int32) under this name
 
 # Test-only crash injection: called with the name of each commit point ("shard_written", "manifest_written",
 # "version_ready", "pointer_replaced"); a test replaces it with a function that raises or exits there.
@@ -170,15 +171,18 @@ def check_target(kv_dir: str, request_id: str, overwrite: bool) -> None:
                                 "overwrite=True (launcher: --overwrite) to replace it, or use a new id")
 
 
-def write_shard_file(directory: str, process: int, segments: Iterable[tuple[int, int, int, np.ndarray, np.ndarray]]
-                     ) -> tuple[str, list[dict]]:
+def write_shard_file(directory: str, process: int, segments: Iterable[tuple[int, int, int, np.ndarray, np.ndarray]],
+                     token_ids: np.ndarray | None = None) -> tuple[str, list[dict]]:
     """Write one process's pieces into the staging `directory`: `segments` of (layer, start, end,
-    k [end−start, K, H], v). Also writes the file's size and SHA-256 beside it (`<file>.digest.json`) for the
-    manifest. Returns (file name, segment records for the manifest)."""
+    k [end−start, K, H], v), and (process 0) the request's `token_ids` (int32 `[n]`, tensor `TOKEN_IDS`: what a
+    prefix hit checks the request against). Also writes the file's size and SHA-256 beside it
+    (`<file>.digest.json`) for the manifest. Returns (file name, segment records for the manifest)."""
     from safetensors.numpy import save_file
 
     name = shard_file_name(process)
     tensors, records = {}, []
+    if token_ids is not None:
+        tensors[TOKEN_IDS] = np.ascontiguousarray(np.asarray(token_ids, dtype="<i4"))
     for layer, start, end, k, v in segments:
         rec = {"layer": int(layer), "start": int(start), "end": int(end), "file": name,
                "k": segment_name(layer, "k", start, end), "v": segment_name(layer, "v", start, end),
@@ -197,10 +201,14 @@ def write_shard_file(directory: str, process: int, segments: Iterable[tuple[int,
 
 def write_manifest(directory: str, *, request_id: str, token_ids: np.ndarray, cfg, dtype: str, full: bool,
                    segments: list[dict], files: list[str], first_token: int | None = None,
-                   run_nonce: str | None = None) -> str:
+                   run_nonce: str | None = None, weights_digest: str | None = None,
+                   prefix: dict | None = None) -> str:
     """Write `manifest.json` (atomically, last) into the staging `directory`. `segments`: records from every
     process's `write_shard_file`; `files`: the files they name, whose digest sidecars must be present (they are
-    checked against the files and removed). Raises KVFormatError if a file or its digest is missing or disagrees."""
+    checked against the files and removed). `weights_digest`: the digest of the weight bytes that computed the KV
+    (`model.weights_digest`; a reader compares it with its own weights). `prefix`: the reuse record
+    (`{"block_size", "hashes"}`, `slope_jax.kv.prefix`), with the token ids stored in `shard_file_name(0)`.
+    Raises KVFormatError if a file or its digest is missing or disagrees."""
     by_layer: dict[int, list[dict]] = {}
     for s in segments:
         by_layer.setdefault(s["layer"], []).append(s)
@@ -234,6 +242,11 @@ def write_manifest(directory: str, *, request_id: str, token_ids: np.ndarray, cf
         "sliding_policy": "full" if full else "last_window",
         "files": sorted(checksums), "checksums": checksums, "layers": layers,
     }
+    if weights_digest is not None:
+        manifest["model"]["weights_digest"] = weights_digest
+    if prefix is not None:
+        manifest["prefix"] = {"block_size": int(prefix["block_size"]), "hashes": list(prefix["hashes"]),
+                              "token_ids": {"file": shard_file_name(0), "tensor": TOKEN_IDS}}
     path = os.path.join(directory, MANIFEST)
     atomic_json(path, manifest)
     for name in checksums:
@@ -615,3 +628,28 @@ def _load(path: str, request_id: str, cfg, verify: bool, framework: str) -> dict
         out[layer] = LayerKV(concat(ks) if ks else empty((0, kh, hd), dt), concat(vs) if vs else empty((0, kh, hd), dt),
                              concat(ps) if ps else empty((0,), "int32"), rec["kind"])
     return out
+
+
+def load_with_tokens(path: str, cfg=None, *, verify: bool = True) -> tuple[dict, np.ndarray | None]:
+    """`load` (numpy), plus the export's own token ids (int32 `[n]`, from the verified file the manifest names under
+    `prefix.token_ids`; None for an export without them). One resolved version for both. Raises KVFormatError."""
+    rid = export_id(path)
+
+    def read(target):
+        from safetensors import safe_open
+
+        kv = _load(target, rid, cfg, verify, "numpy")  # verifies every file's size and SHA-256
+        ref = _read_manifest(target, rid, cfg).get("prefix", {}).get("token_ids")
+        if not isinstance(ref, dict) or ref.get("file") not in os.listdir(target):
+            return kv, None
+        with safe_open(os.path.join(target, ref["file"]), framework="numpy") as f:
+            if ref.get("tensor") not in f.keys():
+                _fail(target, "prefix.token_ids", f"tensor {ref.get('tensor')!r} missing from {ref['file']}")
+            return kv, np.asarray(f.get_tensor(ref["tensor"]), np.int32)
+
+    return _retrying(path, read)
+
+
+def remove_tree(path: str) -> None:
+    """Remove an export version directory (or a version-2 export) and everything in it."""
+    shutil.rmtree(path, ignore_errors=True)

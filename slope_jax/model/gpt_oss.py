@@ -5,7 +5,7 @@ Notable:
   parameters are stacked `[L, …]` under `layers`. Shardings, random init and the checkpoint loader's shape checks
   are all derived from this declaration (`param_specs`). The compiled path never calls NNX: it runs the pure
   functions below on the plain dict `{"embed", "layers": {...}, "final_norm", "unembed"}` under `jax.jit`
-  (NNX's own jit costs ~10× the dispatch time, design §4).
+  (NNX's own jit costs ~10× the dispatch time, docs/design.md §4).
 - `layer` takes the attention core as an argument, so the single-device path (here) and the context-parallel path
   (`slope_jax.context_parallel`) share every other line of the block.
 - Norms and sinks are float32 parameters; expert weights stay MXFP4-packed (uint8) or dense; the rest is the
@@ -57,7 +57,7 @@ def dims(cfg: ModelConfig, num_layers: int | None = None, vocab_rows: int | None
         "experts": Dim(cfg.num_experts, "num_experts"),
         "router": Dim(cfg.num_experts, "num_experts"),  # the router's output axis: one logit per expert
         "mlp": Dim(I, "intermediate_size"),
-        "mlp2": Dim(2 * I, "2*intermediate_size"),  # gate and up, interleaved (spec §2.3)
+        "mlp2": Dim(2 * I, "2*intermediate_size"),  # gate and up, interleaved (docs/model.md §2.3)
         "embed_blocks": Dim(D // 32, "hidden_size/32"),  # MXFP4 blocks of 32 values along an input axis
         "mlp_blocks": Dim(I // 32, "intermediate_size/32"),
         "block_bytes": Dim(16, "bytes"),  # 32 FP4 codes, two per byte
@@ -107,7 +107,7 @@ class Layers(nnx.Module):
         # "experts" is the axis of the expert weights themselves (split over (ring, ulysses) under expert parallelism)
         self.router_w = _p(d, ("layers", "router", "embed"), dtype, fan_in("embed"))
         self.router_b = _p(d, ("layers", "router"), dtype, BIAS)
-        if cfg.expert_format == "mxfp4":  # (out, in) orientation, packed along `in` (spec §3.1)
+        if cfg.expert_format == "mxfp4":  # (out, in) orientation, packed along `in` (docs/model.md §3.1)
             self.w1_blocks = _p(d, ("layers", "experts", "mlp2", "embed_blocks", "block_bytes"), u8, BLOCKS)
             self.w1_scales = _p(d, ("layers", "experts", "mlp2", "embed_blocks"), u8, SCALES)
             self.w2_blocks = _p(d, ("layers", "experts", "embed", "mlp_blocks", "block_bytes"), u8, BLOCKS)
@@ -203,14 +203,14 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype="float32", scale: float 
 # (the compiled program is the same). A compilation-cache hit still pays the step's tracing and lowering.
 @functools.partial(jax.jit, static_argnames=("eps",))
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm in float32 (spec §2.1): `x·rsqrt(mean(x²) + eps)·w`, cast back to x's dtype. x `[..., D]`, w `[D]`."""
+    """RMSNorm in float32 (docs/model.md §2.1): `x·rsqrt(mean(x²) + eps)·w` in x's dtype. x `[..., D]`, w `[D]`."""
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (w.astype(jnp.float32) * y).astype(x.dtype)
 
 
 def project(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """A linear layer `x·Wᵀ (+ b)` (spec §2.3 projections, §3.1 weight shapes) as one 2-D matmul, float32 accumulation.
+    """A linear layer `x·Wᵀ (+ b)` (docs/model.md §2.3, §3.1) as one 2-D matmul, float32 accumulation.
 
     x `[T, I…]` (activation dtype); w `[O…, I…]`: out axes, then x's trailing axes (the checkpoint's (out, in)
     orientation); b `[O…]` or None → float32 `[T, O…]`. A w whose trailing axes do not hold x's `I…` elements raises
@@ -263,7 +263,7 @@ _moe_call = jax.jit(moe_lib.moe, static_argnames=("experts_per_token", "alpha", 
 
 def layer(x: jax.Array, p: dict, cfg: ModelConfig, *, cos: jax.Array, sin: jax.Array, valid: jax.Array,
           attend: AttendFn, moe_fn: MoeFn | None = None):
-    """One decoder block (spec §2 step 2) on local tokens.
+    """One decoder block (docs/model.md §2 step 2) on local tokens.
 
     Args:
       x: `[T, D]` residual stream (activation dtype).  p: one layer's parameters (no `layers` axis).
@@ -330,8 +330,22 @@ def layer_windows(cfg: ModelConfig) -> np.ndarray:
                        for i in range(cfg.num_hidden_layers)], np.int32)
 
 
+class CachedPrefix(NamedTuple):
+    """KV of a prompt's first `offset` tokens, computed earlier (prefix reuse): keys the new tokens attend to.
+
+    offset: int32 scalar, the number of reused tokens (the new tokens sit at positions offset, offset+1, …);
+    k, v: `[L, S, K, H]` post-RoPE per layer (S ≥ the rows held; any order); positions: int32 `[S]` (INVALID_POS =
+    no key: capacity padding, or rows a sliding layer does not need).
+    """
+
+    offset: jax.Array
+    k: jax.Array
+    v: jax.Array
+    positions: jax.Array
+
+
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax.Array,
-            options: StepOptions = StepOptions()):
+            options: StepOptions = StepOptions(), prefix: CachedPrefix | None = None):
     """Single-device prefill of one sequence (the reference path every parallel layout is compared against).
 
     Args:
@@ -340,30 +354,41 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax.A
       num_tokens: int32 scalar, 1 ≤ num_tokens ≤ T.
       options: tiles and implementations (`options.StepOptions`; "auto" is resolved here for JAX's default backend,
         as the engine resolves it for its devices).
+      prefix: None (a whole prompt), or the cached KV of the prompt's first `prefix.offset` tokens: then `tokens` are
+        the prompt's tokens from that offset on, at positions offset + i, and every layer's queries also attend to
+        the cached keys (one online-softmax state over both key sets; the sink enters once).
     Returns:
-      `(logits [V] float32 at position num_tokens−1, k [L, T, K, H], v [L, T, K, H])` with K/V post-RoPE in the
-      activation dtype, natural token order (rows ≥ num_tokens are padding).
+      `(logits [V] float32 at position num_tokens−1 of `tokens`, k [L, T, K, H], v [L, T, K, H])` with K/V
+      post-RoPE in the activation dtype, natural token order (rows ≥ num_tokens are padding).
     """
     options = options.resolve()
     t = tokens.shape[0]
     positions = jnp.arange(t, dtype=jnp.int32)
     valid = positions < num_tokens
+    if prefix is not None:
+        positions = positions + prefix.offset
     x = params["embed"][tokens]
     cos, sin = rope.cos_sin(cfg, positions, x.dtype)
+    tiles = dict(q_tile=options.q_tile, kv_tile=options.kv_tile, impl=options.attention_impl)
 
     def body(x, xs):
-        i, window = xs
+        i, window = xs[0], xs[1]
         p = take_layer(params["layers"], i, experts_stacked=options_lib.experts_read_from_stack(options.moe_impl))
 
         def attend(q, k, v, sinks):
             # Pad keys sit at positions >= num_tokens, after every real query: causality hides them.
-            return attn_lib.attention(q, k, v, positions, positions, sinks, window=window,
-                                      q_tile=options.q_tile, kv_tile=options.kv_tile,
-                                      impl=options.attention_impl)
+            if prefix is None:
+                return attn_lib.attention(q, k, v, positions, positions, sinks, window=window, **tiles)
+            st = attn_lib.attend(q, xs[2], xs[3], positions, prefix.positions, window=window, **tiles)
+            st = attn_lib.attend(q, k, v, positions, positions, window=window, state=st, **tiles)
+            return attn_lib.finalize(st, sinks)
 
         x, k, v = layer(x, p, cfg, cos=cos, sin=sin, valid=valid, attend=attend, moe_fn=local_moe(cfg, options))
         return x, (k, v)
 
-    x, (ks, vs) = jax.lax.scan(body, x, (jnp.arange(cfg.num_hidden_layers), jnp.asarray(layer_windows(cfg))))
+    xs = (jnp.arange(cfg.num_hidden_layers), jnp.asarray(layer_windows(cfg)))
+    if prefix is not None:
+        xs = xs + (prefix.k, prefix.v)
+    x, (ks, vs) = jax.lax.scan(body, x, xs)
     x_last = jax.lax.dynamic_index_in_dim(x, num_tokens - 1, axis=0, keepdims=False)
     return unembed(x_last, params["final_norm"], params["unembed"], cfg), ks, vs

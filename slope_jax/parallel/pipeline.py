@@ -138,7 +138,7 @@ def num_ticks(parallel: ParallelConfig, requests: int) -> int:
 
 
 def build_prefill_step(cfg: ModelConfig, parallel: ParallelConfig, mesh, plan: stages.StagePlan, dtype,
-                       options: StepOptions):
+                       options: StepOptions, *, with_prefix: bool = False):
     """The jitted parallel prefill step, for every schedule (`Schedule`: C = parallel.seq_chunks).
 
     Signature of the returned function:
@@ -148,21 +148,29 @@ def build_prefill_step(cfg: ModelConfig, parallel: ParallelConfig, mesh, plan: s
     when C = 1), tokens sharded over `(ring, ulysses)`, stack entries (`plan.flat`) over `pipeline`. T must be a
     multiple of `parallel.token_multiple`. Parameters are placed by `sharding.param_partition_specs(cfg, parallel)`.
     options: resolved step options (tiles, attention core, MoE compute; ValueError if "auto" is left).
+    with_prefix (prefix reuse): the step takes four more arguments, `offsets [M] int32` (replicated: request m's
+      tokens sit at positions `positions + offsets[m]`; `num_tokens[m]` counts the whole prompt, offset included),
+      `prefix_k, prefix_v [M, P·n, S, K, H]` (the cached K/V of each request's first offsets[m] tokens per stack
+      entry, rows in any order, sharded like K/V) and `prefix_pos [M, S] int32` (their positions, INVALID_POS = no
+      key; sharded over `(ring, ulysses)`); every layer also attends to them (`context_parallel.prefix_attention`:
+      the queries go round the stage's R·U devices, the cached keys stay where they were placed).
     """
     options.require_resolved()
     body = functools.partial(_step_local, cfg=cfg, parallel=parallel, plan=plan, dtype=jnp.dtype(dtype),
                              options=options, schedule=Schedule(parallel.pipeline, parallel.seq_chunks))
     tok_spec = Ps(None, CP_AXES)
     kv_spec = Ps(None, "pipeline", CP_AXES, None, None)
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(sharding.param_partition_specs(cfg, parallel, dtype), tok_spec,
-                                                  Ps(CP_AXES), Ps()),
-                       out_specs=(Ps(), kv_spec, kv_spec), check_vma=False)
+    in_specs = (sharding.param_partition_specs(cfg, parallel, dtype), tok_spec, Ps(CP_AXES), Ps())
+    if with_prefix:
+        in_specs += (Ps(), kv_spec, kv_spec, tok_spec)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(Ps(), kv_spec, kv_spec), check_vma=False)
     return jax.jit(fn)
 
 
-def _step_local(params, tokens, positions, num_tokens, *, cfg: ModelConfig, parallel: ParallelConfig,
+def _step_local(params, tokens, positions, num_tokens, *cached, cfg: ModelConfig, parallel: ParallelConfig,
                 plan: stages.StagePlan, dtype, options: StepOptions, schedule: Schedule):
-    """One device's step: embed, the tick loop of `schedule`, the head. Shapes as `build_prefill_step`, local."""
+    """One device's step: embed, the tick loop of `schedule`, the head. Shapes as `build_prefill_step`, local;
+    `cached`: empty, or (offsets, prefix_k, prefix_v, prefix_pos) of a prefix-reuse step."""
     m_total, C = tokens.shape[0], schedule.chunks
     two_pz = tokens.shape[1] // C  # this device's rows of one chunk
     n, kh, hd = plan.stack_per_stage, cfg.num_key_value_heads, cfg.head_dim
@@ -170,7 +178,7 @@ def _step_local(params, tokens, positions, num_tokens, *, cfg: ModelConfig, para
         x_all = collectives.vocab_parallel_embed(params["embed"], tokens, parallel.pipeline,
                                                  parallel.ring * parallel.ulysses)
     tick = _tick_fn(cfg, parallel, plan, options, schedule, params["layers"], x_all.reshape(m_total, C, two_pz, -1),
-                    positions.reshape(C, two_pz), num_tokens)
+                    positions.reshape(C, two_pz), num_tokens, cached or None)
     kbuf = jnp.zeros((m_total, n, C, two_pz, kh, hd), dtype)
     carry = (jnp.zeros((two_pz, cfg.hidden_size), dtype), kbuf, kbuf, jnp.zeros((m_total, cfg.hidden_size),
                                                                                   jnp.float32))
@@ -185,10 +193,12 @@ def _step_local(params, tokens, positions, num_tokens, *, cfg: ModelConfig, para
 
 
 def _tick_fn(cfg: ModelConfig, parallel: ParallelConfig, plan: stages.StagePlan, options: StepOptions,
-             schedule: Schedule, layers, x_all, pos_c, num_tokens):
+             schedule: Schedule, layers, x_all, pos_c, num_tokens, cached=None):
     """The scan body of the tick loop: stage p runs its item (`schedule.item`) and passes its activation on.
 
-    x_all `[M, C, 2Pz, D]` embedded inputs; pos_c int32 `[C, 2Pz]` global positions of each chunk's local rows.
+    x_all `[M, C, 2Pz, D]` embedded inputs; pos_c int32 `[C, 2Pz]` positions of each chunk's local rows (request m
+    adds `offsets[m]` with prefix reuse); cached: None or this device's (offsets [M], prefix_k [M, n, S, K, H],
+    prefix_v, prefix_pos [M, S]) (`build_prefill_step(with_prefix=True)`).
     A fill/drain tick's queries get no position, so its attention visits no tile (its output is dropped).
     """
     P, R, U, C = parallel.pipeline, parallel.ring, parallel.ulysses, schedule.chunks
@@ -200,14 +210,21 @@ def _tick_fn(cfg: ModelConfig, parallel: ParallelConfig, plan: stages.StagePlan,
     def tick(carry, t):
         x_buf, kb, vb, finals = carry
         live, m, i = schedule.item(t, p, m_total)
-        n_tok, pos_i = num_tokens[m], pos_c[i]
+        n_tok, pos_m = num_tokens[m], pos_c
+        if cached is not None:
+            pos_m = pos_c + cached[0][m]  # the request's tokens follow its cached prefix
+        pos_i = pos_m[i]
         with jax.named_scope("positions"):
             cp_pos = context_parallel.exchange_positions(jnp.where(live, pos_i, attn_lib.INVALID_POS), ring=R,
                                                          ulysses=U, window=cfg.sliding_window)
         prefix = None
         if C > 1:  # stored K/V of this request's chunks < i (rows of chunks >= i hold no key yet: no position)
-            prefix_pos = jnp.where(jnp.arange(C)[:, None] < i, pos_c, attn_lib.INVALID_POS).reshape(-1)
+            prefix_pos = jnp.where(jnp.arange(C)[:, None] < i, pos_m, attn_lib.INVALID_POS).reshape(-1)
             prefix = (kb[m].reshape(n, C * two_pz, kh, hd), vb[m].reshape(n, C * two_pz, kh, hd), prefix_pos)
+        if cached is not None:  # the cached prefix's keys this device holds, after the earlier chunks' (if any)
+            loaded = (cached[1][m], cached[2][m], cached[3][m])
+            prefix = loaded if prefix is None else tuple(jnp.concatenate([a, b], axis=1 if a.ndim > 1 else 0)
+                                                         for a, b in zip(prefix, loaded))
         x_in = jnp.where(p == 0, x_all[m, i], x_buf)
         with jax.named_scope("stage"):
             # an idle tick's tokens (pipeline fill/drain) are pads: routed nowhere, no expert work and, under the
@@ -221,7 +238,8 @@ def _tick_fn(cfg: ModelConfig, parallel: ParallelConfig, plan: stages.StagePlan,
             # over the CP group
             pick = (pos_i == n_tok - 1)[:, None]
             x_last = jax.lax.psum(jnp.where(pick, x_out.astype(jnp.float32), 0.0).sum(0), CP_AXES)
-        mine = live & (p == P - 1) & (i == (n_tok - 1) // (two_pz * R * U))
+        last = n_tok - 1 if cached is None else n_tok - 1 - cached[0][m]  # the last token's row in this step
+        mine = live & (p == P - 1) & (i == last // (two_pz * R * U))
         finals = finals.at[m].set(jnp.where(mine, x_last, finals[m]))
         return (collectives.pipeline_pass(x_out, P), kb, vb, finals), None
 

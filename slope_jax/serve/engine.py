@@ -26,8 +26,10 @@ from jax.sharding import NamedSharding
 from slope_jax import compile_cache
 from slope_jax.checkpoints import hf as ckpt_lib
 from slope_jax.checkpoints import orbax_store
+from slope_jax.kv import prefix as prefix_lib
 from slope_jax.kv.exporter import ExportFailed, KVExporter
 from slope_jax.kv.format import LayerKV
+from slope_jax.kv.store import KVStore
 from slope_jax.model import gpt_oss as model_lib
 from slope_jax.model.config import ModelConfig
 from slope_jax.model.options import StepOptions
@@ -36,8 +38,9 @@ from slope_jax.parallel import pipeline as pipe_lib
 from slope_jax.parallel import sharding, stages
 from slope_jax.parallel.config import ParallelConfig
 from slope_jax.parallel.mesh import format_device_map, make_mesh
-from slope_jax.serve import agreement
+from slope_jax.serve import agreement, reuse
 from slope_jax.serve.requests import RequestError, check_request_id
+from slope_jax.serve.steps import group_steps
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,8 @@ class PrefillResult:
     queue_ms (arrival → its step starts; includes compile_ms, the compilation of a new bucket for this step),
     compute_ms (step start → first token on the host), ttft_ms (the sum), export_ms (first token on the
     host → this request's KV export published, the batch's earlier exports included; not part of TTFT).
+    cached_tokens: prompt tokens whose KV came from the prefix cache (0: computed cold); the step computed
+    num_tokens − cached_tokens tokens.
     """
 
     first_token: int
@@ -65,6 +70,7 @@ class PrefillResult:
     queue_ms: float = 0.0
     compute_ms: float = 0.0
     export_ms: float = 0.0
+    cached_tokens: int = 0
 
     @property
     def ttft_ms(self) -> float:
@@ -85,6 +91,11 @@ class PrefillEngine:
         `options`).
       allow_cross_host_ulysses: let a Ulysses group span processes (hosts); default False (LayoutError), see
         `parallel.mesh`.
+      reuse: prefix reuse (`kv.prefix.ReuseOptions`: on by default, 128-token blocks, 2 GiB host tier).
+      weights_digest: the identity of the weights (`checkpoints.digest.weights_digest`; `from_checkpoint` passes
+        the checkpoint files' digest); default: a digest of `params` as placed, computed when first needed.
+      kv_dir_max_bytes, kv_dir_max_age_s: retention of every `kv_dir` this engine exports to (`kv.store.KVStore`;
+        default None: unbounded).
     Compiled programs go to the persistent XLA compilation cache (`slope_jax.compile_cache`: on by default,
     `SLOPE_JAX_COMPILE_CACHE=<dir>|off`), keyed by the lowered program, which the step options shape;
     `compile_ms[(bucket, m)]` is the time to get a bucket's program (ms) and `compile_source[(bucket, m)]` says
@@ -96,7 +107,9 @@ class PrefillEngine:
 
     def __init__(self, cfg: ModelConfig, params: dict, parallel: ParallelConfig = ParallelConfig(),
                  dtype="bfloat16", *, devices=None, options: StepOptions | None = None,
-                 allow_cross_host_ulysses: bool = False, _placed: bool = False, **option_fields):
+                 allow_cross_host_ulysses: bool = False, reuse: prefix_lib.ReuseOptions | None = None,
+                 weights_digest: str | None = None, kv_dir_max_bytes: int | None = None,
+                 kv_dir_max_age_s: float | None = None, _placed: bool = False, **option_fields):
         compile_cache.enable()  # the persistent XLA cache (default dir, SLOPE_JAX_COMPILE_CACHE, or the launcher's)
         devices = list(jax.devices() if devices is None else devices)
         self.run_nonce = agreement.agreed_run_nonce()  # names this run's KV export staging directories and barriers
@@ -126,6 +139,35 @@ class PrefillEngine:
                  parallel.expert_degree(cfg), parallel.seq_chunks, parallel.num_devices, self.dtype.name,
                  self.plan.empty_slots, self.options)
         self._exporter = KVExporter(cfg, self.plan.flat, self.dtype.name, self.run_nonce)
+        self.reuse = reuse if reuse is not None else prefix_lib.ReuseOptions()
+        self._weights = weights_digest
+        self._retention = (kv_dir_max_bytes, kv_dir_max_age_s)
+        self._stores: dict[str, KVStore] = {}
+        self._prefix_steps: dict = {}
+        # the host tier holds whole prompts' KV gathered to this process: single-process runs only
+        self.host_tier = (prefix_lib.HostTier(self.reuse.host_bytes)
+                          if self.reuse.enabled and self.reuse.host_bytes and jax.process_count() == 1 else None)
+
+    @property
+    def weights_digest(self) -> str:
+        """The identity of this engine's weights (32 hex digits): the checkpoint files' digest, or one of the
+        parameters as placed (`reuse.params_digest`). Prefix-cache keys and export manifests record it."""
+        if self._weights is None:
+            self._weights = reuse.params_digest(self.params)
+        return self._weights
+
+    def kv_store(self, kv_dir: str) -> KVStore:
+        """The policy owner of `kv_dir` (`kv.store.KVStore`), made once per directory: its reuse index is built from
+        the manifests already there, so prefixes exported by earlier runs are reused."""
+        key = os.path.realpath(kv_dir)
+        if key not in self._stores:
+            store = KVStore(kv_dir, max_bytes=self._retention[0], max_age_s=self._retention[1])
+            if self.reuse.enabled:
+                n = store.scan()
+                if n:
+                    log.info("kv_dir %s: %d export(s) indexed for prefix reuse", kv_dir, n)
+            self._stores[key] = store
+        return self._stores[key]
 
     @property
     def impls(self) -> dict:
@@ -148,6 +190,7 @@ class PrefillEngine:
             return cls(cfg, params, parallel, dtype, devices=devices, _placed=True, **kwargs)
         ck = ckpt_lib.open_checkpoint(path)
         cfg = ck.config
+        kwargs.setdefault("weights_digest", reuse.checkpoint_weights_digest(path))
         parallel.validate(cfg, len(devices) if parallel.num_devices > 1 else None)
         if parallel.num_devices == 1:
             params = ckpt_lib.load_params(ck, dtype, progress=progress)
@@ -196,6 +239,17 @@ class PrefillEngine:
         logits, k, v = jax.lax.map(one, (tokens, num_tokens))
         return logits, k, v  # k, v: [M, L, T, K, H]
 
+    def _single_device_prefix_step(self, params, tokens, positions, num_tokens, offsets, pk, pv, ppos):
+        """`_single_device_step` after cached prefixes: `num_tokens` counts each prompt's tokens in this step,
+        pk, pv `[M, L, S, K, H]`, ppos `[M, S]`, offsets `[M]` (`model.gpt_oss.CachedPrefix`)."""
+        del positions
+
+        def one(args):
+            t, n, off, k, v, pos = args
+            return model_lib.forward(params, self.cfg, t, n, self.options, model_lib.CachedPrefix(off, k, v, pos))
+
+        return jax.lax.map(one, (tokens, num_tokens, offsets, pk, pv, ppos))
+
     def validate_prompt(self, i: int, prompt) -> np.ndarray:
         """Check one prompt; returns it as int32 `[n]`. Raises RequestError naming prompt `i` and the violated limit."""
         try:
@@ -219,12 +273,28 @@ class PrefillEngine:
         """Compiled length for an n-token prompt."""
         return layout.bucket_length(n, multiple=self.parallel.token_multiple)
 
-    def _input_shardings(self, t: int, m: int):
+    def _input_shardings(self, t: int, m: int, prefix_rows: int = 0) -> tuple:
+        """Shardings of the step's arguments after the parameters (None each on one device): tokens, positions,
+        num_tokens, and with a cached prefix offsets, prefix K, V and positions (`pipeline.build_prefill_step`)."""
+        n = 3 + (4 if prefix_rows else 0)
         if self.mesh is None:
-            return None, None, None
+            return (None,) * n
         Ps = jax.sharding.PartitionSpec
-        return (NamedSharding(self.mesh, Ps(None, ("ring", "ulysses"))),
-                NamedSharding(self.mesh, Ps(("ring", "ulysses"))), NamedSharding(self.mesh, Ps()))
+        cp = ("ring", "ulysses")
+        specs = [Ps(None, cp), Ps(cp), Ps()]
+        if prefix_rows:
+            specs += [Ps(), Ps(None, "pipeline", cp, None, None), Ps(None, "pipeline", cp, None, None), Ps(None, cp)]
+        return tuple(NamedSharding(self.mesh, sp) for sp in specs)
+
+    def _arg_shapes(self, t: int, m: int, cap: int) -> list:
+        """ShapeDtypeStructs of the step's arguments after the parameters (`_input_shardings`)."""
+        c = self.cfg
+        shapes = [((m, t), jnp.int32), ((t,), jnp.int32), ((m,), jnp.int32)]
+        if cap:
+            kv = ((m, len(self.plan.flat), cap, c.num_key_value_heads, c.head_dim), self.dtype)
+            shapes += [((m,), jnp.int32), kv, kv, ((m, cap), jnp.int32)]
+        return [jax.ShapeDtypeStruct(shape, dt, sharding=sh)
+                for (shape, dt), sh in zip(shapes, self._input_shardings(t, m, cap))]
 
     def precompile(self, lengths: Sequence[int], in_flight: Sequence[int] | None = None) -> None:
         """Compile the buckets of these prompt lengths ahead of traffic, so first requests do not wait for XLA."""
@@ -233,24 +303,32 @@ class PrefillEngine:
             for m in per_step:
                 self.compiled(self.bucket(int(n)), m)
 
-    def compiled(self, t: int, m: int):
-        """The compiled step for bucket length t and m prompts in flight (compiled once, then reused)."""
-        key = (t, m)
+    def compiled(self, t: int, m: int, prefix_rows: int = 0):
+        """The compiled step for bucket length t, m prompts in flight and (prefix reuse) `prefix_rows` rows of cached
+        prefix per prompt (compiled once, then reused). Keys of `compile_ms`: (t, m), or (t, m, prefix_rows)."""
+        key = (t, m) if prefix_rows == 0 else (t, m, prefix_rows)
         if key not in self._compiled:
             t0, hits = time.perf_counter(), compile_cache.hits()
-            s_tok, s_pos, s_n = self._input_shardings(t, m)
-            args = (self.params, jax.ShapeDtypeStruct((m, t), jnp.int32, sharding=s_tok),
-                    jax.ShapeDtypeStruct((t,), jnp.int32, sharding=s_pos),
-                    jax.ShapeDtypeStruct((m,), jnp.int32, sharding=s_n))
-            self._compiled[key] = self._step.lower(*args).compile()
+            fn = self._step if prefix_rows == 0 else self._prefix_step()
+            self._compiled[key] = fn.lower(self.params, *self._arg_shapes(t, m, prefix_rows)).compile()
             self.compile_ms[key] = (time.perf_counter() - t0) * 1e3
             self.compile_source[key] = ("cache" if compile_cache.hits() > hits else
                                         "compiled" if compile_cache.directory() else "compiled, cache off")
-            log.info("bucket T=%d x %d ready in %.1f s (%s)", t, m, self.compile_ms[key] / 1e3,
+            log.info("bucket T=%d x %d%s ready in %.1f s (%s)", t, m,
+                     f" after a cached prefix of up to {prefix_rows} tokens" if prefix_rows else "",
+                     self.compile_ms[key] / 1e3,
                      {"cache": "cache hit: loaded from the compilation cache",
                       "compiled": "cache miss: compiled, now cached"}.get(self.compile_source[key],
                                                                             "compiled; compilation cache off"))
         return self._compiled[key]
+
+    def _prefix_step(self):
+        """The jitted step of prompts after a cached prefix (built once)."""
+        if "fn" not in self._prefix_steps:
+            self._prefix_steps["fn"] = (jax.jit(self._single_device_prefix_step) if self.mesh is None else
+                                        pipe_lib.build_prefill_step(self.cfg, self.parallel, self.mesh, self.plan,
+                                                                    self.dtype, self.options, with_prefix=True))
+        return self._prefix_steps["fn"]
 
     @property
     def num_compiled(self) -> int:
@@ -288,18 +366,28 @@ class PrefillEngine:
                                f"step, devices have {_mib(limit)}: use more context-parallel devices, more pipeline "
                                "stages, or a shorter prompt")
 
+    def prefix_identity(self, cache_salt: str | None = None) -> str:
+        """The prefix-cache identity of this engine's KV for a request with `cache_salt` (`kv.prefix.identity`:
+        config fingerprint, weights digest, dtype, KV layout, salt)."""
+        c = self.cfg
+        return prefix_lib.identity(fingerprint=c.fingerprint(), weights=self.weights_digest, dtype=self.dtype.name,
+                                   kv_heads=c.num_key_value_heads, head_dim=c.head_dim, window=c.sliding_window,
+                                   layer_types=c.layer_types, cache_salt=cache_salt)
+
     def prefill(self, prompts: Sequence[Sequence[int]], kv_dir: str | None = None, *,
-                ids: Sequence[str] | None = None, kv_full: bool = False, return_kv: bool | None = None,
-                top_k: int = 5, arrival_times: Sequence[float] | None = None,
-                overwrite: bool = False) -> list[PrefillResult]:
+                ids: Sequence[str] | None = None, kv_full: bool | None = None, return_kv: bool | None = None,
+                top_k: int = 5, arrival_times: Sequence[float] | None = None, overwrite: bool = False,
+                cache_salt: str | Sequence[str | None] | None = None,
+                prefix_reuse: bool | None = None) -> list[PrefillResult]:
         """Prefill a batch of prompts (token ids); one PrefillResult per prompt, in order.
 
         Args:
           prompts: token-id sequences (any lengths; they are bucketed and grouped into compiled steps).
           kv_dir: if given, each prompt's KV cache is exported to `kv_dir/<id>/` (`slope_jax.kv` format) after its
-            first token is known.
+            first token is known, and the directory's earlier exports are prefix-cache entries.
           ids: export directory names (default "0", "1", …); each must be a plain file name.
-          kv_full: export every token of sliding layers too (default: their last W tokens).
+          kv_full: export every token of sliding layers too (default: True while prefix reuse is on — a later
+            request can then reuse the export from any block boundary — else their last W tokens).
           return_kv: fill `PrefillResult.kv` (default: True without `kv_dir` in a single-process run, else False:
             in a multi-process run it gathers the whole cache to every process, ~10 GB per 128K-token request of
             gpt-oss-120b).
@@ -307,6 +395,9 @@ class PrefillEngine:
           arrival_times: `time.perf_counter()` of each prompt's arrival, for queue_ms (default: now).
           overwrite: replace an existing export `kv_dir/<id>/` (atomically: a reader sees the old or the new one);
             default False: an existing export is an error.
+          cache_salt: one string for every prompt, or one per prompt (None: no salt): prompts share cached prefixes
+            only with prompts of the same salt (vLLM's `cache_salt`; tenants).
+          prefix_reuse: look up and reuse cached prefixes, and cache these prompts' KV (default: `reuse.enabled`).
         Raises:
           RequestError (naming the prompt) before any compute if a prompt or id is invalid, or its export exists
           and `overwrite` is False; under several processes
@@ -314,39 +405,58 @@ class PrefillEngine:
           hash before any step, so a mismatch is an error on every process instead of mixed results or a hang).
         """
         now = time.perf_counter()
+        salts = _salts(cache_salt, len(prompts))
+        on = self.reuse.enabled if prefix_reuse is None else bool(prefix_reuse)
+        kv_full = on if kv_full is None else bool(kv_full)
         if jax.process_count() > 1:
-            agreement.check_same_on_all_processes(prompts, ids, kv_dir is not None, kv_full, return_kv, top_k, overwrite)
+            agreement.check_same_on_all_processes(prompts, ids, kv_dir is not None, kv_full, return_kv, top_k, overwrite,
+                                                  salts, on)
         tokens = [self.validate_prompt(i, p) for i, p in enumerate(prompts)]
-        ids = [str(i) for i in range(len(tokens))] if ids is None else [str(x) for x in ids]
-        if len(ids) != len(tokens) or len(set(ids)) != len(ids):
-            raise RequestError(f"ids: need {len(tokens)} distinct ids, got {len(ids)} ({len(set(ids))} distinct)")
+        ids = self._check_ids(ids, len(tokens), kv_dir, overwrite)
+        if return_kv is None:
+            return_kv = kv_dir is None and jax.process_count() == 1
+        hits = reuse.find(self, tokens, salts, kv_dir) if on else [reuse.Hit([]) for _ in tokens]
+        arrival = list(arrival_times) if arrival_times is not None else [now] * len(tokens)
+        results: list[PrefillResult | None] = [None] * len(tokens)
+        per_step = 1 if self.mesh is None else self.parallel.in_flight
+        keys = [self.step_key(x.size, h.cached) for x, h in zip(tokens, hits)]
+        try:
+            for (t, cap), members in group_steps(range(len(tokens)), lambda i: keys[i], per_step):
+                step = Step(t, cap, [tokens[i] for i in members], [ids[i] for i in members],
+                            [arrival[i] for i in members], [hits[i] for i in members])
+                out = self.run_step(step, top_k=top_k)
+                if kv_dir is not None:
+                    self.export_step(step, out, kv_dir, kv_full=kv_full, overwrite=overwrite, record=on)
+                self._keep(step, out, cache=on, return_kv=return_kv)
+                for i, res in zip(members, out):
+                    results[i] = res
+        finally:
+            for h in hits:
+                if h.release is not None:
+                    h.release()
+        return results  # type: ignore[return-value]
+
+    def step_key(self, n: int, cached: int = 0) -> tuple[int, int]:
+        """(bucket of the tokens the step computes, rows compiled for the cached prefix) of an n-token prompt of
+        which `cached` tokens come from the prefix cache."""
+        group = 1 if self.mesh is None else self.parallel.ring * self.parallel.ulysses
+        return self.bucket(n - cached), reuse.prefix_capacity(cached, group)
+
+    def _check_ids(self, ids, count: int, kv_dir: str | None, overwrite: bool) -> list[str]:
+        ids = [str(i) for i in range(count)] if ids is None else [str(x) for x in ids]
+        if len(ids) != count or len(set(ids)) != len(ids):
+            raise RequestError(f"ids: need {count} distinct ids, got {len(ids)} ({len(set(ids))} distinct)")
         for i, x in enumerate(ids):
             check_request_id(x, f"prompt {i}")
         if kv_dir is not None and not overwrite:
             self._refuse_existing_exports(kv_dir, ids)
-        if return_kv is None:
-            return_kv = kv_dir is None and jax.process_count() == 1
-        arrival = list(arrival_times) if arrival_times is not None else [now] * len(tokens)
-        results: list[PrefillResult | None] = [None] * len(tokens)
-        groups: dict[int, list[int]] = {}
-        for i, x in enumerate(tokens):
-            groups.setdefault(self.bucket(x.size), []).append(i)
-        per_step = 1 if self.mesh is None else self.parallel.in_flight
-        for t, members in sorted(groups.items()):
-            for start in range(0, len(members), per_step):
-                chunk = members[start:start + per_step]
-                out = self._run(t, [tokens[i] for i in chunk], [ids[i] for i in chunk], [arrival[i] for i in chunk],
-                                kv_dir=kv_dir, kv_full=kv_full, return_kv=return_kv, top_k=top_k,
-                                overwrite=overwrite)
-                for i, res in zip(chunk, out):
-                    results[i] = res
-        return results  # type: ignore[return-value]
+        return ids
 
-    @staticmethod
-    def _refuse_existing_exports(kv_dir: str, ids: list[str]) -> None:
-        """RequestError naming the first prompt whose export `kv_dir/<id>` exists (process 0 looks; in a
-        multi-process run its answer is broadcast, so every process raises or none does)."""
-        exists = agreement.process0_answer(np.asarray([os.path.lexists(os.path.join(kv_dir, x)) for x in ids]))
+    def _refuse_existing_exports(self, kv_dir: str, ids: list[str]) -> None:
+        """RequestError naming the first prompt whose export `kv_dir/<id>` exists (process 0 asks the directory's
+        `KVStore`; in a multi-process run its answer is broadcast, so every process raises or none does)."""
+        store = self.kv_store(kv_dir)
+        exists = agreement.process0_answer(np.asarray([store.exists(x) for x in ids]))
         for i, x in enumerate(ids):
             if exists[i]:
                 raise RequestError(f"prompt {i}: KV export {os.path.join(kv_dir, x)!r} already exists: pass "
@@ -357,60 +467,102 @@ class PrefillEngine:
             return host
         return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
-    def _run(self, t: int, batch: list[np.ndarray], ids: list[str], arrival: list[float], *, kv_dir, kv_full,
-             return_kv, top_k, overwrite=False) -> list[PrefillResult]:
-        m = len(batch)
-        tokens = np.zeros((m, t), np.int32)
-        for j, x in enumerate(batch):
-            tokens[j, :x.size] = x
-        n_tok = np.asarray([x.size for x in batch], np.int32)
-        positions = self._layout_positions(t)
-        if self.mesh is not None:
-            tokens = tokens[:, positions]  # natural → layout order (positions is a permutation of [0, t))
+    def _ready(self, t: int, m: int, cap: int):
+        """The compiled step, meeting the peers before its first run (multi-process); (step, ms getting it)."""
+        key = (t, m) if cap == 0 else (t, m, cap)
         c0 = time.perf_counter()
         try:
-            step = self.compiled(t, m)
+            step = self.compiled(t, m, cap)
         finally:
-            if jax.process_count() > 1 and (t, m) not in self._met:
+            if jax.process_count() > 1 and key not in self._met:
                 # a program loaded from the compilation cache is ready in seconds, while a peer may still compile it
                 # (its entry missing): meet before its first collective, which waits only 30 s for every peer (Gloo).
                 # Met even if compiling failed here, so that the peers are not held at the barrier.
-                self._met.add((t, m))
+                self._met.add(key)
                 w0 = time.perf_counter()
-                agreement.meet_peers(f"slope_jax-{self.run_nonce}-step-{t}x{m}")
-                if (t, m) in self.compile_ms:
-                    self.compile_ms[(t, m)] += (time.perf_counter() - w0) * 1e3  # ready = ready on every process
-        compile_ms = 1e3 * (time.perf_counter() - c0)
-        shardings = self._input_shardings(t, m)
+                agreement.meet_peers(f"slope_jax-{self.run_nonce}-step-{'x'.join(map(str, key))}")
+                if key in self.compile_ms:
+                    self.compile_ms[key] += (time.perf_counter() - w0) * 1e3  # ready = ready on every process
+        return step, 1e3 * (time.perf_counter() - c0)
+
+    def _step_inputs(self, step: Step) -> list:
+        """The step's arguments after the parameters, as global arrays (tokens in layout order)."""
+        m, t = len(step.tokens), step.bucket
+        tokens = np.zeros((m, t), np.int32)
+        for j, (x, h) in enumerate(zip(step.tokens, step.hits)):
+            tokens[j, :x.size - h.cached] = x[h.cached:]
+        positions = self._layout_positions(t)
+        if self.mesh is not None:
+            tokens = tokens[:, positions]  # natural → layout order (positions is a permutation of [0, t))
+        # the single-device path counts the step's own tokens; the mesh step counts the whole prompt
+        n_tok = np.asarray([x.size - (h.cached if self.mesh is None else 0) for x, h in zip(step.tokens, step.hits)],
+                           np.int32)
+        host = [tokens, positions, n_tok]
+        if step.prefix_rows:
+            host += list(reuse.prefix_arrays(self, step.hits, step.prefix_rows))
+        return [self._global_input(a, sh) for a, sh in zip(host, self._input_shardings(t, m, step.prefix_rows))]
+
+    def run_step(self, step: Step, *, top_k: int = 5) -> list[PrefillResult]:
+        """Run one compiled step (prompts of one bucket and one cached-prefix capacity): first tokens and timings.
+        The step's K/V stay on the devices (`step.k`, `step.v`) for `export_step`."""
+        fn, compile_ms = self._ready(step.bucket, len(step.tokens), step.prefix_rows)
         t0 = time.perf_counter()
-        inputs = [self._global_input(a, s) for a, s in zip((tokens, positions, n_tok), shardings)]
-        logits, k, v = step(self.params, *inputs)
+        logits, step.k, step.v = fn(self.params, *self._step_inputs(step))
         logits = np.asarray(logits.addressable_shards[0].data) if self.mesh is not None else np.asarray(logits)
         t1 = time.perf_counter()
         out = []
-        for j, x in enumerate(batch):
+        for j, x in enumerate(step.tokens):
             lg = logits[j]
             first = int(np.argmax(lg))
             lse = float(np.log(np.sum(np.exp(lg.astype(np.float64) - lg.max()))) + lg.max())
             top = np.argsort(-lg, kind="stable")[:top_k]
             out.append(PrefillResult(first, lg, int(x.size), {}, logprob=float(lg[first]) - lse,
                                      top_k=[(int(i), float(lg[i])) for i in top], compile_ms=compile_ms,
-                                     queue_ms=1e3 * (t0 - arrival[j]), compute_ms=1e3 * (t1 - t0)))
-        if kv_dir is not None:
-            try:
-                self._exporter.export_batch(kv_dir, ids, batch, k, v, positions, kv_full, out, overwrite)
-            except ExportFailed as e:  # a request's error: RequestError like every other
-                raise RequestError(str(e)) from e
-        if return_kv:
-            kh, vh = self._gather_kv(k, v)
-            for j, res in enumerate(out):
-                n = res.num_tokens
-                for entry, layer in enumerate(self.plan.flat):
-                    if layer >= 0:
-                        res.kv[layer] = LayerKV(kh[j, entry, :n], vh[j, entry, :n], np.arange(n, dtype=np.int32),
-                                                self.cfg.layer_types[layer])
-                res.kv = dict(sorted(res.kv.items()))
+                                     queue_ms=1e3 * (t0 - step.arrival[j]), compute_ms=1e3 * (t1 - t0),
+                                     cached_tokens=step.hits[j].cached))
         return out
+
+    def export_step(self, step: Step, results: list[PrefillResult], kv_dir: str, *, kv_full: bool,
+                    overwrite: bool, record: bool = True) -> None:
+        """Export a finished step's requests to `kv_dir/<id>/` (whole prompts: a hit's cached rows are written
+        beside the computed ones), and (`record`) index them for prefix reuse. RequestError if an export fails."""
+        block = self.reuse.block_size
+        self._exporter.weights_digest = self.weights_digest
+        try:
+            self._exporter.export_batch(kv_dir, step.ids, step.tokens, step.k, step.v,
+                                        self._layout_positions(step.bucket), kv_full, results, overwrite,
+                                        offsets=[h.cached for h in step.hits], prefixes=[h.prefix for h in step.hits],
+                                        reuse=[{"block_size": block, "hashes": h.hashes} if record else None
+                                               for h in step.hits])
+        except ExportFailed as e:  # a request's error: RequestError like every other
+            raise RequestError(str(e)) from e
+        if record and jax.process_index() == 0:
+            store = self.kv_store(kv_dir)
+            for rid in step.ids:
+                store.record(rid)
+
+    def _keep(self, step: Step, results: list[PrefillResult], *, cache: bool, return_kv: bool) -> None:
+        """Whole prompts' KV on the host: into the results (`return_kv`) and the host tier (`cache`)."""
+        tier = self.host_tier if cache else None
+        if not return_kv and tier is None:
+            return
+        kh, vh = self._gather_kv(step.k, step.v)
+        for j, (res, hit) in enumerate(zip(results, step.hits)):
+            n, p = res.num_tokens, hit.cached
+            ks, vs = {}, {}
+            for entry, layer in enumerate(self.plan.flat):
+                if layer >= 0:
+                    ks[layer], vs[layer] = kh[j, entry, :n - p], vh[j, entry, :n - p]
+                    if p:
+                        pk, pv = hit.prefix.rows(layer, hit.prefix.start.get(layer, 0), p)
+                        ks[layer], vs[layer] = np.concatenate([pk, ks[layer]]), np.concatenate([pv, vs[layer]])
+            whole = all(hit.prefix is None or hit.prefix.start.get(i, 0) == 0 for i in ks)
+            if tier is not None and whole and hit.hashes:
+                tier.add(prefix_lib.HostEntry(f"{step.ids[j]}@{self.run_nonce}-{id(step)}", step.tokens[j],
+                                              hit.hashes, ks, vs))
+            if return_kv:
+                res.kv = {i: LayerKV(ks[i], vs[i], np.arange(n - ks[i].shape[0], n, dtype=np.int32),
+                                     self.cfg.layer_types[i]) for i in sorted(ks)}
 
     def _gather_kv(self, k, v):
         """Whole K/V `[M, stack, T, K, H]` on the host, natural token order (gathers across processes if needed)."""
@@ -431,6 +583,33 @@ class PrefillEngine:
         if par.seq_chunks > 1:
             return layout.chunked_layout_positions(t, par.ring, par.ulysses, par.seq_chunks)
         return layout.layout_positions(t, par.ring, par.ulysses)
+
+
+@dataclasses.dataclass
+class Step:
+    """One compiled step of a batch: `bucket` (padded length of the tokens it computes), `prefix_rows` (cached-prefix
+    capacity S, 0 for cold prompts), and per prompt its token ids (whole prompt), export id, arrival time and
+    `reuse.Hit`; `k`, `v` hold the step's K/V (device arrays, layout order of the computed tokens) once it ran."""
+
+    bucket: int
+    prefix_rows: int
+    tokens: list[np.ndarray]
+    ids: list[str]
+    arrival: list[float]
+    hits: list
+    k: object = None
+    v: object = None
+
+
+def _salts(cache_salt, count: int) -> list[str | None]:
+    """One `cache_salt` per prompt (ValueError for a list of the wrong length or a salt that is not a string)."""
+    salts = [cache_salt] * count if cache_salt is None or isinstance(cache_salt, str) else list(cache_salt)
+    if len(salts) != count:
+        raise RequestError(f"cache_salt: {len(salts)} salts for {count} prompts")
+    for i, s in enumerate(salts):
+        if s is not None and not isinstance(s, str):
+            raise RequestError(f"prompt {i}: cache_salt must be a string, got {type(s).__name__}")
+    return salts
 
 
 def _step_options(options: StepOptions | None, fields: dict) -> StepOptions:

@@ -1,0 +1,180 @@
+"""Prefix reuse, the parts without JAX: content-addressed KV blocks, the cache identity, the host-memory tier.
+
+- **Blocks.** A prompt is cut into blocks of `block_size` tokens; block i's hash is SHA-256 of (block i−1's hash,
+  block i's token ids as int32 little-endian), block 0 chained to the **identity** (as vLLM's automatic prefix caching
+  chains its block hashes, with the cache salt in the first block). Equal hash at block i ⇔ the same identity and the
+  same first (i+1)·block_size tokens. Only whole blocks are hashed; a hit reuses at most n − 1 tokens (the last
+  token's hidden state is what the first token needs, so at least one token is always computed).
+- **Identity.** Everything that changes the KV of a token sequence: the model config's fingerprint, a digest of the
+  weight bytes (`PrefillEngine.weights_digest`), the K/V dtype, the KV layout (KV heads, head_dim, sliding window,
+  layer kinds) and the request's `cache_salt` (vLLM's name: one tenant's prefix never serves another's; the salt
+  itself is never written anywhere, only inside this hash).
+- **Host tier.** `HostTier` keeps the KV of recent prompts in host RAM (natural token order, every layer whole),
+  least-recently-used first out under a byte budget; an entry in use (`pin`) is never evicted.
+
+Block size (default `DEFAULT_BLOCK`, 128 tokens): a hit reuses whole blocks, so up to B − 1 tokens of a shared
+prefix are recomputed; B = 128 is gpt-oss's sliding window, so that waste is never more than one window of work, and
+it keeps the index small (1,024 hashes for a 128K-token prompt). Length buckets (`parallel.layout.bucket_length`)
+apply to the *suffix*, so B need not divide a bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+DEFAULT_BLOCK = 128
+HASH_HEX = 32  # hex digits kept of each SHA-256 block hash (128 bits)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReuseOptions:
+    """Prefix-reuse options that travel together (engine, launcher, HTTP endpoint).
+
+    enabled: look up and reuse cached prefixes (default True); exports are then written with every sliding-layer
+      token (`sliding_policy: "full"`), which reuse at an arbitrary block boundary needs.
+    block_size: tokens per hashed block (≥ 16; see the module docstring for the default).
+    host_bytes: byte budget of the host-memory tier (0 turns it off; default 2 GiB).
+    """
+
+    enabled: bool = True
+    block_size: int = DEFAULT_BLOCK
+    host_bytes: int = 2 << 30
+
+    def __post_init__(self):
+        if not isinstance(self.block_size, int) or self.block_size < 16:
+            raise ValueError(f"prefix block_size={self.block_size!r}: must be an integer >= 16")
+        if not isinstance(self.host_bytes, int) or self.host_bytes < 0:
+            raise ValueError(f"prefix host_bytes={self.host_bytes!r}: must be an integer >= 0")
+
+
+def identity(*, fingerprint: str, weights: str, dtype: str, kv_heads: int, head_dim: int, window: int,
+             layer_types, cache_salt: str | None = None) -> str:
+    """The cache identity (hex) of KV computed under these conditions (module docstring). `cache_salt`: None or a
+    string; two different salts (or a salt and none) never share a prefix."""
+    desc = {"fingerprint": fingerprint, "weights": weights, "dtype": dtype, "kv_heads": int(kv_heads),
+            "head_dim": int(head_dim), "window": int(window), "layer_types": list(layer_types),
+            "salt": None if cache_salt is None else hashlib.sha256(cache_salt.encode()).hexdigest()}
+    return hashlib.sha256(repr(sorted(desc.items())).encode()).hexdigest()[:HASH_HEX]
+
+
+def block_hashes(tokens, ident: str, block_size: int) -> list[str]:
+    """Chained hashes of the whole blocks of `tokens` (int ids): `[n // block_size]` hex strings."""
+    ids = np.asarray(tokens, dtype="<i4")
+    out, parent = [], bytes.fromhex(ident)
+    for i in range(ids.size // block_size):
+        h = hashlib.sha256(parent + ids[i * block_size:(i + 1) * block_size].tobytes()).digest()
+        out.append(h.hex()[:HASH_HEX])
+        parent = h[:HASH_HEX // 2]
+    return out
+
+
+def reusable_tokens(num_blocks_hit: int, n: int, block_size: int) -> int:
+    """Tokens a hit of `num_blocks_hit` leading blocks reuses for an n-token prompt: whole blocks, at most n − 1."""
+    return min(num_blocks_hit, (n - 1) // block_size) * block_size
+
+
+@dataclasses.dataclass
+class PrefixKV:
+    """The KV of a prompt's first `num_tokens` tokens, ready for a suffix step: per global layer id, K and V
+    `[num_tokens, K, H]` (natural order, post-RoPE, the engine's dtype; a sliding layer may hold only its rows from
+    `start`), and where it came from (`source`: "host" or an export path)."""
+
+    num_tokens: int
+    k: dict[int, np.ndarray]
+    v: dict[int, np.ndarray]
+    source: str
+    start: dict[int, int] = dataclasses.field(default_factory=dict)  # first row held per layer (default 0)
+
+    def rows(self, layer: int, lo: int, hi: int):
+        """K, V of positions [lo, hi) of `layer` (lo must be ≥ the layer's first held row)."""
+        s = self.start.get(layer, 0)
+        return self.k[layer][lo - s:hi - s], self.v[layer][lo - s:hi - s]
+
+
+@dataclasses.dataclass
+class HostEntry:
+    """One prompt's KV in host memory: token ids, its block hashes, per-layer K/V `[n, K, H]` (natural order)."""
+
+    key: str
+    tokens: np.ndarray
+    hashes: list[str]
+    k: dict[int, np.ndarray]
+    v: dict[int, np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(a.nbytes for a in self.k.values()) + sum(a.nbytes for a in self.v.values()))
+
+
+class HostTier:
+    """Host-memory prefix tier: LRU over entries under a byte budget; pinned entries are never evicted.
+
+    Thread-safe. `lookup(hashes)` → (entry, blocks matched) for the entry sharing the most leading blocks.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = int(max_bytes)
+        self._entries: OrderedDict[str, HostEntry] = OrderedDict()
+        self._by_hash: dict[str, str] = {}  # block hash -> key of an entry holding it
+        self._pins: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, entry: HostEntry) -> bool:
+        """Insert (or refresh) an entry, evicting least-recently-used unpinned ones to fit; False if it cannot fit."""
+        if entry.nbytes > self.max_bytes:
+            return False
+        with self._lock:
+            if entry.key in self._entries:
+                self._drop(entry.key)
+            self._entries[entry.key] = entry
+            self.nbytes += entry.nbytes
+            for h in entry.hashes:
+                self._by_hash[h] = entry.key
+            self._evict()
+            return entry.key in self._entries
+
+    def _drop(self, key: str) -> None:
+        e = self._entries.pop(key)
+        self.nbytes -= e.nbytes
+        for h in e.hashes:
+            if self._by_hash.get(h) == key:
+                del self._by_hash[h]
+
+    def _evict(self) -> None:
+        for key in list(self._entries):
+            if self.nbytes <= self.max_bytes:
+                return
+            if not self._pins.get(key):
+                self._drop(key)
+
+    def lookup(self, hashes: list[str]) -> tuple[HostEntry | None, int]:
+        """The entry sharing the longest run of leading block hashes (and how many), marked recently used."""
+        with self._lock:
+            for i in range(len(hashes), 0, -1):
+                key = self._by_hash.get(hashes[i - 1])
+                if key is not None:
+                    self._entries.move_to_end(key)
+                    return self._entries[key], i
+        return None, 0
+
+    def pin(self, key: str) -> None:
+        with self._lock:
+            self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, key: str) -> None:
+        with self._lock:
+            left = self._pins.get(key, 0) - 1
+            if left > 0:
+                self._pins[key] = left
+            else:
+                self._pins.pop(key, None)
+            self._evict()

@@ -1,0 +1,264 @@
+"""The owner of a KV directory's policy (no JAX): whether an export may be written, prefix reuse, retention.
+
+Every entry point (the engine, the launcher's intake, the HTTP endpoint) asks one `KVStore` per `--kv_dir`:
+- **exists / overwrite** (`check_new`): an existing export of an id is an error unless the store may overwrite it.
+- **reuse** (`lookup`, `load_prefix`, `record`): an in-memory index, block hash → export, rebuilt from the manifests
+  at start-up (`scan`, so reuse survives restarts) and kept current as exports are published (`record`) and as
+  other writers publish into the same directory (`refresh`: only names not seen before are read). Only manifests
+  are read for the index; an entry's tensors are read when it serves a hit, with every file's SHA-256 checked and its
+  token ids compared with the request's, so a tampered, truncated or stale entry is skipped (`ReuseRefused` names
+  why) and the request computed cold.
+- **retention** (`max_bytes`, `max_age_s`): after each publication, exports are removed least recently used first
+  while the directory holds more than `max_bytes` of export files, and exports not used for `max_age_s`; an export
+  this process holds (`hold`) is never removed. The same policy bounds P/D exports that a decode engine has consumed.
+Two writers sharing a directory never corrupt each other: exports are published atomically (`kv.format.publish`),
+the index lives in each process's memory, and a reader that finds an entry gone computes cold.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import numpy as np
+
+from slope_jax.kv import format as kvfmt
+from slope_jax.kv import prefix as prefix_lib
+
+log = logging.getLogger(__name__)
+
+
+class ReuseRefused(ValueError):
+    """A cached entry cannot serve a prefix hit; the message names the entry and the reason."""
+
+
+class KVStore:
+    """Policy of one KV directory.
+
+    Args:
+      kv_dir: the export directory (`<kv_dir>/<request_id>/`, `slope_jax.kv.format`).
+      overwrite: an existing export of a request id may be replaced (atomically); default False: it is an error.
+      max_bytes: retention budget of export files in bytes (None: unbounded).
+      max_age_s: exports unused for longer than this are removed (None: no age limit).
+    """
+
+    def __init__(self, kv_dir: str, *, overwrite: bool = False, max_bytes: int | None = None,
+                 max_age_s: float | None = None):
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"kv_dir max_bytes={max_bytes}: must be >= 0")
+        if max_age_s is not None and max_age_s <= 0:
+            raise ValueError(f"kv_dir max_age_s={max_age_s}: must be > 0")
+        self.kv_dir = kv_dir
+        self.overwrite = overwrite
+        self.max_bytes, self.max_age_s = max_bytes, max_age_s
+        self._lock = threading.RLock()
+        self._seen: dict[str, str] = {}  # request id -> version dir indexed (or "" for an unusable one)
+        self._entries: dict[str, dict] = {}  # request id -> {"hashes", "block", "bytes", "used", "version", ...}
+        self._by_hash: dict[str, str] = {}
+        self._held: dict[str, int] = {}
+        self._dir_mtime = None
+        self._warned = False
+        self.removed: list[str] = []  # ids removed by retention (for logs and tests)
+
+    # -------------------------------------------------------------------------------------------------- exists
+    def check_new(self, request_id: str) -> None:
+        """Raise `ExportExistsError` (naming the path and the way out) if `request_id` already has an export here and
+        this store may not overwrite it."""
+        kvfmt.check_target(self.kv_dir, request_id, self.overwrite)
+
+    def exists(self, request_id: str) -> bool:
+        return os.path.lexists(os.path.join(self.kv_dir, request_id))
+
+    # -------------------------------------------------------------------------------------------------- index
+    def scan(self) -> int:
+        """(Re)build the index from every export's manifest; returns the number of reusable entries."""
+        with self._lock:
+            self._seen.clear(), self._entries.clear(), self._by_hash.clear()
+            self._dir_mtime = None
+            self.refresh()
+            return len(self._entries)
+
+    def refresh(self) -> None:
+        """Index exports published since the last look (the directory's mtime changes with every publication)."""
+        try:
+            mtime = os.stat(self.kv_dir).st_mtime_ns
+        except OSError:
+            return
+        with self._lock:
+            if mtime == self._dir_mtime:
+                return
+            self._dir_mtime = mtime
+            try:
+                names = [x for x in os.listdir(self.kv_dir) if not x.startswith(".")]
+            except OSError as e:
+                self._warn(f"cannot list {self.kv_dir!r} ({e})")
+                return
+            for gone in set(self._seen) - set(names):
+                self._forget(gone)
+            for rid in names:
+                self._index(rid)
+
+    def _index(self, rid: str) -> None:
+        path = os.path.join(self.kv_dir, rid)
+        try:
+            version = os.readlink(path) if os.path.islink(path) else rid
+        except OSError:
+            return
+        if self._seen.get(rid) == version:
+            return
+        self._forget(rid)
+        self._seen[rid] = version
+        try:
+            m = kvfmt.read_manifest(path)
+        except (kvfmt.KVFormatError, OSError):
+            return  # unreadable exports are not reuse candidates (the decode side reports them)
+        pre = m.get("prefix")
+        if not isinstance(pre, dict) or not isinstance(pre.get("hashes"), list):
+            return
+        try:
+            used = os.lstat(os.path.join(self.kv_dir, version)).st_mtime
+        except OSError:
+            used = time.time()
+        self._entries[rid] = {"hashes": [str(h) for h in pre["hashes"]], "block": int(pre.get("block_size", 0)),
+                              "bytes": sum(int(c["bytes"]) for c in m["checksums"].values()), "used": used,
+                              "version": version}
+        for h in self._entries[rid]["hashes"]:
+            self._by_hash[h] = rid
+
+    def _forget(self, rid: str) -> None:
+        self._seen.pop(rid, None)
+        e = self._entries.pop(rid, None)
+        if e:
+            for h in e["hashes"]:
+                if self._by_hash.get(h) == rid:
+                    del self._by_hash[h]
+
+    def record(self, request_id: str) -> None:
+        """Index an export this process just published, then apply retention."""
+        with self._lock:
+            self._seen.pop(request_id, None)
+            self._index(request_id)
+        self.retain()
+
+    def lookup(self, hashes: list[str], block_size: int) -> tuple[str | None, int]:
+        """(request id, leading blocks matched) of the export sharing the most leading blocks of `hashes`."""
+        self.refresh()
+        with self._lock:
+            for i in range(len(hashes), 0, -1):
+                rid = self._by_hash.get(hashes[i - 1])
+                if rid is not None and self._entries[rid]["block"] == block_size:
+                    self._entries[rid]["used"] = time.time()
+                    return rid, i
+        return None, 0
+
+    def discard(self, request_id: str) -> None:
+        """Drop an entry from the index (it failed to serve a hit); the files stay for the decode side."""
+        with self._lock:
+            e = self._entries.get(request_id)
+            if e:
+                for h in e["hashes"]:
+                    if self._by_hash.get(h) == request_id:
+                        del self._by_hash[h]
+                e["hashes"] = []
+
+    # -------------------------------------------------------------------------------------------------- loading
+    def load_prefix(self, request_id: str, tokens: np.ndarray, num_tokens: int, *, cfg, dtype: str,
+                    weights: str) -> prefix_lib.PrefixKV:
+        """The KV of the first `num_tokens` of `tokens` from export `request_id`, verified: manifest vs the model
+        (`cfg` fingerprint, layer kinds, KV heads, head_dim, window), dtype, weights digest, every file's size and
+        SHA-256, and the export's own token ids vs the request's. Raises ReuseRefused naming the reason."""
+        path = os.path.join(self.kv_dir, request_id)
+        self.hold(request_id)
+        try:
+            m = kvfmt.read_manifest(path, cfg)
+            if m["dtype"] != dtype:
+                raise ReuseRefused(f"{path}: dtype {m['dtype']} (this engine computes {dtype})")
+            if m["model"].get("weights_digest") != weights:
+                raise ReuseRefused(f"{path}: model.weights_digest {m['model'].get('weights_digest')!r} is not this "
+                                   f"engine's weights ({weights})")
+            kv, ids = kvfmt.load_with_tokens(path, cfg)
+        except kvfmt.KVFormatError as e:
+            raise ReuseRefused(str(e)) from e
+        except OSError as e:
+            raise ReuseRefused(f"{path}: {e}") from e
+        finally:
+            self.release(request_id)
+        if ids is None or ids.size < num_tokens or not np.array_equal(ids[:num_tokens], tokens[:num_tokens]):
+            raise ReuseRefused(f"{path}: its token ids differ from the request's first {num_tokens} tokens")
+        start = {}
+        for layer, lk in kv.items():
+            lo = int(lk.positions[0]) if lk.positions.size else num_tokens
+            need = max(0, num_tokens - cfg.sliding_window + 1) if lk.kind == kvfmt.SLIDING else 0
+            if lo > need:
+                raise ReuseRefused(f"{path}: layer {layer} holds tokens from {lo}, a {num_tokens}-token prefix needs "
+                                   f"them from {need} (sliding_policy {m['sliding_policy']!r})")
+            start[layer] = lo
+        return prefix_lib.PrefixKV(num_tokens, {i: lk.k for i, lk in kv.items()}, {i: lk.v for i, lk in kv.items()},
+                                   source=path, start=start)
+
+    def hold(self, request_id: str) -> None:
+        """Mark an export in use by this process: retention never removes it until `release`."""
+        with self._lock:
+            self._held[request_id] = self._held.get(request_id, 0) + 1
+
+    def release(self, request_id: str) -> None:
+        with self._lock:
+            left = self._held.get(request_id, 0) - 1
+            if left > 0:
+                self._held[request_id] = left
+            else:
+                self._held.pop(request_id, None)
+
+    # -------------------------------------------------------------------------------------------------- retention
+    def retain(self, now: float | None = None) -> list[str]:
+        """Apply `max_age_s` and `max_bytes` (least recently used first; held exports are kept). Returns the ids
+        removed."""
+        if self.max_bytes is None and self.max_age_s is None:
+            return []
+        now = time.time() if now is None else now
+        self.refresh()
+        removed = []
+        with self._lock:
+            order = sorted(self._entries, key=lambda r: self._entries[r]["used"])
+            total = sum(e["bytes"] for e in self._entries.values())
+            for rid in order:
+                e = self._entries[rid]
+                old = self.max_age_s is not None and now - e["used"] > self.max_age_s
+                over = self.max_bytes is not None and total > self.max_bytes
+                if not (old or over) or self._held.get(rid):
+                    continue
+                if self._remove(rid, e["version"]):
+                    total -= e["bytes"]
+                    removed.append(rid)
+        if removed:
+            log.info("kv_dir retention: removed %d export(s) of %s (least recently used first): %s", len(removed),
+                     self.kv_dir, ", ".join(removed[:8]) + (" …" if len(removed) > 8 else ""))
+        self.removed.extend(removed)
+        return removed
+
+    def _remove(self, rid: str, version: str) -> bool:
+        """Remove export `rid` if its pointer still names `version` (another writer may have replaced it)."""
+        path = os.path.join(self.kv_dir, rid)
+        try:
+            if os.path.islink(path):
+                if os.readlink(path) != version:
+                    return False
+                os.remove(path)
+                kvfmt.remove_tree(os.path.join(self.kv_dir, version))
+            else:
+                kvfmt.remove_tree(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            self._warn(f"cannot remove {path!r} ({e})")
+            return False
+        self._forget(rid)
+        return True
+
+    def _warn(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("kv_dir %s: %s; prefix reuse from this directory is degraded (requests are computed cold)",
+                        self.kv_dir, message)

@@ -1,0 +1,202 @@
+"""Prefix reuse in the engine: find each prompt's longest cached prefix, agree on it across processes, and lay its KV
+out for a suffix step (`PrefillEngine.prefill`; the JAX-free parts are `slope_jax.kv.prefix` and `kv.store`).
+
+Lookup order for one prompt (at most n − 1 tokens, whole blocks): the host tier (this process's RAM), then the
+`kv_dir` exports (`KVStore.lookup`: manifests only; the entry's files are read and verified when it is used). An
+entry that fails verification is skipped with one log line naming the reason, dropped from the index, and the prompt
+computed cold. Under several processes, process 0 decides every prompt's hit (its index is the one consulted); every
+process then reads that export from the shared `kv_dir` and the hit stands only if every process read it.
+
+Layout of the cached rows for a step (`prefix_arrays`): `S` rows per request (the capacity, `prefix_capacity`), split
+evenly over the R·U devices of a stage in contiguous natural-order runs (device d holds positions [d·q, (d+1)·q),
+q = ⌈p / (R·U)⌉), so every device folds the same number of cached keys into the visiting queries
+(`context_parallel.prefix_attention`); unused rows carry INVALID_POS and cost no attention work (their tiles are
+skipped). Capacities are coarse (four per octave) so that a growing conversation compiles a new program rarely.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import jax
+import numpy as np
+import xxhash
+
+from slope_jax.checkpoints import digest as digest_lib
+from slope_jax.kv import prefix as prefix_lib
+from slope_jax.kv.store import KVStore, ReuseRefused
+from slope_jax.model import attention as attn_lib
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Hit:
+    """One prompt's reuse decision: its block hashes (for its own export's record) and the cached prefix (or None)."""
+
+    hashes: list[str]
+    prefix: prefix_lib.PrefixKV | None = None
+    release: object = None  # called when the step no longer needs the prefix (unpins a host-tier entry)
+
+    @property
+    def cached(self) -> int:
+        return 0 if self.prefix is None else self.prefix.num_tokens
+
+
+def checkpoint_weights_digest(path: str) -> str | None:
+    """The checkpoint files' weights digest, or None where there are no weight files to read (a converted
+    directory: the engine then digests its parameters)."""
+    try:
+        return digest_lib.weights_digest(path)
+    except FileNotFoundError:
+        return None
+
+
+def params_digest(params) -> str:
+    """XXH3-128 (hex) of every parameter's bytes as placed (leaf paths, shapes, dtypes and data). Under several
+    processes each hashes the shards it holds and the per-process digests are all-gathered and combined, so every
+    process gets the same value."""
+    h = xxhash.xxh3_128()
+    multi = jax.process_count() > 1
+    for path, a in jax.tree_util.tree_flatten_with_path(params)[0]:
+        h.update(f"{jax.tree_util.keystr(path)}:{a.shape}:{a.dtype}".encode())
+        shards = (sorted(a.addressable_shards, key=lambda s: str(s.index)) if multi and hasattr(a, "addressable_shards")
+                  else [None])
+        for sh in shards:
+            data = np.asarray(a if sh is None else sh.data)
+            h.update(np.ascontiguousarray(data).view(np.uint8).tobytes())
+    if not multi:
+        return h.hexdigest()
+    from jax.experimental import multihost_utils
+
+    every = np.asarray(multihost_utils.process_allgather(np.frombuffer(h.digest(), np.uint8)))
+    return xxhash.xxh3_128(every.tobytes()).hexdigest()
+
+
+def prefix_capacity(p: int, multiple: int = 1) -> int:
+    """Rows compiled for a p-token cached prefix: p rounded up to a quarter octave (p ≤ S < 1.25·p for p ≥ 4), then
+    to a multiple of `multiple` (the R·U devices of a stage). 0 for p = 0."""
+    if p <= 0:
+        return 0
+    step = max(1, (1 << (int(p).bit_length() - 1)) // 4)
+    s = -(-int(p) // step) * step
+    return -(-s // multiple) * multiple
+
+
+def find(engine, tokens: list[np.ndarray], salts: list[str | None], kv_dir: str | None) -> list[Hit]:
+    """Every prompt's Hit (module docstring). `salts`: each prompt's `cache_salt` (None: none)."""
+    block = engine.reuse.block_size
+    hits = [Hit(prefix_lib.block_hashes(x, engine.prefix_identity(s), block)) for x, s in zip(tokens, salts)]
+    store = engine.kv_store(kv_dir) if kv_dir is not None else None
+    if jax.process_count() == 1:
+        for x, hit in zip(tokens, hits):
+            _lookup_local(engine, x, hit, store)
+        return hits
+    return _agree(engine, tokens, hits, store)
+
+
+def _limit(hashes: list[str], n: int, block: int) -> list[str]:
+    return hashes[:prefix_lib.reusable_tokens(len(hashes), n, block) // block]
+
+
+def _lookup_local(engine, x: np.ndarray, hit: Hit, store: KVStore | None) -> None:
+    """Single process: the host tier, then the store; the longer hit wins."""
+    block = engine.reuse.block_size
+    usable = _limit(hit.hashes, x.size, block)
+    host_blocks = 0
+    tier = engine.host_tier
+    if tier is not None and usable:
+        entry, host_blocks = tier.lookup(usable)
+        p = host_blocks * block
+        if entry is not None and np.array_equal(entry.tokens[:p], x[:p]):
+            tier.pin(entry.key)
+            hit.prefix = prefix_lib.PrefixKV(p, entry.k, entry.v, source="host")
+            hit.release = lambda key=entry.key: tier.unpin(key)
+        else:
+            host_blocks = 0
+    if store is not None and usable:
+        rid, blocks = store.lookup(usable, block)
+        if rid is not None and blocks > host_blocks:
+            loaded = _load(engine, store, rid, x, blocks * block)
+            if loaded is not None:
+                if hit.release is not None:
+                    hit.release()
+                hit.prefix, hit.release = loaded, None
+
+
+def _load(engine, store: KVStore, rid: str, x: np.ndarray, p: int) -> prefix_lib.PrefixKV | None:
+    """Read and verify export `rid`'s first p tokens; None (one warning naming the reason) if it cannot serve."""
+    try:
+        return store.load_prefix(rid, x, p, cfg=engine.cfg, dtype=engine.dtype.name, weights=engine.weights_digest)
+    except ReuseRefused as e:
+        log.warning("prefix reuse: cached entry %r skipped, prompt computed cold: %s", rid, e)
+        store.discard(rid)
+        return None
+
+
+def _agree(engine, tokens, hits: list[Hit], store: KVStore | None) -> list[Hit]:
+    """Several processes: process 0 looks up, all read its choices from the shared kv_dir, all-or-nothing per hit."""
+    from jax.experimental import multihost_utils
+
+    block = engine.reuse.block_size
+    choice = []
+    if jax.process_index() == 0 and store is not None:
+        for x, hit in zip(tokens, hits):
+            usable = _limit(hit.hashes, x.size, block)
+            rid, blocks = store.lookup(usable, block) if usable else (None, 0)
+            choice.append([rid, blocks * block])
+    choice = _broadcast_json(choice) or [[None, 0]] * len(hits)
+    loaded = [None if rid is None else _load(engine, store, rid, x, p)
+              for (rid, p), x in zip(choice, tokens)]
+    ok = np.asarray([c[0] is None or lp is not None for c, lp in zip(choice, loaded)], np.int32)
+    every = np.asarray(multihost_utils.process_allgather(ok)).reshape(jax.process_count(), -1).min(axis=0)
+    for hit, lp, good in zip(hits, loaded, every):
+        hit.prefix = lp if good else None
+    return hits
+
+
+def _broadcast_json(obj):
+    """Process 0's JSON-able `obj` on every process (two broadcasts: its length, then its bytes)."""
+    from jax.experimental import multihost_utils
+
+    raw = json.dumps(obj).encode() if jax.process_index() == 0 else b""
+    n = int(multihost_utils.broadcast_one_to_all(np.asarray(len(raw), np.int64)))
+    buf = np.zeros(max(n, 1), np.uint8)
+    buf[:len(raw)] = np.frombuffer(raw, np.uint8)
+    data = np.asarray(multihost_utils.broadcast_one_to_all(buf))[:n]
+    return json.loads(bytes(data).decode()) if n else None
+
+
+def prefix_arrays(engine, hits: list[Hit], capacity: int):
+    """Host arrays of a suffix step's cached prefixes: (offsets int32 `[M]`, k, v `[M, E, S, K, H]` (E stack entries
+    of `engine.plan.flat`; the engine's dtype), positions int32 `[M, S]`), rows laid out as the module docstring
+    says (single device: one group, natural order)."""
+    cfg, flat = engine.cfg, engine.plan.flat
+    group = 1 if engine.mesh is None else engine.parallel.ring * engine.parallel.ulysses
+    m, e = len(hits), len(flat)
+    k = np.zeros((m, e, capacity, cfg.num_key_value_heads, cfg.head_dim), engine.dtype)
+    v = np.zeros_like(k)
+    pos = np.full((m, capacity), attn_lib.INVALID_POS, np.int32)
+    offsets = np.zeros((m,), np.int32)
+    per = capacity // group
+    for j, hit in enumerate(hits):
+        p = hit.cached
+        offsets[j] = p
+        q = -(-p // group)
+        for d in range(group):
+            lo, hi = d * q, min(p, (d + 1) * q)
+            if hi <= lo:
+                continue
+            rows = slice(d * per, d * per + hi - lo)
+            pos[j, rows] = np.arange(lo, hi, dtype=np.int32)
+            for entry, layer in enumerate(flat):
+                if layer >= 0:
+                    start = hit.prefix.start.get(layer, 0)
+                    a = max(lo, start)  # rows a layer does not hold (sliding, before its window) stay zero
+                    if a < hi:
+                        ks, vs = hit.prefix.rows(layer, a, hi)
+                        k[j, entry, d * per + a - lo:d * per + hi - lo] = ks
+                        v[j, entry, d * per + a - lo:d * per + hi - lo] = vs
+    return offsets, k, v, pos
