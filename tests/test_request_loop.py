@@ -377,3 +377,68 @@ def test_both_entry_points_show_the_same_help():
         assert "echo '{\"id\": \"a\", \"text\": \"Hello\"}' | slope-jax" in text
     usage = [t[:t.index("flags:")] for t in texts]
     assert usage[0] == usage[1]
+
+
+class _Flag:
+    def __init__(self, value, present=False):
+        self.value, self.present = value, present
+
+
+def _flag_values(**given):
+    """A stand-in for parsed absl flags: every launcher flag at its default, `given` ones as if on the command line
+    (the global FLAGS stay unparsed in this process)."""
+    from absl import flags
+
+    from slope_jax.serve import launch_config
+
+    names = [f.name for f in flags.FLAGS.flags_by_module_dict()[launch_config.__name__]]
+    fv = {name: _Flag(flags.FLAGS[name].default) for name in names}
+    fv.update({name: _Flag(value, True) for name, value in given.items()})
+    return fv
+
+
+def test_launch_config_is_the_flags_once_validated():
+    """`LaunchConfig.from_flags`: one field per flag with the flag's default, the fingerprint options are the flags'
+    values under the same names, and each mistake is a FlagError naming the flag and its limit."""
+    from slope_jax.model.options import StepOptions
+    from slope_jax.serve.launch_config import STEP_FLAGS, FlagError, LaunchConfig
+
+    config = LaunchConfig.from_flags(_flag_values())
+    assert config == LaunchConfig()  # the dataclass defaults are the flags' defaults
+    fv = _flag_values(ring=2, ulysses=4, q_tile=32, expected_lengths=["64", "128"], kv_dir="kv", layout="auto",
+                      ttft_slo_ms=500.0)
+    config = LaunchConfig.from_flags(fv)
+    options = config.fingerprint_options()
+    assert list(options) == [*STEP_FLAGS, "kv_export"] and options["kv_export"] is True
+    assert all(options[name] == fv[name].value for name in STEP_FLAGS), options
+    assert config.step_options == StepOptions(q_tile=32) and config.expected_length_values == [64, 128]
+    assert config.kv_store().kv_dir == "kv" and LaunchConfig().kv_store() is None
+    for given, message in [({"batch_size": 0}, "--batch_size=0: must be > 0"),
+                           ({"q_tile": 0}, "--q_tile=0: must be a positive integer"),
+                           ({"device_memory_gib": -1.0}, "--device_memory_gib=-1.0: must be > 0"),
+                           ({"layout": "auto"}, "--layout=auto needs --ttft_slo_ms"),
+                           ({"precompile": ["12", "x"]}, "--precompile: 'x' is not a positive prompt length"),
+                           ({"process_id": 2}, "--process_id=2: must be in 0..0"),
+                           ({"http_port": 8100}, "--http_port needs --kv_dir")]:
+        with pytest.raises(FlagError, match=message.replace("(", r"\(").replace(".", r"\.")):
+            LaunchConfig.from_flags(_flag_values(**given))
+
+
+def test_memory_admission_predicts_without_compiling():
+    """The intake's memory check is the planner's prediction per bucket (memoised), never a compile; the refusal
+    names the tokens, the predicted GiB and the budget."""
+    from slope_jax.serve.admission import MemoryAdmission
+
+    calls = []
+
+    def predict_bytes(t, m):
+        calls.append((t, m))
+        return t * 2**20  # 1 MiB per padded token
+
+    adm = MemoryAdmission(predict_bytes, lambda n: 32 * -(-n // 32), 2, budget_bytes=64 * 2**20)
+    assert adm.refusal(40) is None and adm.refusal(60) is None  # bucket 64: 64 MiB fits
+    reason = adm.refusal(65)
+    assert reason.startswith("65 tokens (bucket 96) need a predicted 0.094 GiB per device"), reason
+    assert "over the budget of 0.062 GiB (--device_memory_gib)" in reason
+    assert calls == [(64, 2), (96, 2)]  # one prediction per bucket
+    assert MemoryAdmission(predict_bytes, lambda n: n, 1, budget_bytes=None).refusal(10**9) is None
