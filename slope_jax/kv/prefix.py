@@ -37,7 +37,7 @@ class ReuseOptions:
 
     enabled: look up and reuse cached prefixes (default True); exports are then written with every sliding-layer
       token (`sliding_policy: "full"`), which reuse at an arbitrary block boundary needs.
-    block_size: tokens per hashed block (≥ 16; see the module docstring for the default).
+    block_size: tokens per hashed block (≥ 1; see the module docstring for the default).
     host_bytes: byte budget of the host-memory tier (0 turns it off; default 2 GiB).
     """
 
@@ -46,8 +46,8 @@ class ReuseOptions:
     host_bytes: int = 2 << 30
 
     def __post_init__(self):
-        if not isinstance(self.block_size, int) or self.block_size < 16:
-            raise ValueError(f"prefix block_size={self.block_size!r}: must be an integer >= 16")
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
+            raise ValueError(f"prefix block_size={self.block_size!r}: must be an integer >= 1")
         if not isinstance(self.host_bytes, int) or self.host_bytes < 0:
             raise ValueError(f"prefix host_bytes={self.host_bytes!r}: must be an integer >= 0")
 

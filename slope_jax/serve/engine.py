@@ -440,7 +440,11 @@ class PrefillEngine:
         """(bucket of the tokens the step computes, rows compiled for the cached prefix) of an n-token prompt of
         which `cached` tokens come from the prefix cache."""
         group = 1 if self.mesh is None else self.parallel.ring * self.parallel.ulysses
-        return self.bucket(n - cached), reuse.prefix_capacity(cached, group)
+        if not cached:
+            return self.bucket(n), 0
+        # a hit's new tokens get coarse buckets (a quarter octave, like the cached rows): the turns of a growing
+        # conversation then share compiled programs instead of compiling one per new length
+        return reuse.suffix_bucket(n - cached, self.parallel.token_multiple), reuse.prefix_capacity(cached, group)
 
     def _check_ids(self, ids, count: int, kv_dir: str | None, overwrite: bool) -> list[str]:
         ids = [str(i) for i in range(count)] if ids is None else [str(x) for x in ids]

@@ -85,6 +85,12 @@ def prefix_capacity(p: int, multiple: int = 1) -> int:
     return -(-s // multiple) * multiple
 
 
+def suffix_bucket(s: int, multiple: int = 1) -> int:
+    """Padded length of the s new tokens of a prefix hit: a quarter octave (at least 16 rows), then a multiple of the
+    layout's token multiple (`ParallelConfig.token_multiple`)."""
+    return prefix_capacity(max(int(s), 16), multiple)
+
+
 def find(engine, tokens: list[np.ndarray], salts: list[str | None], kv_dir: str | None) -> list[Hit]:
     """Every prompt's Hit (module docstring). `salts`: each prompt's `cache_salt` (None: none)."""
     block = engine.reuse.block_size

@@ -1,0 +1,236 @@
+"""Prefix reuse (issue 30): a prompt served from a cached prefix gives the cold prompt's first token, logits and KV
+(float32, every layout family), its export is whole, and a cache entry is never used for other weights, another
+cache_salt, a tampered, truncated or stale export; retention never removes an export in use.
+
+Blocks of 8 tokens against config A's window of 10: cached prefixes end before, inside and after the first window,
+and hits range from one block to n−1 tokens.
+"""
+
+import json
+import logging
+import os
+import threading
+
+import numpy as np
+import pytest
+from support import CONFIG_A, TILES, random_prompt
+
+from slope_jax import kv
+from slope_jax.kv import prefix as prefix_lib
+from slope_jax.kv.store import KVStore
+from slope_jax.parallel.config import ParallelConfig
+from slope_jax.serve.engine import PrefillEngine
+
+BLOCK = 8
+TOL = 2e-5  # float32 logits / K / V of a hit vs the cold prompt (measured max 1.0e-6 on every layout)
+BASE = random_prompt(CONFIG_A, 96, seed=5)
+
+
+def _engine(checkpoints, parallel=ParallelConfig(), **reuse):
+    devices = None
+    if parallel.num_devices > 1:
+        import jax
+
+        devices = jax.devices()[:parallel.num_devices]
+    return PrefillEngine.from_checkpoint(checkpoints["A"]["mxfp4"], parallel, dtype="float32", progress=False,
+                                         devices=devices, reuse=prefix_lib.ReuseOptions(block_size=BLOCK, **reuse),
+                                         **TILES)
+
+
+def _prompt(n: int, tail_seed: int = 0) -> np.ndarray:
+    """The first min(n, 40) tokens of BASE (what the warm-up cached), then other tokens."""
+    head = BASE[:min(n, 40)]
+    return np.concatenate([head, random_prompt(CONFIG_A, n - head.size, seed=900 + tail_seed)]).astype(np.int32)
+
+
+def _check(cold, hot, prompt, want_cached, tmp_path=None):
+    want = cold.prefill([prompt], return_kv=True, prefix_reuse=False)[0]
+    got = hot.prefill([prompt], return_kv=True)[0]
+    assert got.cached_tokens == want_cached
+    assert got.first_token == want.first_token
+    assert np.abs(got.logits - want.logits).max() < TOL
+    assert sorted(got.kv) == sorted(want.kv)
+    for layer in want.kv:
+        np.testing.assert_array_equal(got.kv[layer].positions, want.kv[layer].positions)
+        assert np.abs(got.kv[layer].k - want.kv[layer].k).max() < TOL
+        assert np.abs(got.kv[layer].v - want.kv[layer].v).max() < TOL
+
+
+# (n, cached): one block + 1 new token; n−1 cached; a hit shorter than n−1; a split inside the first window
+# (8 < W = 10); 30 new tokens (more than a window) after 40 cached
+SWEEP = [(9, 8), (17, 16), (24, 16), (12, 8), (41, 40), (70, 40)]
+
+
+def test_hit_equals_cold_on_one_device(checkpoints, reference_engines):
+    hot = _engine(checkpoints)
+    hot.prefill([BASE[:40]])  # cached: 5 blocks
+    for n, cached in SWEEP:
+        _check(reference_engines["A"], hot, _prompt(n, n), cached)
+
+
+@pytest.mark.parametrize("parallel", [
+    ParallelConfig(ring=2, ulysses=4),  # Ulysses x zigzag ring
+    ParallelConfig(pipeline=2, ring=2, ulysses=2),  # pipeline stages
+    ParallelConfig(pipeline=2, ring=2, seq_chunks=2),  # sequence-pipelined chunks
+    ParallelConfig(ring=3, ulysses=2, expert=6),  # expert parallelism over the CP devices
+], ids=["cp-1x2x4", "pp-2x2x2", "chunks-2x2x1-c2", "ep-1x3x2"])
+def test_hit_equals_cold_on_every_layout_family(checkpoints, reference_engines, parallel):
+    hot = _engine(checkpoints, parallel)
+    hot.prefill([BASE[:40]])
+    for n, cached in ((41, 40), (70, 40)):
+        _check(reference_engines["A"], hot, _prompt(n, n), cached)
+
+
+def test_export_of_a_hit_is_whole_and_reuse_survives_a_restart(checkpoints, reference_engines, tmp_path):
+    d = str(tmp_path / "kv")
+    first = _engine(checkpoints, host_bytes=0)
+    first.prefill([BASE[:40]], d, ids=["doc"])
+    restarted = _engine(checkpoints, host_bytes=0)  # a new engine: the index comes from the manifests on disk
+    prompt = _prompt(57, 1)
+    res = restarted.prefill([prompt], d, ids=["turn"])[0]
+    assert res.cached_tokens == 40
+    cold = reference_engines["A"].prefill([prompt], str(tmp_path / "cold"), ids=["turn"], prefix_reuse=False,
+                                          kv_full=True)[0]
+    a, b = kv.load(res.kv_path), kv.load(cold.kv_path)
+    for layer in b:
+        np.testing.assert_array_equal(a[layer].positions, np.arange(len(prompt)))
+        assert np.abs(a[layer].k - b[layer].k).max() < TOL and np.abs(a[layer].v - b[layer].v).max() < TOL
+    m = kv.read_manifest(res.kv_path)
+    assert m["model"]["weights_digest"] == restarted.weights_digest
+    assert len(m["prefix"]["hashes"]) == len(prompt) // BLOCK
+
+
+def test_other_weights_and_other_salts_never_share(checkpoints, tmp_path):
+    import jax
+
+    d = str(tmp_path / "kv")
+    a = _engine(checkpoints)
+    a.prefill([BASE[:40]], d, ids=["doc"], cache_salt="tenant-1")
+    assert a.prefill([_prompt(50)], cache_salt="tenant-2")[0].cached_tokens == 0
+    assert a.prefill([_prompt(50)])[0].cached_tokens == 0  # no salt is another tenant too
+    assert a.prefill([_prompt(50)], cache_salt="tenant-1")[0].cached_tokens == 40
+    # same config, other weight bytes: the identity differs, so neither tier nor kv_dir serves it
+    perturbed = jax.tree.map(lambda x: x, a.params)
+    perturbed["final_norm"] = perturbed["final_norm"] * 1.001
+    b = PrefillEngine(CONFIG_A, perturbed, dtype="float32", reuse=prefix_lib.ReuseOptions(block_size=BLOCK), **TILES)
+    assert b.weights_digest != a.weights_digest
+    assert b.prefill([_prompt(50)], d, ids=["x"], cache_salt="tenant-1")[0].cached_tokens == 0
+    # even an entry whose hashes match is refused by its manifest's weights digest
+    with pytest.raises(Exception, match="weights_digest"):
+        b.kv_store(d).load_prefix("doc", _prompt(50), 40, cfg=CONFIG_A, dtype="float32", weights=b.weights_digest)
+
+
+def _flip_last_byte(path):
+    m = kv.read_manifest(path)
+    f = os.path.join(os.path.realpath(path), m["files"][0])
+    data = bytearray(open(f, "rb").read())
+    data[-1] ^= 1
+    open(f, "wb").write(bytes(data))
+
+
+def _truncate(path):
+    m = kv.read_manifest(path)
+    f = os.path.join(os.path.realpath(path), m["files"][0])
+    os.truncate(f, os.path.getsize(f) // 2)
+
+
+def _edit_manifest(**fields):
+    def edit(path):
+        mpath = os.path.join(os.path.realpath(path), "manifest.json")
+        m = json.load(open(mpath))
+        for key, value in fields.items():
+            target = m
+            *parents, leaf = key.split(".")
+            for p in parents:
+                target = target[p]
+            target[leaf] = value
+        json.dump(m, open(mpath, "w"))
+    return edit
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (_flip_last_byte, "SHA-256"),  # tampered bytes
+    (_truncate, "bytes"),  # truncated file
+    (_edit_manifest(**{"model.fingerprint": "0" * 16}), "fingerprint"),  # another model's export
+    (_edit_manifest(dtype="bfloat16"), "dtype"),  # computed in another dtype
+    (_edit_manifest(**{"model.sliding_window": 11}), "sliding_window"),  # another window
+    (_edit_manifest(**{"model.num_key_value_heads": 2}), "num_key_value_heads"),  # another KV layout
+], ids=["tampered", "truncated", "fingerprint", "dtype", "window", "kv_heads"])
+def test_a_bad_entry_is_skipped_with_its_reason_and_the_prompt_computed_cold(checkpoints, reference_engines,
+                                                                             tmp_path, caplog, damage, reason):
+    d = str(tmp_path / "kv")
+    _engine(checkpoints, host_bytes=0).prefill([BASE[:40]], d, ids=["doc"])
+    damage(os.path.join(d, "doc"))
+    fresh = _engine(checkpoints, host_bytes=0)
+    prompt = _prompt(50)
+    with caplog.at_level(logging.WARNING, logger="slope_jax.serve.reuse"):
+        res = fresh.prefill([prompt], return_kv=True, kv_dir=d, ids=["q"])[0]
+    assert res.cached_tokens == 0
+    lines = [r.getMessage() for r in caplog.records if "prefix reuse" in r.getMessage()]
+    assert len(lines) == 1 and reason in lines[0] and "'doc'" in lines[0], lines
+    want = reference_engines["A"].prefill([prompt], prefix_reuse=False)[0]
+    assert res.first_token == want.first_token and np.abs(res.logits - want.logits).max() < TOL
+    # skipped once: the entry left the index, the next prompt neither warns nor hits
+    caplog.clear()
+    assert fresh.prefill([_prompt(60)], kv_dir=d, ids=["q2"])[0].cached_tokens in (0, 48)  # q's own export may serve
+    assert not [r for r in caplog.records if "prefix reuse" in r.getMessage()]
+
+
+def test_host_tier_is_lru_within_its_budget_and_never_evicts_an_entry_in_use():
+    def entry(key, nbytes):
+        k = {0: np.zeros((nbytes // 8,), np.float32)}
+        return prefix_lib.HostEntry(key, np.arange(4), [f"{key}-h"], k, k)
+
+    tier = prefix_lib.HostTier(max_bytes=2500)
+    assert tier.add(entry("a", 1000)) and tier.add(entry("b", 1000))
+    tier.lookup(["a-h"])  # a is now the most recently used
+    tier.pin("b")
+    assert tier.add(entry("c", 1000))  # over budget: b is pinned, so a goes though it was used last
+    assert tier.lookup(["a-h"])[0] is None and tier.lookup(["b-h"])[1] == 1 and tier.nbytes <= 2500
+    tier.unpin("b")
+    assert not tier.add(entry("huge", 4000))  # larger than the whole budget: not cached
+
+
+def test_retention_removes_least_recently_used_exports_but_not_one_in_use(checkpoints, tmp_path):
+    d = str(tmp_path / "kv")
+    eng = _engine(checkpoints, host_bytes=0)
+    for i in range(4):
+        eng.prefill([random_prompt(CONFIG_A, 30, seed=40 + i)], d, ids=[f"r{i}"])
+    sizes = {r: sum(c["bytes"] for c in kv.read_manifest(os.path.join(d, r))["checksums"].values())
+             for r in ("r0", "r1", "r2", "r3")}
+    store = KVStore(d, max_bytes=sizes["r0"] + sizes["r2"] + sizes["r3"])  # room for three of the four
+    assert store.scan() == 4
+    store.hold("r0")  # in use: kept even though it is the least recently used
+    removed = store.retain()
+    assert removed == ["r1"] and os.path.exists(os.path.join(d, "r0"))
+    # concurrent readers while the store evicts: every read sees a whole export or none
+    store.release("r0")
+    errors = []
+
+    def read():
+        for _ in range(20):
+            for r in ("r0", "r2", "r3"):
+                try:
+                    kv.load(os.path.join(d, r))
+                except kv.KVFormatError:
+                    pass  # removed meanwhile: a miss, never a half-read export
+                except Exception as e:  # noqa: BLE001 - anything else is a fault
+                    errors.append(e)
+
+    t = threading.Thread(target=read)
+    t.start()
+    store.max_bytes = 0
+    store.retain()
+    t.join()
+    assert not errors and not [x for x in os.listdir(d) if not x.startswith(".")]
+
+
+def test_two_engines_sharing_a_kv_dir_see_each_others_exports(checkpoints, tmp_path):
+    d = str(tmp_path / "kv")
+    a, b = _engine(checkpoints, host_bytes=0), _engine(checkpoints, host_bytes=0)
+    a.kv_store(d), b.kv_store(d)  # both indexes built before either exports
+    a.prefill([BASE[:40]], d, ids=["from-a"])
+    res = b.prefill([_prompt(45)], d, ids=["from-b"])[0]
+    assert res.cached_tokens == 40  # b found a's export by refreshing its index
+    for rid in ("from-a", "from-b"):
+        kv.load(os.path.join(d, rid))  # both whole and verified
