@@ -234,3 +234,60 @@ def test_two_engines_sharing_a_kv_dir_see_each_others_exports(checkpoints, tmp_p
     assert res.cached_tokens == 40  # b found a's export by refreshing its index
     for rid in ("from-a", "from-b"):
         kv.load(os.path.join(d, rid))  # both whole and verified
+
+
+# Two processes x 4 CPU devices (ring 2 x Ulysses 4), as launch/local.sh runs them: process 0 picks the hit from the
+# shared kv_dir, both read it, the suffix step runs over both processes, and the export is whole.
+TWO_PROCESS_WORKER = r"""
+import json, os, sys
+import numpy as np
+import jax
+num, pid, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+jax.distributed.initialize(f"127.0.0.1:{port}", num, pid, initialization_timeout=300)
+from slope_jax.kv.prefix import ReuseOptions
+from slope_jax.parallel.config import ParallelConfig
+from slope_jax.serve.engine import PrefillEngine
+spec = json.load(open(os.path.join(out, "spec.json")))
+eng = PrefillEngine.from_checkpoint(spec["checkpoint"], ParallelConfig(ring=2, ulysses=4), dtype="float32",
+                                    progress=False, reuse=ReuseOptions(block_size=16), q_tile=32, kv_tile=32,
+                                    moe_tile=32)
+kv_dir = os.path.join(out, "kv")
+eng.prefill([np.asarray(spec["doc"], np.int32)], kv_dir, ids=["doc"])
+res = eng.prefill([np.asarray(spec["prompt"], np.int32)], kv_dir, ids=["turn"])[0]
+if pid == 0:
+    np.save(os.path.join(out, "logits.npy"), res.logits)
+    json.dump({"cached_tokens": res.cached_tokens, "first_token": res.first_token},
+              open(os.path.join(out, "result.json"), "w"))
+"""
+
+
+def test_hit_equals_cold_over_two_processes(tmp_path):
+    import subprocess
+    import sys
+
+    from support import REPO, SHIPPED, free_port
+
+    from slope_jax import xla_env
+
+    doc = random_prompt(CONFIG_A, 70, seed=11).tolist()  # the shipped checkpoint's vocabulary is larger than A's
+    prompt = doc[:64] + random_prompt(CONFIG_A, 37, seed=12).tolist()
+    (tmp_path / "spec.json").write_text(json.dumps({"checkpoint": SHIPPED, "doc": doc, "prompt": prompt}))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(XLA_FLAGS=xla_env.xla_flags("", cpu_devices=4), JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    port = free_port()
+    procs = [(i, subprocess.Popen([sys.executable, "-c", TWO_PROCESS_WORKER, "2", str(i), str(port), str(tmp_path)],
+                                  cwd=REPO, env=env, stdout=open(tmp_path / f"p{i}.log", "w"),
+                                  stderr=subprocess.STDOUT)) for i in (1, 0)]
+    for i, p in procs:
+        p.wait(timeout=900)
+        assert p.returncode == 0, (tmp_path / f"p{i}.log").read_text()[-3000:]
+    got = json.loads((tmp_path / "result.json").read_text())
+    assert got["cached_tokens"] == 64
+    cold = PrefillEngine.from_checkpoint(SHIPPED, dtype="float32", progress=False, q_tile=32, kv_tile=32,
+                                         moe_tile=32).prefill([prompt], prefix_reuse=False, return_kv=True)[0]
+    assert got["first_token"] == cold.first_token
+    assert np.abs(np.load(tmp_path / "logits.npy") - cold.logits).max() < TOL
+    export = kv.load(str(tmp_path / "kv" / "turn"))
+    for layer, lk in export.items():
+        np.testing.assert_array_equal(lk.positions, np.arange(len(prompt)))
+        assert np.abs(lk.k - cold.kv[layer].k).max() < TOL and np.abs(lk.v - cold.kv[layer].v).max() < TOL
