@@ -16,12 +16,13 @@ Notable:
   and refuse to start naming the tensor and the processes (`host.disagreements`). No extra read, no sampling.
 - Expert weights: MXFP4 `_blocks`/`_scales` (released layout, kept packed), or unquantized HF `gate_up_proj
   [E, D, 2I]` / `down_proj [E, I, D]` (transposed to our (out, in) orientation — a square down_proj cannot be
-  recognised from its shape, spec §3.1, so the layout is decided by the tensor names).
+  recognised from its shape, docs/model.md §3.1, so the layout is decided by the tensor names).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -374,55 +375,72 @@ def load_params(ckpt: CheckpointDir, dtype="bfloat16", *, shardings: dict | None
     # leave=True and a bar refreshed on every tensor: it moves even when each tensor takes long, and stays
     for pname, spec in tqdm(specs.items(), desc="loading weights", unit="tensor", disable=not progress,
                             leave=True, miniters=1, mininterval=0):
-        entries = by_param[pname]
-        sharding = flat_shard.get(pname, default)
-
-        def read_one(entry: TensorEntry, rows: tuple[int, int] | None = None,
-                     experts: tuple[int, int] | None = None) -> np.ndarray:
-            h = _HashedHandle(ckpt.source.handle(entry.name), reads)  # every byte hashed as it is read
-            if experts is not None:  # only these experts (leading axis) of a per-layer expert tensor
-                return entry.read(h, entry.name, experts=experts)
-            return h.get_slice(entry.name)[rows[0]:rows[1]] if rows else entry.read(h, entry.name)
-
-        def shard(index, entries=entries, spec=spec, read_one=read_one, pname=pname) -> np.ndarray:
-            # The block is allocated once in the target dtype and filled piece by piece (assignment converts the
-            # dtype): host memory peaks at the block plus one layer tensor or one chunk of table rows.
-            first = index[0] if index else slice(None)
-            lo, hi, _ = first.indices(spec.shape[0])
-            if pname.startswith("layers/") and len(spec.axes) > 1 and spec.axes[1] == "experts":
-                # expert parallelism: a device holds a range of experts; read only those rows of each layer tensor
-                e_lo, e_hi, _ = (index[1] if len(index) > 1 else slice(None)).indices(spec.shape[1])
-                part = (e_lo, e_hi) if (e_lo, e_hi) != (0, spec.shape[1]) else None
-                block = host_lib.aligned_zeros((hi - lo, e_hi - e_lo, *spec.shape[2:]), spec.dtype)
-                for j, g in enumerate(stack[lo:hi]):
-                    if g >= 0:
-                        block[j] = read_one(entries[g], experts=part) if part else read_one(entries[g])
-                return block[(slice(None), slice(None), *index[2:])]
-            block = host_lib.aligned_zeros((hi - lo, *spec.shape[1:]), spec.dtype)
-            if pname.startswith("layers/"):
-                for j, g in enumerate(stack[lo:hi]):
-                    if g >= 0:
-                        block[j] = read_one(entries[g])
-            elif spec.axes[0] == "vocab" and entries[None].plain:  # row range of the table; rows past V: padding
-                stop = min(hi, cfg.vocab_size)
-                step = max(1, _CHUNK_BYTES // max(1, int(np.prod(spec.shape[1:])) * spec.dtype.itemsize))
-                for a in range(lo, stop, step):
-                    b = min(stop, a + step)
-                    block[a - lo:b - lo] = read_one(entries[None], rows=(a, b))
-            elif spec.axes[0] == "vocab":  # a transformed table: read whole, keep this block's rows
-                stop = min(hi, cfg.vocab_size)
-                block[:stop - lo] = read_one(entries[None])[lo:stop]
-            else:
-                block[...] = read_one(entries[None])
-            return block[(slice(None), *index[1:])]
-
+        read = functools.partial(_read_entry, ckpt.source, reads)
+        shard = functools.partial(_read_shard, read=read, entries=by_param[pname], spec=spec, pname=pname,
+                                  stack=stack, vocab_size=cfg.vocab_size)
         # replicas of a shard (ring/ulysses devices of a stage) share one read and one aligned host block
-        out[pname] = host_lib.place(spec.shape, sharding, shard)
+        out[pname] = host_lib.place(spec.shape, flat_shard.get(pname, default), shard)
         log.debug("loaded %s %s %s", pname, spec.shape, spec.dtype)
     log.info("read %.1f MiB of %s in %.1f s; hashing it took %.2f s", reads.nbytes / 2**20, ckpt.path,
              time.perf_counter() - t_load, reads.seconds)
     check_agreement(reads, ckpt.path)
     return _unflatten(out)
+
+
+def _read_entry(source: TensorSource, reads: digest_lib.ReadDigests, entry: TensorEntry,
+                rows: tuple[int, int] | None = None, experts: tuple[int, int] | None = None) -> np.ndarray:
+    """One checkpoint tensor as the parameter takes it (`entry.read`: transposed / decoded as the layout needs), or
+    only its rows `[rows[0], rows[1])` of a plain (untransformed) tensor, or only the experts `[experts[0],
+    experts[1])` (leading axis) of a per-layer expert tensor. Every byte read is hashed into `reads`."""
+    h = _HashedHandle(source.handle(entry.name), reads)  # every byte hashed as it is read
+    if experts is not None:  # only these experts (leading axis) of a per-layer expert tensor
+        return entry.read(h, entry.name, experts=experts)
+    return h.get_slice(entry.name)[rows[0]:rows[1]] if rows else entry.read(h, entry.name)
+
+
+def _read_shard(index: tuple, *, read: Callable, entries: dict, spec: model_lib.ParamSpec, pname: str,
+                stack: list[int], vocab_size: int) -> np.ndarray:
+    """The host block of one device shard of parameter `pname` (`index`: its slices of `spec.shape`), read from the
+    checkpoint tensors `entries` (by layer; `None` for a non-layer parameter) with `read` (`_read_entry`).
+
+    The block is allocated once in the target dtype and filled piece by piece (assignment converts the dtype): host
+    memory peaks at the block plus one layer tensor or one chunk of table rows. Stacked layers come in `stack` order
+    (−1: padding, zeros); vocabulary rows past `vocab_size` are zero padding.
+    """
+    first = index[0] if index else slice(None)
+    lo, hi, _ = first.indices(spec.shape[0])
+    if pname.startswith("layers/") and len(spec.axes) > 1 and spec.axes[1] == "experts":
+        return _read_expert_shard(index, lo, hi, read=read, entries=entries, spec=spec, stack=stack)
+    block = host_lib.aligned_zeros((hi - lo, *spec.shape[1:]), spec.dtype)
+    if pname.startswith("layers/"):
+        for j, g in enumerate(stack[lo:hi]):
+            if g >= 0:
+                block[j] = read(entries[g])
+    elif spec.axes[0] == "vocab" and entries[None].plain:  # row range of the table; rows past V: padding
+        stop = min(hi, vocab_size)
+        step = max(1, _CHUNK_BYTES // max(1, int(np.prod(spec.shape[1:])) * spec.dtype.itemsize))
+        for a in range(lo, stop, step):
+            b = min(stop, a + step)
+            block[a - lo:b - lo] = read(entries[None], rows=(a, b))
+    elif spec.axes[0] == "vocab":  # a transformed table: read whole, keep this block's rows
+        stop = min(hi, vocab_size)
+        block[:stop - lo] = read(entries[None])[lo:stop]
+    else:
+        block[...] = read(entries[None])
+    return block[(slice(None), *index[1:])]
+
+
+def _read_expert_shard(index: tuple, lo: int, hi: int, *, read: Callable, entries: dict,
+                       spec: model_lib.ParamSpec, stack: list[int]) -> np.ndarray:
+    """`_read_shard` of a per-layer expert parameter (`[layers, experts, ...]`), stack rows `[lo, hi)`: under expert
+    parallelism a device holds a range of experts, and only those rows of each layer tensor are read."""
+    e_lo, e_hi, _ = (index[1] if len(index) > 1 else slice(None)).indices(spec.shape[1])
+    part = (e_lo, e_hi) if (e_lo, e_hi) != (0, spec.shape[1]) else None
+    block = host_lib.aligned_zeros((hi - lo, e_hi - e_lo, *spec.shape[2:]), spec.dtype)
+    for j, g in enumerate(stack[lo:hi]):
+        if g >= 0:
+            block[j] = read(entries[g], experts=part) if part else read(entries[g])
+    return block[(slice(None), slice(None), *index[2:])]
 
 
 def load_checkpoint(path: str | os.PathLike, dtype="bfloat16", *, layout: str = "auto",

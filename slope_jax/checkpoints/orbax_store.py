@@ -111,6 +111,11 @@ def _per_layer(name: str, spec: model_lib.ParamSpec) -> bool:
     return bool(spec.axes) and spec.axes[0] == "layers"
 
 
+def _is_table(spec: model_lib.ParamSpec) -> bool:
+    """Whether the first axis is vocabulary rows (stored rows may differ from the layout's padded count)."""
+    return bool(spec.axes) and spec.axes[0] == "vocab"
+
+
 def _stage_of(plan: stages.StagePlan) -> dict[int, tuple[int, int]]:
     """Global layer → (stage, index in the stage's stack)."""
     return {int(g): (p, j) for p in range(plan.pipeline) for j, g in enumerate(plan.stack_layers[p]) if g >= 0}
@@ -312,53 +317,15 @@ def _restore_family(reader: _StoreReader, name: str, spec: model_lib.ParamSpec, 
     rows stay zero); the vocabulary rows of a table beyond the stored ones are zeros (padding to the layout's
     multiple of P), stored rows beyond the target's are not read.
     """
-    import tensorstore as ts
-
     sharding = NamedSharding(pl.mesh, pl.pspecs[name])
     shards = host_lib.local_shards(spec.shape, sharding)
-    per_layer = _per_layer(name, spec)
     flat = [int(g) for g in pl.plan.flat]
-    if per_layer:
-        layers = sorted({flat[r] for key in shards for r in range(*key[0]) if flat[r] >= 0})
-        opened = reader.open([f"{name}/{g}" for g in layers])
-        stores = {g: opened[f"{name}/{g}"] for g in layers}
-        for g, s in stores.items():
-            if tuple(s.shape) != tuple(spec.shape[1:]):
-                raise CheckpointError(f"{reader.directory}: {name} layer {g} has shape {list(s.shape)}, declared "
-                                      f"{list(spec.shape[1:])}")
-    vocab = bool(spec.axes) and spec.axes[0] == "vocab"
-    if not per_layer:
-        stores = reader.open([name])
-        s = stores[name]
-        if tuple(s.shape[vocab:]) != tuple(spec.shape[vocab:]):
-            raise CheckpointError(f"{reader.directory}: {name} has shape {list(s.shape)}, declared {list(spec.shape)}")
-
-    def source(store):
-        return store if store.dtype.numpy_dtype == spec.dtype else ts.cast(store, spec.dtype)
-
+    stores = _open_family(reader, name, spec, shards, flat)
     blocks, writes, nbytes = {}, [], 0
     filled = []  # (label of the stored slice, the host view it was read into)
     for key, index in shards.items():
         block = host_lib.aligned_zeros(tuple(b - a for a, b in key), spec.dtype)
-        dst = ts.array(block, copy=False, write=True)
-        lo, hi = key[0]
-        if per_layer:
-            for r in range(lo, hi):
-                if flat[r] >= 0:
-                    writes.append(dst[r - lo].write(source(stores[flat[r]])[index[1:]]))
-                    nbytes += block[r - lo].nbytes
-                    filled.append((digest.slice_label(f"{name}/{flat[r]}", index[1:], spec.shape[1:]), block[r - lo]))
-        elif not vocab:
-            writes.append(dst.write(source(stores[name])[index]))
-            nbytes += block.nbytes
-            filled.append((digest.slice_label(name, index, spec.shape), block))
-        else:
-            rows = min(hi, stores[name].shape[0]) - lo
-            if rows > 0:
-                src = (slice(lo, lo + rows), *index[1:])
-                writes.append(dst[:rows].write(source(stores[name])[src]))
-                nbytes += block[:rows].nbytes
-                filled.append((digest.slice_label(name, src, stores[name].shape), block[:rows]))
+        nbytes += _start_shard_reads(block, key, index, name, spec, stores, flat, writes, filled)
         blocks[key] = block
     for w, (label, view) in zip(writes, filled):  # one filled view per write
         w.result()
@@ -368,6 +335,60 @@ def _restore_family(reader: _StoreReader, name: str, spec: model_lib.ParamSpec, 
         except digest.ContentChangedError as e:
             raise CheckpointError(f"{reader.directory}: {e}") from e
     return host_lib.place(spec.shape, sharding, blocks), nbytes
+
+
+def _open_family(reader: _StoreReader, name: str, spec: model_lib.ParamSpec, shards: dict, flat: list[int]) -> dict:
+    """The stored arrays one family's local shards read, opened: `{layer: TensorStore}` for a per-layer family (only
+    the layers those shards' stack rows hold), else `{name: TensorStore}`. Raises CheckpointError when a stored shape
+    differs from the declared one (a table may hold a different number of vocabulary rows)."""
+    if _per_layer(name, spec):
+        layers = sorted({flat[r] for key in shards for r in range(*key[0]) if flat[r] >= 0})
+        opened = reader.open([f"{name}/{g}" for g in layers])
+        stores = {g: opened[f"{name}/{g}"] for g in layers}
+        for g, s in stores.items():
+            if tuple(s.shape) != tuple(spec.shape[1:]):
+                raise CheckpointError(f"{reader.directory}: {name} layer {g} has shape {list(s.shape)}, declared "
+                                      f"{list(spec.shape[1:])}")
+        return stores
+    vocab = _is_table(spec)
+    stores = reader.open([name])
+    s = stores[name]
+    if tuple(s.shape[vocab:]) != tuple(spec.shape[vocab:]):
+        raise CheckpointError(f"{reader.directory}: {name} has shape {list(s.shape)}, declared {list(spec.shape)}")
+    return stores
+
+
+def _start_shard_reads(block: np.ndarray, key: tuple, index: tuple, name: str, spec: model_lib.ParamSpec,
+                       stores: dict, flat: list[int], writes: list, filled: list) -> int:
+    """Start TensorStore's reads of one shard into its host `block` (`key`: the shard's `(start, stop)` per axis,
+    `index`: its slices), appending each pending write to `writes` and its `(label, host view)` to `filled`, in
+    step. Returns the bytes those reads fill (cast to `spec.dtype` on the way when the stored dtype differs)."""
+    import tensorstore as ts
+
+    def source(store):
+        return store if store.dtype.numpy_dtype == spec.dtype else ts.cast(store, spec.dtype)
+
+    dst = ts.array(block, copy=False, write=True)
+    lo, hi = key[0]
+    nbytes = 0
+    if _per_layer(name, spec):
+        for r in range(lo, hi):
+            if flat[r] >= 0:
+                writes.append(dst[r - lo].write(source(stores[flat[r]])[index[1:]]))
+                nbytes += block[r - lo].nbytes
+                filled.append((digest.slice_label(f"{name}/{flat[r]}", index[1:], spec.shape[1:]), block[r - lo]))
+    elif not _is_table(spec):
+        writes.append(dst.write(source(stores[name])[index]))
+        nbytes += block.nbytes
+        filled.append((digest.slice_label(name, index, spec.shape), block))
+    else:
+        rows = min(hi, stores[name].shape[0]) - lo
+        if rows > 0:
+            src = (slice(lo, lo + rows), *index[1:])
+            writes.append(dst[:rows].write(source(stores[name])[src]))
+            nbytes += block[:rows].nbytes
+            filled.append((digest.slice_label(name, src, stores[name].shape), block[:rows]))
+    return nbytes
 
 
 def restore(path, parallel: ParallelConfig = ParallelConfig(), dtype=None, *, devices=None,

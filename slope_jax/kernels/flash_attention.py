@@ -4,11 +4,11 @@ The kernel is the inner loop of `slope_jax.model.attention.attend` fused into on
 KV head) program it walks the KV blocks `[lo, hi)` that the caller proved may hold a visible key, with the online
 softmax (Milakov & Gimelshein 2018; Dao et al. 2022, Alg. 1 without the final division) in float32. It returns the
 state *before* normalisation and without sinks, so the ring merge and the once-only sink finalisation of
-`model/attention.py` consume it unchanged (design §3, §9).
+`model/attention.py` consume it unchanged (docs/design.md §3, §9).
 
 Notable:
 - Masks come from global positions, as in `attend`: key j is visible to query i iff `pos_k[j] >= 0`,
-  `pos_q[i] − pos_k[j] >= 0` and `pos_q[i] − pos_k[j] < window` (spec §2.3). Negative key positions are padding.
+  `pos_q[i] − pos_k[j] >= 0` and `pos_q[i] − pos_k[j] < window` (docs/model.md §2.3). Negative key positions: padding.
 - GQA packing: program (i, kv) serves all G = N/K query heads of KV head kv. Its `[bq, G, D]` query block is one
   `[bq·G, D]` matrix against each K/V tile, so every K/V tile is loaded once for G heads (not G times) and the
   matmuls are G× taller (the FlashAttention-3 / FlashInfer GQA layout). Row r of the packed block is query r // G.
@@ -104,7 +104,7 @@ def flash_partial(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_
       pad_group: pad G to a power of two with zero query heads (default: on the Triton path only).
     Returns:
       `(o [Tq, N, D], m [Tq, N], l [Tq, N])` float32: `o = Σ_j e^(s_j − m)·v_j`, `m` the row max (−inf if no visible
-      key), `l = Σ_j e^(s_j − m)`, with `s = q·k·D^-0.5` (spec §2.3).
+      key), `l = Σ_j e^(s_j − m)`, with `s = q·k·D^-0.5` (docs/model.md §2.3).
     Raises:
       ValueError if N is not a multiple of K.
     """
@@ -122,6 +122,25 @@ def flash_partial(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_
     nq = tq // block_q
     meta = jnp.concatenate([kv_range.astype(jnp.int32), jnp.broadcast_to(jnp.asarray(window, jnp.int32), (nq, 1)),
                             jnp.zeros((nq, 1), jnp.int32)], axis=1)  # [nq, 4]: lo, hi, window, pad
+    in_specs, out_specs = _block_specs(block_q, tk, gp, d)
+    out_shape = [jax.ShapeDtypeStruct((tq, kh, gp, d), jnp.float32), jax.ShapeDtypeStruct((tq, kh, gp), jnp.float32),
+                 jax.ShapeDtypeStruct((tq, kh, gp), jnp.float32)]
+    params = None if interpret else _triton_params(num_warps, num_stages)
+    o, m, l = pl.pallas_call(
+        functools.partial(_kernel, block_k=block_k, scale=d ** -0.5),
+        grid=(nq, kh), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, interpret=interpret,
+        compiler_params=params, name="slope_flash_attention",
+    )(meta, qg, q_pos.astype(jnp.int32), k, v, k_pos.astype(jnp.int32))
+    return o[:, :, :g].reshape(tq, n, d), m[:, :, :g].reshape(tq, n), l[:, :, :g].reshape(tq, n)
+
+
+def _block_specs(block_q: int, tk: int, gp: int, d: int) -> tuple[list, list]:
+    """`(in_specs, out_specs)` of the kernel over the grid (query block i, KV head h).
+
+    Inputs: meta `[nq, 4]` int32, the packed queries `[Tq, K, Gp, D]`, q_pos `[Tq]`, k and v `[Tk, K, D]`, k_pos
+    `[Tk]`; a program sees its query block's row of meta, its `[block_q, Gp, D]` queries and positions, and all `Tk`
+    keys of its KV head (the kernel walks only `[lo, hi)` of them). Outputs: o `[Tq, K, Gp, D]`, m and l `[Tq, K, Gp]`.
+    """
     sq = pl.Squeezed()
     in_specs = [
         pl.BlockSpec((sq, 4), lambda i, h: (i, 0)),
@@ -136,16 +155,11 @@ def flash_partial(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_
         pl.BlockSpec((block_q, sq, gp), lambda i, h: (i, h, 0)),
         pl.BlockSpec((block_q, sq, gp), lambda i, h: (i, h, 0)),
     ]
-    out_shape = [jax.ShapeDtypeStruct((tq, kh, gp, d), jnp.float32), jax.ShapeDtypeStruct((tq, kh, gp), jnp.float32),
-                 jax.ShapeDtypeStruct((tq, kh, gp), jnp.float32)]
-    params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as plgpu
+    return in_specs, out_specs
 
-        params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    o, m, l = pl.pallas_call(
-        functools.partial(_kernel, block_k=block_k, scale=d ** -0.5),
-        grid=(nq, kh), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, interpret=interpret,
-        compiler_params=params, name="slope_flash_attention",
-    )(meta, qg, q_pos.astype(jnp.int32), k, v, k_pos.astype(jnp.int32))
-    return o[:, :, :g].reshape(tq, n, d), m[:, :, :g].reshape(tq, n), l[:, :, :g].reshape(tq, n)
+
+def _triton_params(num_warps: int, num_stages: int):
+    """Triton launch parameters (imported only off interpret mode: the Triton module needs a GPU-capable jaxlib)."""
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)

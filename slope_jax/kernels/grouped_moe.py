@@ -3,10 +3,10 @@
 Two launches over the same row tiles, each a grouped matmul (every row tile belongs to one expert, whose weight
 tiles the program reads by that expert's index):
   1. `up`:   `act[r, c] = swiglu(gate, up)` with `gate = x[r]·W1[e, 2c] + b1[e, 2c]`, `up = x[r]·W1[e, 2c+1] + …`
-     (gpt-oss interleaving, spec §2.4; the two rows are read as strided views of the packed W1, no copy);
+     (gpt-oss interleaving, docs/model.md §2.4; the two rows are read as strided views of the packed W1, no copy);
   2. `down`: `y[r, o] = act[r]·W2[e, o] + b2[e, o]`, float32.
 The weight tile `[block_n, block_k]` is dequantized inside the program from its packed bytes and E8M0 scales
-(spec §3.3: low nibble = element 2j, high nibble = 2j+1, value = E2M1(code)·2^(s−127)), so the experts stay packed in
+(docs/model.md §3.3: low nibble = element 2j, high = 2j+1, value = E2M1(code)·2^(s−127)), so the experts stay packed in
 device memory and no dequantized copy of a layer is ever materialised; accumulation is float32.
 
 Rows come in tiles of `block_m` rows that hold one expert each (`meta[i] = (expert, live)`); a group is padded to a
@@ -62,7 +62,7 @@ def check_shapes(block_m: int, block_n: int, block_k: int, backend: str) -> None
 
 
 def _e2m1(c: jax.Array) -> jax.Array:
-    """FP4 E2M1 code (int32 0..15, bit 3 = sign) → float32: 0, .5, 1, 1.5, 2, 3, 4, 6 and negatives (spec §3.3).
+    """FP4 E2M1 code (int32 0..15, bit 3 sign) → float32: 0, .5, 1, 1.5, 2, 3, 4, 6 and negatives (docs/model.md §3.3).
     Arithmetic instead of a table (Triton has no gather): e = bits 2..1, m = bit 0; e = 0 gives m/2, else
     (1 + m/2)·2^(e−1)."""
     e = (c >> 1) & 3
@@ -84,7 +84,7 @@ def decode_tile(codes: jax.Array, scales: jax.Array, dtype) -> jax.Array:
     bn, nb = scales.shape
     c = codes.astype(jnp.int32)
     s = scales.astype(jnp.int32)
-    # interleave: element 2j is the low nibble of byte j, 2j+1 the high nibble (spec §3.3)
+    # interleave: element 2j is the low nibble of byte j, 2j+1 the high nibble (docs/model.md §3.3)
     vals = jnp.stack([_e2m1(c & 15), _e2m1(c >> 4)], axis=-1).reshape(bn, nb, MX_BLOCK)
     pow2 = jax.lax.bitcast_convert_type(jnp.left_shift(jnp.minimum(s, 254), 23), jnp.float32)
     vals = vals * pow2[:, :, None] * jnp.where(s == 255, 2.0, 1.0)[:, :, None]
@@ -202,33 +202,53 @@ def grouped_mlp(x: jax.Array, meta: jax.Array, p: dict, *, block_m: int, alpha: 
       ValueError if a width has no admissible block (e.g. D not a multiple of 32 with MXFP4 weights).
     """
     mp, d = x.shape
-    e = p["b1"].shape[0]
     i_size = p["b1"].shape[1] // 2
     packed = "w1_blocks" in p
+    up_blocks, down_blocks = _pick_blocks(d, i_size, block_n=block_n, block_k=block_k, packed=packed)
+    nt = mp // block_m
+    params = None
+    if not interpret:
+        for bn, bk in (up_blocks, down_blocks):
+            check_shapes(block_m, bn, bk, "gpu")
+        from jax.experimental.pallas import triton as plgpu
+
+        params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    meta = meta.astype(jnp.int32)
+    launch = dict(nt=nt, block_m=block_m, interpret=interpret, params=params)
+    act = _up_call(x, meta, p, blocks=up_blocks, alpha=alpha, limit=limit, **launch)
+    return _down_call(act, meta, p, blocks=down_blocks, **launch)
+
+
+def _pick_blocks(d: int, i_size: int, *, block_n: int, block_k: int, packed: bool) -> tuple:
+    """`((bn1, bk1), (bn2, bk2))`: (output, contraction) blocks of the up launch (widths I and D) and the down launch
+    (widths D and I): the largest powers of two under the caps that divide the widths, the contraction a multiple of
+    the MXFP4 block when packed. Raises ValueError naming the sizes when a width has none."""
     mult = MX_BLOCK if packed else 1
     bk1, bk2 = pick_block(d, block_k, mult), pick_block(i_size, block_k, mult)
     bn1, bn2 = pick_block(i_size, block_n), pick_block(d, block_n)
     if 0 in (bk1, bk2, bn1, bn2):
         raise ValueError(f"pallas MoE: no power-of-two block <= {block_k}/{block_n} (multiple of {mult}) divides "
                          f"hidden_size={d} / intermediate_size={i_size}")
-    nt = mp // block_m
-    params = None
-    if not interpret:
-        for bn, bk in ((bn1, bk1), (bn2, bk2)):
-            check_shapes(block_m, bn, bk, "gpu")
-        from jax.experimental.pallas import triton as plgpu
+    return (bn1, bk1), (bn2, bk2)
 
-        params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    sq = pl.Squeezed()
-    meta_spec = pl.BlockSpec((sq, 2), lambda i, j: (i, 0))
-    meta = meta.astype(jnp.int32)
 
-    # 1. gate/up + SwiGLU → act [Mp, I]
+def _meta_spec() -> pl.BlockSpec:
+    """BlockSpec of `meta [nt, 2]`: program (i, j) reads row tile i's (expert, live)."""
+    return pl.BlockSpec((pl.Squeezed(), 2), lambda i, j: (i, 0))
+
+
+def _up_call(x, meta, p, *, blocks: tuple[int, int], alpha, limit, nt, block_m, interpret, params) -> jax.Array:
+    """Launch 1, gate/up + SwiGLU: `x [Mp, D]` → `act [Mp, I]` in x's dtype, over the grid (row tile, I / bn)."""
+    mp, d = x.shape
+    e = p["b1"].shape[0]
+    i_size = p["b1"].shape[1] // 2
+    packed = "w1_blocks" in p
+    bn1, bk1 = blocks
     gate = _weights(p, "w1", e, 2 * i_size, d, 0)
     up = _weights(p, "w1", e, 2 * i_size, d, 1)
     b1 = p["b1"].reshape(e, i_size, 2)
     args = [meta, x] + [a for a, _ in gate + up] + [b1, b1]
-    specs = ([meta_spec, pl.BlockSpec((block_m, d), lambda i, j: (i, 0))] + [sp for _, sp in gate + up]
+    specs = ([_meta_spec(), pl.BlockSpec((block_m, d), lambda i, j: (i, 0))] + [sp for _, sp in gate + up]
              + [_full(b1.shape, (None, None, 0)), _full(b1.shape, (None, None, 1))])
 
     def up_kernel(*refs):
@@ -239,13 +259,19 @@ def grouped_mlp(x: jax.Array, meta: jax.Array, p: dict, *, block_m: int, alpha: 
         _up_kernel(meta_r, x_r, gw, gs, uw, us, gb, ub, out, width=d, block_n=bn1, block_k=bk1, alpha=alpha,
                    limit=limit)
 
-    act = pl.pallas_call(
+    return pl.pallas_call(
         up_kernel, grid=(nt, i_size // bn1), in_specs=specs,
         out_specs=pl.BlockSpec((block_m, bn1), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((mp, i_size), x.dtype), interpret=interpret, compiler_params=params,
         name="slope_moe_up")(*args)
 
-    # 2. down → y [Mp, D] float32
+
+def _down_call(act, meta, p, *, blocks: tuple[int, int], nt, block_m, interpret, params) -> jax.Array:
+    """Launch 2, down: `act [Mp, I]` → `y [Mp, D]` float32, over the grid (row tile, D / bn)."""
+    mp, i_size = act.shape
+    e, d = p["b2"].shape
+    packed = "w1_blocks" in p
+    bn2, bk2 = blocks
     down = _weights(p, "w2", e, d, i_size, None)
 
     def down_kernel(*refs):
@@ -257,7 +283,7 @@ def grouped_mlp(x: jax.Array, meta: jax.Array, p: dict, *, block_m: int, alpha: 
 
     return pl.pallas_call(
         down_kernel, grid=(nt, d // bn2),
-        in_specs=[meta_spec, pl.BlockSpec((block_m, i_size), lambda i, j: (i, 0))] + [s for _, s in down]
+        in_specs=[_meta_spec(), pl.BlockSpec((block_m, i_size), lambda i, j: (i, 0))] + [s for _, s in down]
         + [_full(p["b2"].shape, (None, None))],
         out_specs=pl.BlockSpec((block_m, bn2), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((mp, d), jnp.float32), interpret=interpret, compiler_params=params,

@@ -14,7 +14,7 @@ believe the sequence is W tokens long, so the next token would get position W in
 sliding layer's length to n, so `cache.get_seq_length(layer) == n` for every layer and no `position_ids` are needed
 (passing `position_ids=[[n]]` explicitly is equivalent).
 
-Sliding-window semantics (spec §2.3): a query at position p sees keys at positions p−W+1 … p. transformers keeps the
+Sliding-window semantics (docs/model.md §2.3): a query at position p sees keys at p−W+1 … p. transformers keeps the
 last W−1 keys of a sliding layer (the new token is the W-th); the export keeps the last W, so a cache of the first
 n−1 tokens (`num_tokens=n−1`, to replay the prompt's last token) can still be built from a default export.
 """
@@ -61,7 +61,6 @@ def to_transformers_cache(path: str | os.PathLike, config, *, num_tokens: int | 
     """
     import torch
     import transformers
-    from transformers.cache_utils import DynamicSlidingWindowLayer
 
     path = kvfmt.resolve(os.fspath(path))  # one version of the export for the manifest check and the tensors
     model = config if isinstance(config, torch.nn.Module) else None
@@ -84,32 +83,51 @@ def to_transformers_cache(path: str | os.PathLike, config, *, num_tokens: int | 
                            f"a {cfg.num_hidden_layers}-layer model")
     if t == 0:
         return cache  # empty: the decode engine starts at position 0
-    w = cfg.sliding_window
     for i, cl in enumerate(cache.layers):
-        kv = layers[i]
-        sliding = cfg.is_sliding(i)
-        # What transformers holds for a sequence of t tokens: all of them, or the last W−1 on sliding layers.
-        need = max(0, t - (w - 1)) if sliding else 0
-        pos = np.asarray(kv.positions)
-        if len(pos) == 0 or pos[0] > need or pos[-1] < t - 1:
-            have = f"[{int(pos[0])}, {int(pos[-1]) + 1})" if len(pos) else "no tokens"
-            raise kvfmt.KVFormatError(
-                f"{path}: layer {i} ({kv.kind}) holds {have}; a cache of {t} tokens needs [{need}, {t})"
-                + (" (export with kv_full to keep earlier tokens of sliding layers)" if sliding else ""))
-        rows = slice(int(np.searchsorted(pos, need)), int(np.searchsorted(pos, t)))
-        k, v = (_torch(a[rows], dtype, device) for a in (kv.k, kv.v))
-        if sliding != isinstance(cl, DynamicSlidingWindowLayer) or (sliding and cl.sliding_window != w):
-            raise RuntimeError(f"transformers {transformers.__version__}: cache layer {i} is {type(cl).__name__} "
-                               f"(window {getattr(cl, 'sliding_window', None)}), expected "
-                               f"{'DynamicSlidingWindowLayer' if sliding else 'DynamicLayer'} for a {kv.kind} layer")
-        cl.update(k, v)
-        if sliding:
-            cl.cumulative_length = t  # the true sequence length (the layer holds only its last W−1 tokens)
-        if cl.get_seq_length() != t or cl.keys.shape[-2] != min(t, w - 1 if sliding else t):
-            raise RuntimeError(f"transformers {transformers.__version__}: cache layer {i} reports length "
-                               f"{cl.get_seq_length()} holding {cl.keys.shape[-2]} tokens after loading {t} tokens; "
-                               "its sliding-window bookkeeping differs from what this module was written for")
+        _fill_layer(cl, i, layers[i], t, cfg, path=path, dtype=dtype, device=device)
     return cache
+
+
+def _fill_layer(cl, i: int, kv, t: int, cfg, *, path: str, dtype, device) -> None:
+    """Load layer `i` of an export (`kv`: positions `[n]` int, k and v `[n, K, H]`) into transformers cache layer
+    `cl` as the cache of the first `t` tokens: all of them on a full layer, the last W−1 on a sliding one (whose
+    length is then set to `t`).
+
+    Raises KVFormatError when the export does not hold the tokens needed, RuntimeError when `cl` is not the layer
+    class / window this module expects or reports another length after loading (a transformers version change)."""
+    import transformers
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    w = cfg.sliding_window
+    sliding = cfg.is_sliding(i)
+    rows = _held_rows(kv, i, t, w if sliding else None, path)
+    k, v = (_torch(a[rows], dtype, device) for a in (kv.k, kv.v))
+    if sliding != isinstance(cl, DynamicSlidingWindowLayer) or (sliding and cl.sliding_window != w):
+        raise RuntimeError(f"transformers {transformers.__version__}: cache layer {i} is {type(cl).__name__} "
+                           f"(window {getattr(cl, 'sliding_window', None)}), expected "
+                           f"{'DynamicSlidingWindowLayer' if sliding else 'DynamicLayer'} for a {kv.kind} layer")
+    cl.update(k, v)
+    if sliding:
+        cl.cumulative_length = t  # the true sequence length (the layer holds only its last W−1 tokens)
+    if cl.get_seq_length() != t or cl.keys.shape[-2] != min(t, w - 1 if sliding else t):
+        raise RuntimeError(f"transformers {transformers.__version__}: cache layer {i} reports length "
+                           f"{cl.get_seq_length()} holding {cl.keys.shape[-2]} tokens after loading {t} tokens; "
+                           "its sliding-window bookkeeping differs from what this module was written for")
+
+
+def _held_rows(kv, i: int, t: int, window: int | None, path: str) -> slice:
+    """The rows of export layer `kv` (sorted `positions`) that transformers holds for a sequence of `t` tokens: all
+    of `[0, t)`, or on a sliding layer (`window` W, None on a full one) only the last W−1. Raises KVFormatError naming
+    the layer and the range when the export does not hold them."""
+    sliding = window is not None
+    need = max(0, t - (window - 1)) if sliding else 0
+    pos = np.asarray(kv.positions)
+    if len(pos) == 0 or pos[0] > need or pos[-1] < t - 1:
+        have = f"[{int(pos[0])}, {int(pos[-1]) + 1})" if len(pos) else "no tokens"
+        raise kvfmt.KVFormatError(
+            f"{path}: layer {i} ({kv.kind}) holds {have}; a cache of {t} tokens needs [{need}, {t})"
+            + (" (export with kv_full to keep earlier tokens of sliding layers)" if sliding else ""))
+    return slice(int(np.searchsorted(pos, need)), int(np.searchsorted(pos, t)))
 
 
 def _hf_config(config, model, cfg, transformers):

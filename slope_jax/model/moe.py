@@ -1,12 +1,12 @@
-"""Mixture of experts: top-k router, interleaved clamped SwiGLU experts, exact dropless grouped compute (spec §2.4).
+"""Mixture of experts: top-k router, interleaved clamped SwiGLU experts, dropless grouped compute (docs/model.md §2.4).
 
 Notable:
-- Router: top-k of the logits first, then softmax over those k (spec §2.4 step 2, pitfall 3); float32. Exact ties
+- Router: top-k of the logits first, then softmax over those k (docs/model.md §2.4, §5 pitfall 3); float32. Exact ties
   go to the lower expert index (`jax.lax.top_k`'s documented order); every slope_jax path (prefill, expert
   parallelism, the reference decoder) routes through `route`, and the transformers decode engine is patched to the
   same rule (`kv.transformers.lowest_index_ties`: `torch.topk`'s tie order is unspecified).
 - SwiGLU: gate/up interleaved (`gu[0::2]`, `gu[1::2]`), gate clamped above only, up clamped both sides,
-  `gate·σ(α·gate)·(up + 1)`; the down-projection bias is added before the routing weight (pitfalls 4-7).
+  `gate·σ(α·gate)·(up + 1)`; the down-projection bias comes before the routing weight (docs/model.md §5 pitfalls 4-7).
 - Grouped compute: the T·k (token, expert) assignments are sorted by expert; each expert that was picked dequantizes
   its weights once and runs its rows in tiles of `tile` tokens, then its last rows in 4× and 16× shorter tiles
   (`options.moe_loop_tiles`: 512, 128, 32 rows at the default tile; a dynamic number of tiles of each height, a
@@ -29,6 +29,8 @@ Notable:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -38,7 +40,7 @@ from slope_jax.model import stack
 
 
 def route(h: jax.Array, w: jax.Array, b: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """Router: `logits = h·Wᵀ + b`, top-k, softmax over the k (spec §2.4).
+    """Router: `logits = h·Wᵀ + b`, top-k, softmax over the k (docs/model.md §2.4).
 
     Args:
       h: `[T, D]` normed hidden states.  w: `[E, D]`.  b: `[E]`.  k: experts per token.
@@ -53,7 +55,7 @@ def route(h: jax.Array, w: jax.Array, b: jax.Array, k: int) -> tuple[jax.Array, 
 
 
 def swiglu(gate_up: jax.Array, *, alpha: float, limit: float) -> jax.Array:
-    """gpt-oss activation on interleaved `gate_up[..., 2I]` → `[..., I]` (spec §2.4 step 3).
+    """gpt-oss activation on interleaved `gate_up[..., 2I]` → `[..., I]` (docs/model.md §2.4 step 3).
 
     `gate = min(gu[0::2], limit)`, `up = clip(gu[1::2], −limit, limit)`, `out = gate·σ(α·gate)·(up + 1)`.
     """
@@ -155,16 +157,8 @@ def experts(h: jax.Array, weights: jax.Array, ids: jax.Array, p: dict, *, alpha:
     Returns:
       `[T, D]` float32: `Σ_k w_k · (W2 a(W1 h + b1) + b2)` over the assignments with an id in range (0 elsewhere).
     """
-    t, d = h.shape
     k = ids.shape[1]
-    n_exp = p["b1"].shape[0]
-    flat_ids = ids.reshape(-1)
-    flat_ids = jnp.where((flat_ids >= 0) & (flat_ids < n_exp), flat_ids, n_exp)  # n_exp = no work, sorts last
-    flat_w = weights.reshape(-1)
-    order = jnp.argsort(flat_ids, stable=True).astype(jnp.int32)  # assignments grouped by expert
-    counts = jnp.bincount(flat_ids, length=n_exp + 1)[:n_exp].astype(jnp.int32)
-    starts = jnp.cumsum(counts) - counts
-    n_assign = t * k
+    flat_ids, flat_w, order, counts, starts = _group_assignments(weights, ids, p["b1"].shape[0])
     if impl not in ("loop", "ragged", "pallas"):
         raise ValueError(f"moe_impl={impl!r}: the step runs a concrete compute, 'loop', 'ragged' or 'pallas' "
                          "(resolve 'auto' with StepOptions.resolve)")
@@ -172,15 +166,66 @@ def experts(h: jax.Array, weights: jax.Array, ids: jax.Array, p: dict, *, alpha:
         return _experts_pallas(h, flat_ids, flat_w, order, counts, starts, p, k=k, tile=tile, alpha=alpha,
                                limit=limit)
     if impl == "ragged":
-        expert = flat_ids[order]
-        # assignments with no expert here sort last, past every group: ragged_dot leaves them 0, and the weight mask
-        # drops the bias their clamped index would add
-        w_sorted = jnp.where(expert < n_exp, flat_w[order], 0.0)
-        y = grouped_ragged(h[order // k], counts, expert, p, alpha=alpha, limit=limit) * w_sorted[:, None]
-        # back to (token, slot) order with the inverse permutation (a gather), then the k slots summed in order
-        inv = jnp.zeros_like(order).at[order].set(jnp.arange(n_assign, dtype=jnp.int32))
-        return y[inv].reshape(t, k, d).sum(axis=1)
-    ladder = options_lib.moe_loop_tiles(tile, n_assign)
+        return _experts_ragged(h, flat_ids, flat_w, order, counts, p, k=k, alpha=alpha, limit=limit)
+    return _experts_loop(h, flat_w, order, counts, starts, p, k=k, tile=tile, alpha=alpha, limit=limit)
+
+
+def _group_assignments(weights: jax.Array, ids: jax.Array, n_exp: int) -> tuple[jax.Array, ...]:
+    """The T·k (token, slot) assignments grouped by expert, shared by every grouped compute.
+
+    Args:
+      weights: float32 `[T, k]`; ids: int32 `[T, k]` (outside `[0, n_exp)`: no work).
+    Returns:
+      `(flat_ids, flat_w, order, counts, starts)`: int32 `[T·k]` expert per assignment (n_exp = no work, so it sorts
+      last), float32 `[T·k]` its weight, int32 `[T·k]` the stable sort by expert (assignment a is token a // k),
+      int32 `[n_exp]` assignments per expert and int32 `[n_exp]` each expert's first position in `order`.
+    """
+    flat_ids = ids.reshape(-1)
+    flat_ids = jnp.where((flat_ids >= 0) & (flat_ids < n_exp), flat_ids, n_exp)  # n_exp = no work, sorts last
+    flat_w = weights.reshape(-1)
+    order = jnp.argsort(flat_ids, stable=True).astype(jnp.int32)  # assignments grouped by expert
+    counts = jnp.bincount(flat_ids, length=n_exp + 1)[:n_exp].astype(jnp.int32)
+    starts = jnp.cumsum(counts) - counts
+    return flat_ids, flat_w, order, counts, starts
+
+
+def _experts_ragged(h, flat_ids, flat_w, order, counts, p, *, k, alpha, limit) -> jax.Array:
+    """`experts` through `jax.lax.ragged_dot` (`grouped_ragged`) over the sorted assignments, same contract.
+
+    Args as `_group_assignments` returns them (`counts` doubles as ragged_dot's group sizes); `h [T, D]`.
+    Returns `[T, D]` float32.
+    """
+    t, d = h.shape
+    n_exp = p["b1"].shape[0]
+    expert = flat_ids[order]
+    # assignments with no expert here sort last, past every group: ragged_dot leaves them 0, and the weight mask
+    # drops the bias their clamped index would add
+    w_sorted = jnp.where(expert < n_exp, flat_w[order], 0.0)
+    y = grouped_ragged(h[order // k], counts, expert, p, alpha=alpha, limit=limit) * w_sorted[:, None]
+    # back to (token, slot) order with the inverse permutation (a gather), then the k slots summed in order
+    inv = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=jnp.int32))
+    return y[inv].reshape(t, k, d).sum(axis=1)
+
+
+class _Expert(NamedTuple):
+    """One expert's operands inside the tile loop: weights in the activation dtype (`w1 [2I, D]`, `w2 [D, I]`),
+    float32 biases (`b1 [2I]`, `b2 [D]`), and its group of sorted assignments (int32 scalars `start`, `count`)."""
+    w1: jax.Array
+    w2: jax.Array
+    b1: jax.Array
+    b2: jax.Array
+    start: jax.Array
+    count: jax.Array
+
+
+def _experts_loop(h, flat_w, order, counts, starts, p, *, k, tile, alpha, limit) -> jax.Array:
+    """`experts` as a loop over the experts, each running its rows through the tile ladder, same contract.
+
+    Args as `_group_assignments` returns them; `h [T, D]`. Returns `[T, D]` float32 (scatter-added per tile).
+    """
+    t, d = h.shape
+    n_exp = p["b1"].shape[0]
+    ladder = options_lib.moe_loop_tiles(tile, t * k)
     # the sorted assignments' tokens and weights, padded with `ladder[0]` rows of no token (t: out of range, so the
     # scatter drops them), so that every tile reads a contiguous dynamic slice, never past the end
     tok_sorted = jnp.concatenate([order // k, jnp.full((ladder[0],), t, jnp.int32)])
@@ -191,39 +236,58 @@ def experts(h: jax.Array, weights: jax.Array, ids: jax.Array, p: dict, *, alpha:
         b1 = stack.take(p["b1"], e).astype(jnp.float32)
         b2 = stack.take(p["b2"], e).astype(jnp.float32)
         count, start = stack.take(counts, e), stack.take(starts, e)
-
-        def tiles_of(size, base):
-            rows = jnp.arange(size, dtype=jnp.int32)
-
-            def per_tile(i, out):
-                first = base + i * size  # the tile's first row in the expert's group
-                tok = jax.lax.dynamic_slice(tok_sorted, (start + first,), (size,), allow_negative_indices=False)
-                wt = jax.lax.dynamic_slice(w_sorted, (start + first,), (size,), allow_negative_indices=False)
-                x = _gather_rows(h, tok)
-                gu = jnp.einsum("td,od->to", x, w1, preferred_element_type=jnp.float32) + b1
-                act = swiglu(gu, alpha=alpha, limit=limit).astype(h.dtype)
-                y = jnp.einsum("ti,oi->to", act, w2, preferred_element_type=jnp.float32) + b2
-                # rows past the group's end hold the next group's assignments (or none): drop their update (index t
-                # is out of range)
-                dst = jax.lax.select(first + rows < count, tok, jnp.full_like(tok, t))
-                return _scatter_add_rows(out, dst, y * wt[:, None])
-
-            return per_tile
-
-        # the ladder (`options.moe_loop_rows`): whole tiles of each height, one more when the rows left would pad it
-        # by fewer than the next height; the last height takes what is left
-        done = jnp.int32(0)
-        for j, size in enumerate(ladder):
-            n = jnp.maximum(count - done + options_lib.moe_loop_slack(ladder, j), 0) // size
-            with jax.named_scope(f"tiles{size}"):  # `plan.verify` tells the ladder's loops apart by this name
-                out = jax.lax.fori_loop(0, n, tiles_of(size, done), out)
-            done = done + n * size
-        return out
+        ex = _Expert(w1, w2, b1, b2, start, count)
+        return _run_ladder(ladder, count, lambda size, base: _tiles_of(h, tok_sorted, w_sorted, ex, size, base,
+                                                                       alpha=alpha, limit=limit), out)
 
     def maybe_expert(e, out):  # an expert no token picked is not even dequantized (short prompts, many experts)
         return jax.lax.cond(counts[e] > 0, per_expert, lambda e, out: out, e, out)
 
     return jax.lax.fori_loop(0, n_exp, maybe_expert, jnp.zeros((t, d), jnp.float32))
+
+
+def _run_ladder(ladder: tuple[int, ...], count: jax.Array, tiles_of, out: jax.Array) -> jax.Array:
+    """One expert's `count` rows (int32 scalar) through the tile ladder, accumulated into `out [T, D]` float32.
+
+    The ladder (`options.moe_loop_rows`): whole tiles of each height, one more when the rows left would pad it by
+    fewer than the next height; the last height takes what is left. `tiles_of(size, base)` is the loop body for the
+    tiles of height `size` starting at the group's row `base` (`_tiles_of` bound to the expert).
+    """
+    done = jnp.int32(0)
+    for j, size in enumerate(ladder):
+        n = jnp.maximum(count - done + options_lib.moe_loop_slack(ladder, j), 0) // size
+        with jax.named_scope(f"tiles{size}"):  # `plan.verify` tells the ladder's loops apart by this name
+            out = jax.lax.fori_loop(0, n, tiles_of(size, done), out)
+        done = done + n * size
+    return out
+
+
+def _tiles_of(h, tok_sorted, w_sorted, ex: _Expert, size: int, base, *, alpha: float, limit: float):
+    """The `fori_loop` body over tiles of `size` rows of expert `ex`'s group, the first from the group's row `base`.
+
+    Args:
+      h: `[T, D]` tokens; tok_sorted: int32 `[T·k + pad]` token of each sorted assignment (T = none);
+      w_sorted: float32 `[T·k + pad]` its weight.
+    Returns:
+      `per_tile(i, out)`: `out [T, D]` float32 plus tile i's weighted rows `w · (W2 a(W1 h[tok] + b1) + b2)`.
+    """
+    t = h.shape[0]
+    rows = jnp.arange(size, dtype=jnp.int32)
+
+    def per_tile(i, out):
+        first = base + i * size  # the tile's first row in the expert's group
+        tok = jax.lax.dynamic_slice(tok_sorted, (ex.start + first,), (size,), allow_negative_indices=False)
+        wt = jax.lax.dynamic_slice(w_sorted, (ex.start + first,), (size,), allow_negative_indices=False)
+        x = _gather_rows(h, tok)
+        gu = jnp.einsum("td,od->to", x, ex.w1, preferred_element_type=jnp.float32) + ex.b1
+        act = swiglu(gu, alpha=alpha, limit=limit).astype(h.dtype)
+        y = jnp.einsum("ti,oi->to", act, ex.w2, preferred_element_type=jnp.float32) + ex.b2
+        # rows past the group's end hold the next group's assignments (or none): drop their update (index t is out
+        # of range)
+        dst = jax.lax.select(first + rows < ex.count, tok, jnp.full_like(tok, t))
+        return _scatter_add_rows(out, dst, y * wt[:, None])
+
+    return per_tile
 
 
 # Row gather and scatter-add of the expert loop as single lax ops: `h[tok]` and `out.at[dst].add(y, mode="drop")`
