@@ -34,7 +34,6 @@ def exported(checkpoints, reference_engines, tmp_path_factory):
 
 def test_export_layout_and_manifest(exported):
     prompts, ids, base, single, _ = exported
-    w = CONFIG_A.sliding_window
     for p, rid, res in zip(prompts, ids, single):
         path = base / "single" / rid
         assert res.kv_path == str(path)

@@ -1,7 +1,6 @@
 """Pipeline parallelism combined with context parallelism: stage split, sharded parameters, GPipe schedule,
 results equal to the single-device path. CONFIG_B has 9 layers, so stages hold odd layer counts."""
 
-import jax
 import numpy as np
 import pytest
 from support import CONFIG_B, CONFIGS, random_prompt

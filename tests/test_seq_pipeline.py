@@ -1,5 +1,5 @@
-"""Sequence-pipelined prefill (`parallel.pipeline` with C > 1): one request cut into C chunks streamed through P stages with
-context parallelism inside each chunk. Results equal the single-device path; the export equals the unchunked one;
+"""Sequence-pipelined prefill (`parallel.pipeline` with C > 1): one request cut into C chunks streamed through P stages
+with context parallelism inside each chunk. Results equal the single-device path; the export equals the unchunked one;
 the compiled schedule has M·C + P − 1 ticks; the schedule does no recomputation.
 
 Default suite: one (P, R, U, C) = (2, 2, 2, 4) layout over the lengths {1, W−1, W+1, 29} (one bucket, one compile),
