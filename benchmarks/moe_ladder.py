@@ -102,8 +102,9 @@ def main(argv):
                 options_lib.MOE_LADDER_MIN = 1 << 30  # the ladder stops at its first height
             try:
                 ladders[v] = options_lib.moe_loop_tiles(tile, t * k)
-                f = jax.jit(lambda h, p, tile=tile: moe_lib.moe(h, valid, p, experts_per_token=k, alpha=cfg.swiglu_alpha,
-                                                               limit=cfg.swiglu_limit, tile=tile, impl="loop"))
+                f = jax.jit(lambda h, p, tile=tile: moe_lib.moe(h, valid, p, experts_per_token=k,
+                                                               alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
+                                                               tile=tile, impl="loop"))
                 jax.block_until_ready(f(h, p))  # traced (and its ladder fixed) now
             finally:
                 options_lib.MOE_LADDER_MIN = saved

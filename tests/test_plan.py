@@ -3,6 +3,7 @@ planner's answers, calibration, and that `slope_jax.plan` imports without JAX.""
 
 import dataclasses
 import json
+import os
 import re
 import subprocess
 import sys
@@ -287,3 +288,24 @@ def test_plan_figure_marks_the_choice_at_each_length(tmp_path):
     from slope_jax.plan import __main__ as cli  # its docstring is what --help prints
 
     assert report.column_key() in cli.__doc__ and "loaded ms" in cli.__doc__ and "design §" not in cli.__doc__
+
+
+def test_a_prefix_hit_is_predicted_from_its_new_tokens_plus_their_attention_over_the_cached_keys():
+    """plan.predict(cached=p): the new tokens' own step plus their attention over p cached keys (all p on a full
+    layer, the last W − 1 on a sliding one): more than the new tokens alone, far less than the whole prompt cold."""
+    from slope_jax.model.config import ModelConfig
+
+    cfg = ModelConfig.from_json(os.path.join(REPO, "configs", "peer-hd64.json"))
+    for par in (ParallelConfig(), ParallelConfig(ring=2, ulysses=4)):
+        alone = predict(cfg, par, 512, "cpu", bucket=512)
+        hit = predict(cfg, par, 512, "cpu", bucket=512, cached=32256)
+        cold = predict(cfg, par, 32768, "cpu")
+        extra = flops.cached_prefix_attention(cfg, 1, par.ring, par.ulysses, 512, 32256)
+        assert hit.flops_per_device == pytest.approx(alone.flops_per_device + extra)
+        # one device: 512 queries x 32256 keys on the full layers, tiles of 256 (both divide evenly)
+        if par.num_devices == 1:
+            full = sum(not cfg.is_sliding(i) for i in range(cfg.num_hidden_layers))
+            sliding = cfg.num_hidden_layers - full
+            per_pair = 4 * cfg.num_attention_heads * cfg.head_dim
+            assert extra == per_pair * 512 * (full * 32256 + sliding * 256 * 2 * -(-(cfg.sliding_window - 1) // 256))
+        assert alone.ttft_ms < hit.ttft_ms < 0.1 * cold.ttft_ms

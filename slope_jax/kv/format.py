@@ -296,10 +296,10 @@ def publish(kv_dir: str, request_id: str, staging: str, *, overwrite: bool) -> s
     if not overwrite:
         try:
             os.symlink(version_name, final)  # atomic create-if-absent
-        except FileExistsError:
+        except FileExistsError as e:
             shutil.rmtree(version, ignore_errors=True)
             raise ExportExistsError(f"KV export {final!r} already exists (published by another writer meanwhile): "
-                                    "pass overwrite=True (launcher: --overwrite) to replace it, or use a new id")
+                                    "pass overwrite=True (launcher: --overwrite) to replace it, or use a new id") from e
     else:
         link = os.path.join(kv_dir, f".lnk-{nonce}-{counter}.{request_id}")
         os.symlink(version_name, link)

@@ -333,3 +333,29 @@ def model_flops(cfg: ModelConfig, n: int) -> float:
 def floor_seconds(cfg: ModelConfig, n: int, devices: int, peak_flops: float) -> float:
     """Lower bound on TTFT: model FLOPs / (devices × peak)."""
     return model_flops(cfg, n) / (devices * peak_flops) if devices and peak_flops else math.inf
+
+
+def cached_prefix_attention(cfg: ModelConfig, pipeline: int, ring: int, ulysses: int, t: int, cached: int, m: int = 1,
+                            tiles: Tiles = Tiles()) -> float:
+    """Attention FLOPs per device of a prefix-reuse step's new tokens (bucket t) over `cached` reused keys — beyond
+    their own causal work, which `per_device` counts. The cached keys are spread evenly over a stage's g = R·U devices
+    and every query of the stage visits every device (`context_parallel.prefix_attention`: queries travel, keys stay),
+    so each device scores all t queries against its ⌈cached/g⌉ rows on a full layer; on a sliding layer only the last
+    W − 1 cached keys are visible (one or two key tiles). Tiles are rounded as the engine visits them; a stage runs
+    its slots (half sliding, half full) for each of the m requests."""
+    if cached <= 0:
+        return 0.0
+    g = ring * ulysses
+    rows = -(-cached // g)
+    tq = t // g  # local queries per device
+    bq, bk = min(tiles.q_tile, tq), min(tiles.kv_tile, rows)
+    q_tiles = g * -(-tq // bq)
+    full = -(-rows // bk)
+    sliding = min(full, -(-(max(cfg.sliding_window - 1, 1)) // bk) + 1)
+    if g * pipeline == 1:
+        kinds = [cfg.is_sliding(i) for i in range(cfg.num_hidden_layers)]
+        key_tiles = sum(sliding if k else full for k in kinds)
+    else:
+        slots, _ = stage_slots(cfg, pipeline)
+        key_tiles = slots // 2 * (sliding + full)
+    return float(m * q_tiles * key_tiles * 4 * bq * bk * cfg.num_attention_heads * cfg.head_dim)

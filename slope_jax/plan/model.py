@@ -99,7 +99,7 @@ def _links(parallel: ParallelConfig, devices_per_host: int) -> dict[str, str]:
 def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: str | Hardware = "cpu", *,
             batch: int | None = None, dtype: str | None = None, devices_per_host: int = 8,
             tiles: flops.Tiles = flops.Tiles(), memory_limit_bytes: float | None = None,
-            bucket: int | None = None) -> Prediction:
+            bucket: int | None = None, cached: int = 0) -> Prediction:
     """Predict one prefill step of `batch` requests of `length` tokens on `parallel` (formulas: the module docstring).
 
     Args:
@@ -108,23 +108,22 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
       batch: requests per step (default 1: the TTFT of a request on an idle server).
       dtype: activation dtype (default float32 on shared-compute CPU profiles, else bfloat16).
       devices_per_host: for the link kind of each collective. tiles: the engine's tile sizes.
-      memory_limit_bytes: capacity to check against (default the profile's usable bytes, `Hardware.usable_bytes`:
-        HBM × memory_fraction − runtime reserve).
+      memory_limit_bytes: capacity (default `Hardware.usable_bytes`: HBM × memory_fraction − runtime reserve).
       bucket: padded length (default the engine's bucket policy); must be >= length and a multiple of 2·R·U.
-    Returns: a Prediction. Raises LayoutError (the layout breaks a rule) or HardwareError (bad profile).
+      cached: prefix hit: `length` (and `bucket`) new tokens after `cached` reused ones, whose attention over the
+        cached keys is added (`flops.cached_prefix_attention`). Returns: a Prediction. Raises LayoutError (the
+        layout breaks a rule) or HardwareError (bad profile).
     """
     hw = load(hardware)
     parallel.validate(cfg)
     dtype = dtype or ("float32" if hw.shared_compute else "bfloat16")
-    b = DTYPE_BYTES[dtype]
-    P, R, U = parallel.pipeline, parallel.ring, parallel.ulysses
+    b, (P, R, U) = DTYPE_BYTES[dtype], (parallel.pipeline, parallel.ring, parallel.ulysses)
     ep = parallel.expert_degree(cfg)  # validate() checked it: 1, or R·U dividing num_experts
-    m = batch or 1
-    t = _bucket(length, parallel, bucket)
+    m, t, devices = batch or 1, _bucket(length, parallel, bucket), parallel.num_devices
     n = min(length, t)
-    devices = parallel.num_devices
     peak = hw.peak(dtype) / (devices if hw.shared_compute else 1)  # virtual devices share the host's cores
-    f = flops.per_device(cfg, P, R, U, t, n, m, tiles, ep)
+    f = _with_cached_prefix(flops.per_device(cfg, P, R, U, t, n, m, tiles, ep),
+                            flops.cached_prefix_attention(cfg, P, R, U, t, cached, m, tiles), cfg)
     S, _ = flops.stage_slots(cfg, P) if devices > 1 else (cfg.num_hidden_layers, cfg.num_hidden_layers)
     ticks = m + P - 1 if devices > 1 else m
     C = parallel.seq_chunks
@@ -156,6 +155,17 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
         link_bytes_per_device={k: lb[k] for k in traffic.LINK_KINDS}, link_kind=links, hardware=hw.name,
         assumptions=assumptions, seq_chunks=C, memory_limit_bytes=float(limit),
         headroom_bytes=float(limit - mem_total))
+
+
+def _with_cached_prefix(f: dict, extra: float, cfg: ModelConfig) -> dict:
+    """`flops.per_device`'s counts plus a prefix hit's attention over its cached keys (FLOPs and score entries)."""
+    if not extra:
+        return f
+    f = dict(f)
+    f["attention"] += extra
+    f["total"] += extra
+    f["attention_entries"] += extra / (4 * cfg.head_dim)
+    return f
 
 
 def _bucket(length: int, parallel: ParallelConfig, bucket: int | None) -> int:

@@ -409,31 +409,37 @@ class PrefillEngine:
         on = self.reuse.enabled if prefix_reuse is None else bool(prefix_reuse)
         kv_full = on if kv_full is None else bool(kv_full)
         if jax.process_count() > 1:
-            agreement.check_same_on_all_processes(prompts, ids, kv_dir is not None, kv_full, return_kv, top_k, overwrite,
-                                                  salts, on)
+            agreement.check_same_on_all_processes(prompts, ids, kv_dir is not None, kv_full, return_kv, top_k,
+                                                  overwrite, salts, on)
         tokens = [self.validate_prompt(i, p) for i, p in enumerate(prompts)]
         ids = self._check_ids(ids, len(tokens), kv_dir, overwrite)
         if return_kv is None:
             return_kv = kv_dir is None and jax.process_count() == 1
         hits = reuse.find(self, tokens, salts, kv_dir) if on else [reuse.Hit([]) for _ in tokens]
         arrival = list(arrival_times) if arrival_times is not None else [now] * len(tokens)
-        results: list[PrefillResult | None] = [None] * len(tokens)
-        per_step = 1 if self.mesh is None else self.parallel.in_flight
-        keys = [self.step_key(x.size, h.cached) for x, h in zip(tokens, hits)]
         try:
-            for (t, cap), members in group_steps(range(len(tokens)), lambda i: keys[i], per_step):
-                step = Step(t, cap, [tokens[i] for i in members], [ids[i] for i in members],
-                            [arrival[i] for i in members], [hits[i] for i in members])
-                out = self.run_step(step, top_k=top_k)
-                if kv_dir is not None:
-                    self.export_step(step, out, kv_dir, kv_full=kv_full, overwrite=overwrite, record=on)
-                self._keep(step, out, cache=on, return_kv=return_kv)
-                for i, res in zip(members, out):
-                    results[i] = res
+            return self._run_steps(tokens, ids, arrival, hits, kv_dir=kv_dir, kv_full=kv_full, overwrite=overwrite,
+                                   cache=on, return_kv=return_kv, top_k=top_k)
         finally:
             for h in hits:
                 if h.release is not None:
                     h.release()
+
+    def _run_steps(self, tokens, ids, arrival, hits, *, kv_dir, kv_full, overwrite, cache, return_kv, top_k
+                   ) -> list[PrefillResult]:
+        """`prefill`'s batch path: group into steps (`steps.group_steps` on `step_key`), run, export, keep."""
+        results: list[PrefillResult | None] = [None] * len(tokens)
+        per_step = 1 if self.mesh is None else self.parallel.in_flight
+        keys = [self.step_key(x.size, h.cached) for x, h in zip(tokens, hits)]
+        for (t, cap), members in group_steps(range(len(tokens)), lambda i: keys[i], per_step):
+            step = Step(t, cap, [tokens[i] for i in members], [ids[i] for i in members],
+                        [arrival[i] for i in members], [hits[i] for i in members])
+            out = self.run_step(step, top_k=top_k)
+            if kv_dir is not None:
+                self.export_step(step, out, kv_dir, kv_full=kv_full, overwrite=overwrite, record=cache)
+            self._keep(step, out, cache=cache, return_kv=return_kv)
+            for i, res in zip(members, out):
+                results[i] = res
         return results  # type: ignore[return-value]
 
     def step_key(self, n: int, cached: int = 0) -> tuple[int, int]:

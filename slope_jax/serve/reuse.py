@@ -103,6 +103,21 @@ def find(engine, tokens: list[np.ndarray], salts: list[str | None], kv_dir: str 
     return _agree(engine, tokens, hits, store)
 
 
+def peek(engine, tokens: np.ndarray, salt: str | None, kv_dir: str | None) -> int:
+    """Tokens of `tokens` a prefill would most likely take from the prefix cache now (host tier or `kv_dir` index;
+    nothing is read or verified): what admission predicts a request's TTFT from. 0 with reuse off."""
+    if not engine.reuse.enabled:
+        return 0
+    block = engine.reuse.block_size
+    usable = _limit(prefix_lib.block_hashes(tokens, engine.prefix_identity(salt), block), tokens.size, block)
+    if not usable:
+        return 0
+    best = engine.host_tier.lookup(usable)[1] if engine.host_tier is not None else 0
+    if kv_dir is not None:
+        best = max(best, engine.kv_store(kv_dir).lookup(usable, block)[1])
+    return best * block
+
+
 def _limit(hashes: list[str], n: int, block: int) -> list[str]:
     return hashes[:prefix_lib.reusable_tokens(len(hashes), n, block) // block]
 
