@@ -291,3 +291,38 @@ def test_hit_equals_cold_over_two_processes(tmp_path):
     for layer, lk in export.items():
         np.testing.assert_array_equal(lk.positions, np.arange(len(prompt)))
         assert np.abs(lk.k - cold.kv[layer].k).max() < TOL and np.abs(lk.v - cold.kv[layer].v).max() < TOL
+
+
+def test_launcher_reuses_prefixes_per_salt_and_reports_cached_tokens(tmp_path):
+    """The launcher (one process, 1 CPU device) with requests served one batch at a time: a later turn reuses the
+    first one's prefix (the record and the summary say how many tokens), a request with another cache_salt does not,
+    and --noprefix_reuse turns it off."""
+    import subprocess
+    import sys
+
+    from support import REPO, launcher_env
+
+    doc = random_prompt(CONFIG_A, 70, seed=21).tolist()
+    turn = doc[:64] + random_prompt(CONFIG_A, 20, seed=22).tolist()
+    lines = [{"id": "doc", "tokens": doc}, {"id": "turn", "tokens": turn},
+             {"id": "other-tenant", "tokens": turn, "cache_salt": "tenant-2"}]
+    reqs = tmp_path / "reqs.jsonl"
+    reqs.write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+    def run(tag, *extra):
+        res = tmp_path / f"{tag}.jsonl"
+        r = subprocess.run([sys.executable, "-m", "slope_jax.launch", "--cpu_devices=1", "--dtype=float32",
+                            "--batch_size=1", "--prefix_block=16", f"--requests={reqs}", f"--results={res}",
+                            f"--kv_dir={tmp_path / tag}", *extra], cwd=REPO, env=launcher_env(),
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return {x["id"]: x for x in map(json.loads, res.read_text().splitlines())}, r.stderr
+
+    recs, err = run("on")
+    assert [recs[i]["cached_tokens"] for i in ("doc", "turn", "other-tenant")] == [0, 64, 0]
+    assert "238 prompt tokens (64 from the prefix cache)" in err, err[-2000:]
+    off, _ = run("off", "--noprefix_reuse")
+    assert [off[i]["cached_tokens"] for i in ("doc", "turn", "other-tenant")] == [0, 0, 0]
+    assert recs["turn"]["first_token"] == off["turn"]["first_token"]
+    assert kv.read_manifest(str(tmp_path / "off" / "doc"))["sliding_policy"] == "last_window"
+    assert kv.read_manifest(str(tmp_path / "on" / "doc"))["sliding_policy"] == "full"

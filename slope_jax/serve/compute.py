@@ -54,13 +54,14 @@ def _failure_text(err: BaseException) -> str:
     return f"prefill failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
 
 
-def prefill_isolated(engine, prompts, ids, arrivals=None, *, kv_store=None, kv_full: bool = False,
-                     top_k: int = 5) -> list:
+def prefill_isolated(engine, prompts, ids, arrivals=None, *, kv_store=None, kv_full: bool | None = None,
+                     top_k: int = 5, salts=None) -> list:
     """Run prompts so that a failure is attributed to the request that causes it: prompts go in the engine steps of
     `steps.group_steps` (one length bucket, at most `parallel.in_flight` prompts each, as the engine groups them); a
     step that fails (on any process) is retried one request at a time, and only a request that fails alone gets an
     error. `kv_store` (`kv.store.KVStore` or None): where the exports go and whether they may replace earlier ones.
-    Returns a PrefillResult or an error string per prompt, in order."""
+    `salts`: each prompt's `cache_salt` (None: no salt for any). Returns a PrefillResult or an error string per
+    prompt, in order."""
     from slope_jax.serve.requests import RequestError
 
     export = ({} if kv_store is None else {"kv_dir": kv_store.kv_dir, "overwrite": kv_store.overwrite})
@@ -70,7 +71,8 @@ def prefill_isolated(engine, prompts, ids, arrivals=None, *, kv_store=None, kv_f
         try:
             out = engine.prefill([prompts[i] for i in idx], ids=[ids[i] for i in idx],
                                  arrival_times=None if arrivals is None else [arrivals[i] for i in idx],
-                                 kv_full=kv_full, return_kv=False, top_k=top_k, **export)
+                                 kv_full=kv_full, return_kv=False, top_k=top_k,
+                                 cache_salt=None if salts is None else [salts[i] for i in idx], **export)
         except Exception as e:  # noqa: BLE001 - attributed below; a dead peer is reported by the peer watch
             err = e
             if not isinstance(e, RequestError):
@@ -89,7 +91,7 @@ def prefill_isolated(engine, prompts, ids, arrivals=None, *, kv_store=None, kv_f
     return outcomes
 
 
-def compute_loop(engine, broadcast, front, *, kv_store=None, kv_full: bool = False, top_k: int = 5) -> None:
+def compute_loop(engine, broadcast, front, *, kv_store=None, kv_full: bool | None = None, top_k: int = 5) -> None:
     """Every process: process 0 (`front`, None elsewhere) takes the next batch from the scheduler and broadcasts it;
     all compute it; process 0 corrects the cost model online and writes the records. Ends when process 0 broadcasts
     None."""
@@ -102,18 +104,20 @@ def compute_loop(engine, broadcast, front, *, kv_store=None, kv_full: bool = Fal
             batch = front.intake.next_batch()
             if batch is not None:
                 pending = {item.id: item for item in batch}
-                payload = [[item.id, item.request.tokens.tolist()] for item in batch]
+                payload = [[item.id, item.request.tokens.tolist(), item.request.cache_salt] for item in batch]
         payload = broadcast(payload)
         if payload is None:
             break
         ids = [p[0] for p in payload]
         prompts = [np.asarray(p[1], np.int32) for p in payload]
+        salts = [p[2] for p in payload]
         arrivals = [pending[i].arrival_s for i in ids] if front is not None else None
         t_batch, compiled_before = time.perf_counter(), set(engine.compile_ms)
-        outcomes = prefill_isolated(engine, prompts, ids, arrivals, kv_store=kv_store, kv_full=kv_full, top_k=top_k)
+        outcomes = prefill_isolated(engine, prompts, ids, arrivals, kv_store=kv_store, kv_full=kv_full, top_k=top_k,
+                                    salts=salts)
         if front is not None:
             # the engine's busy time for the cost model's online correction: wall time less first-time compilation
             busy_ms = (time.perf_counter() - t_batch) * 1e3 - sum(ms for key, ms in engine.compile_ms.items()
                                                                   if key not in compiled_before)
-            front.observe([len(p) for p in prompts], busy_ms)
+            front.observe([pending[i].work for i in ids], busy_ms)  # (n, cached) for expected prefix hits
             front.record_batch(ids, outcomes, pending)

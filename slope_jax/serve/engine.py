@@ -156,6 +156,15 @@ class PrefillEngine:
             self._weights = reuse.params_digest(self.params)
         return self._weights
 
+    def use_store(self, store: KVStore) -> None:
+        """Export to `store.kv_dir` under this `KVStore`'s policy (overwrite, retention) and index: the launcher's
+        one owner of the directory, shared by its intake and this engine."""
+        if self.reuse.enabled:
+            n = store.scan()
+            if n:
+                log.info("kv_dir %s: %d export(s) indexed for prefix reuse", store.kv_dir, n)
+        self._stores[os.path.realpath(store.kv_dir)] = store
+
     def kv_store(self, kv_dir: str) -> KVStore:
         """The policy owner of `kv_dir` (`kv.store.KVStore`), made once per directory: its reuse index is built from
         the manifests already there, so prefixes exported by earlier runs are reused."""

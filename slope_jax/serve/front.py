@@ -44,7 +44,8 @@ def result_record(req, res, engine, tokenizer, default_slo_ms: float | None, ite
     if tokenizer is not None:
         rec["first_token_text"] = tokenizer.decode([res.first_token], skip_special_tokens=False)
     rec.update({"logprob": round(res.logprob, 6), "top_k": [[t, round(v, 6)] for t, v in res.top_k],
-                "num_tokens": res.num_tokens, "bucket": engine.bucket(res.num_tokens),
+                "num_tokens": res.num_tokens, "cached_tokens": res.cached_tokens,
+                "bucket": engine.step_key(res.num_tokens, res.cached_tokens)[0],
                 "ttft_ms": round(res.ttft_ms, 3), "queue_ms": round(res.queue_ms, 3),
                 "compile_ms": round(res.compile_ms, 3), "compute_ms": round(res.compute_ms, 3),
                 "export_ms": round(res.export_ms, 3), "kv_path": res.kv_path})
@@ -156,7 +157,8 @@ class Front:
         front.predict_ms = slo.batch_model(engine, hardware, config.dtype, jax.local_device_count())
         front.scheduler = _scheduler(config, engine, front.predict_ms)
         front.source = start_source(config, src, cfg, max_tokens, tok_path, kv_store)
-        front.intake = Intake(front.source, front.scheduler, front.parse_line, front.emit, config.ttft_slo_ms)
+        front.intake = Intake(front.source, front.scheduler, front.parse_line, front.emit, config.ttft_slo_ms,
+                              peek=front.expected_hit)
         return front
 
     def emit(self, rec: dict) -> None:
@@ -210,7 +212,18 @@ class Front:
         except Exception as e:  # noqa: BLE001 - a failing prediction is this request's error, not the run's
             return f"memory admission failed: {type(e).__name__}: {e}"
 
-    def observe(self, lengths: list[int], busy_ms: float) -> None:
+    def expected_hit(self, req) -> int:
+        """Prompt tokens `req` will most likely take from the prefix cache (`serve.reuse.peek`): admission predicts
+        its TTFT from the rest. 0 when reuse is off or the lookup fails."""
+        from slope_jax.serve import reuse
+
+        try:
+            return reuse.peek(self.engine, req.tokens, req.cache_salt, self.config.kv_dir)
+        except Exception as e:  # noqa: BLE001 - a failed lookup only makes the prediction pessimistic
+            logging.warning("prefix lookup for admission of %s failed: %s", req.id, e)
+            return 0
+
+    def observe(self, lengths: list, busy_ms: float) -> None:
         """Online correction: the cost model learns the batch's measured busy time; the scheduler frees the engine."""
         self.predict_ms.observe(lengths, busy_ms)
         self.scheduler.finished(time.perf_counter())
@@ -236,17 +249,19 @@ def _scheduler(config: LaunchConfig, engine, predict_ms):
 
     return Scheduler(predict_ms, batch_size=config.batch_size, batch_wait_ms=config.batch_wait_ms,
                      order=config.order, slo_policy=config.slo_policy, default_slo_ms=config.ttft_slo_ms,
-                     bucket=engine.bucket, per_step=predict_ms.per_step, compile_ms=predict_ms.compile_ms)
+                     bucket=engine.bucket, per_step=predict_ms.per_step, compile_ms=predict_ms.compile_ms,
+                     hit_key=engine.step_key)
 
 
 class Intake:
     """Process 0's side of the loop: lines from the reader thread → parsed requests (as `scheduler.Pending`) in the
     scheduler, bad lines and rejected requests → error records at once."""
 
-    def __init__(self, reader, scheduler, parse_line, emit, default_slo_ms: float | None = None):
+    def __init__(self, reader, scheduler, parse_line, emit, default_slo_ms: float | None = None, peek=None):
         from slope_jax.serve.scheduler import Pending  # numpy: not before main() has set up SIGTERM handling
 
         self.reader, self.scheduler, self.parse_line, self.emit = reader, scheduler, parse_line, emit
+        self.peek = peek  # request -> prompt tokens expected from the prefix cache
         self.default_slo_ms = default_slo_ms
         self.pending_type = Pending
         self.closed = False
@@ -257,7 +272,9 @@ class Intake:
             return
         for req in self.parse_line(*item):
             deadline = None if req.ttft_slo_ms is None else req.arrival + req.ttft_slo_ms / 1e3
-            self.scheduler.add(self.pending_type(req, req.id, int(req.tokens.size), req.arrival, deadline))
+            item = self.pending_type(req, req.id, int(req.tokens.size), req.arrival, deadline)
+            item.cached_tokens = self.peek(req) if self.peek is not None else 0
+            self.scheduler.add(item)
 
     def next_batch(self):
         """The next batch to run (a list of Request), or None when the input is closed and everything is served."""

@@ -64,7 +64,7 @@ _DECODE_ONLY = frozenset({
     "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output", "stream_options",
     "return_token_ids", "priority"})
 _FIELDS = frozenset({"prompt", "model", "max_tokens", "max_completion_tokens", "logprobs", "ttft_slo_ms",
-                     "request_id", "stream", "echo", "n", "best_of", "kv_transfer_params"}) | _DECODE_ONLY
+                     "request_id", "stream", "echo", "n", "best_of", "kv_transfer_params", "cache_salt"}) | _DECODE_ONLY
 
 
 class HttpError(Exception):
@@ -97,9 +97,10 @@ class Validated:
 
 def _param_of(message: str) -> str:
     """The HTTP field a boundary message is about. The id's format is checked before the boundary runs, so the
-    boundary can only fault the prompt, `ttft_slo_ms` (named in quotes) or a duplicate id."""
-    if "'ttft_slo_ms'" in message:
-        return "ttft_slo_ms"
+    boundary can only fault the prompt, `ttft_slo_ms` or `cache_salt` (named in quotes) or a duplicate id."""
+    for field in ("ttft_slo_ms", "cache_salt"):
+        if f"'{field}'" in message:
+            return field
     if "duplicate id" in message:
         return "request_id"
     return "prompt"
@@ -125,7 +126,7 @@ def validate(body: bytes, headers: dict, number: int, *, model_name: str, vocab_
     _check_first_token_only(obj, where)
     logprobs = _check_answer_options(obj, where, top_k)
     rid, param_id = _request_id(obj, headers, where)
-    line = {"id": rid, **({} if obj.get("ttft_slo_ms") is None else {"ttft_slo_ms": obj["ttft_slo_ms"]})}
+    line = {"id": rid, **{k: obj[k] for k in ("ttft_slo_ms", "cache_salt") if obj.get(k) is not None}}
     line.update(_prompt_field(obj, where, tokenizer))
     try:
         req = requests.parse(json.dumps(line), number, vocab_size=vocab_size, max_tokens=max_tokens,
@@ -260,7 +261,8 @@ def completion_body(record: dict, validated: Validated, model_name: str) -> tupl
         "id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
         "choices": [{"index": 0, "text": text, "token_ids": [first], "logprobs": logprobs, "finish_reason": "length",
                      "stop_reason": None}],
-        "usage": {"prompt_tokens": int(tokens.size), "completion_tokens": 1, "total_tokens": int(tokens.size) + 1},
+        "usage": {"prompt_tokens": int(tokens.size), "completion_tokens": 1, "total_tokens": int(tokens.size) + 1,
+                  "prompt_tokens_details": {"cached_tokens": int(record.get("cached_tokens", 0))}},
         "kv_transfer_params": {"slope_jax_kv_path": os.path.abspath(record["kv_path"]),
                                "slope_jax_first_token": first, "num_tokens": record["num_tokens"],
                                "token_ids_sha256": kvfmt.token_hash(tokens)},

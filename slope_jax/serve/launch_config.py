@@ -49,8 +49,21 @@ flags.DEFINE_string("results", "-", "JSONL file for results, or '-' for stdout (
                     "--overwrite.")
 flags.DEFINE_string("kv_dir", None, "Export each request's KV cache to KV_DIR/<id>/ (safetensors + manifest.json). "
                     "Every process writes the pieces it holds; use a shared filesystem across hosts.")
-flags.DEFINE_bool("kv_full", False, "Export every token of sliding-window layers (default: their last W tokens, "
-                  "all a decoder needs).")
+flags.DEFINE_bool("kv_full", None, "Export every token of sliding-window layers (--kv_full) or only their last W "
+                  "tokens, all a decoder needs (--nokv_full). Default: every token while --prefix_reuse is on (a "
+                  "later prompt can then reuse an export from any block boundary), else the last W.")
+flags.DEFINE_bool("prefix_reuse", True, "Prefix reuse: a prompt whose leading blocks were prefilled before (same "
+                  "weights, dtype, KV layout and cache_salt) computes only its new tokens, attending to the cached "
+                  "KV, which comes from host memory or from the --kv_dir exports (also those of earlier runs). "
+                  "--noprefix_reuse computes every prompt cold.")
+flags.DEFINE_integer("prefix_block", 128, "Prefix reuse: tokens per hashed block; a hit reuses whole blocks, at "
+                     "most n-1 tokens of an n-token prompt.", lower_bound=1)
+flags.DEFINE_float("prefix_host_gib", 2.0, "Prefix reuse: GiB of host memory for the KV of recent prompts (least "
+                   "recently used out first; 0 = only the --kv_dir exports; single-process runs).", lower_bound=0)
+flags.DEFINE_float("kv_dir_max_gib", None, "Retention: keep at most this many GiB of exports in --kv_dir, removing "
+                   "the least recently used first (never one a request is using). Default: no limit.")
+flags.DEFINE_float("kv_dir_max_age_h", None, "Retention: remove exports of --kv_dir not used for this many hours. "
+                   "Default: no limit.")
 flags.DEFINE_bool("overwrite", False, "Replace an earlier run's outputs: the --results file and existing exports "
                   "KV_DIR/<id>/ (atomically: readers see the old or the new export, never a mix). Default: an "
                   "existing --results file refuses the run at start-up, and a request whose export exists gets an "
@@ -120,7 +133,8 @@ flags.DEFINE_bool("summary", True, "Print a one-screen summary at the end (proce
 # a new flag of another kind must be added here.
 LAYOUT_FLAGS = tuple(f.name for f in dataclasses.fields(ParallelConfig))
 STEP_FLAGS = (("layout", "expected_lengths", "ttft_slo_ms", "slo_percentile", "hardware", "dtype", "kv_full",
-               "overwrite", "cpu_devices", "platform") + LAYOUT_FLAGS + StepOptions.field_names())
+               "overwrite", "cpu_devices", "platform", "prefix_reuse", "prefix_block") + LAYOUT_FLAGS
+              + StepOptions.field_names())
 
 
 class FlagError(ValueError):
@@ -147,8 +161,13 @@ class LaunchConfig:
     requests: str = "-"
     results: str = "-"
     kv_dir: str | None = None
-    kv_full: bool = False
+    kv_full: bool | None = None
     overwrite: bool = False
+    prefix_reuse: bool = True
+    prefix_block: int = 128
+    prefix_host_gib: float = 2.0
+    kv_dir_max_gib: float | None = None
+    kv_dir_max_age_h: float | None = None
     logits_dir: str | None = None
     top_k: int = 5
     batch_size: int = 8
@@ -206,12 +225,15 @@ class LaunchConfig:
         for name, value in positive.items():
             if not value > 0:
                 raise FlagError(f"--{name}={value}: must be > 0")
-        for name in ("max_tokens", "cpu_devices", "device_memory_gib"):
+        for name in ("max_tokens", "cpu_devices", "device_memory_gib", "prefix_block", "kv_dir_max_gib",
+                     "kv_dir_max_age_h"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise FlagError(f"--{name}={value}: must be > 0")
         if self.ttft_slo_ms is not None and not 0 < self.ttft_slo_ms < float("inf"):
             raise FlagError(f"--ttft_slo_ms={self.ttft_slo_ms}: must be a finite number > 0")
+        if not 0 <= self.prefix_host_gib < float("inf"):
+            raise FlagError(f"--prefix_host_gib={self.prefix_host_gib}: must be a finite number >= 0")
         if not 0 < self.slo_percentile <= 100:
             raise FlagError(f"--slo_percentile={self.slo_percentile}: must be in (0, 100]")
 
@@ -263,12 +285,23 @@ class LaunchConfig:
         return ParallelConfig(**{name: getattr(self, name) for name in LAYOUT_FLAGS})
 
     def kv_store(self):
-        """The one owner of the --kv_dir policy (`kv.store.KVStore`, with --overwrite), or None without --kv_dir."""
+        """The one owner of the --kv_dir policy (`kv.store.KVStore`: --overwrite, retention by --kv_dir_max_gib and
+        --kv_dir_max_age_h), or None without --kv_dir."""
         if self.kv_dir is None:
             return None
         from slope_jax.kv.store import KVStore
 
-        return KVStore(self.kv_dir, overwrite=self.overwrite)
+        return KVStore(self.kv_dir, overwrite=self.overwrite,
+                       max_bytes=None if self.kv_dir_max_gib is None else int(self.kv_dir_max_gib * 2**30),
+                       max_age_s=None if self.kv_dir_max_age_h is None else self.kv_dir_max_age_h * 3600.0)
+
+    def reuse_options(self):
+        """The engine's prefix-reuse options (`kv.prefix.ReuseOptions`) from --prefix_reuse, --prefix_block and
+        --prefix_host_gib."""
+        from slope_jax.kv.prefix import ReuseOptions
+
+        return ReuseOptions(enabled=self.prefix_reuse, block_size=self.prefix_block,
+                            host_bytes=int(self.prefix_host_gib * 2**30))
 
     def fingerprint_options(self) -> dict:
         """The step-shaping options of the start-up fingerprint: flag name -> value for `STEP_FLAGS`, plus

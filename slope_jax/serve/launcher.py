@@ -76,10 +76,13 @@ def _serve(config: LaunchConfig) -> int:
     cfg, max_tokens, hardware = _limits(config)
     parallel = _choose_layout(config, cfg, hardware, max_tokens)
     engine = PrefillEngine.from_checkpoint(config.checkpoint, parallel, config.dtype,
-                                           progress=jax.process_index() == 0, options=config.step_options)
+                                           progress=jax.process_index() == 0, options=config.step_options,
+                                           reuse=config.reuse_options())
     if config.precompile:
         engine.precompile(config.precompile_lengths)
     kv_store = config.kv_store()  # the one owner of the --kv_dir policy: the intake, the HTTP endpoint, the engine
+    if kv_store is not None:
+        engine.use_store(kv_store)  # its reuse index (earlier runs' exports too) and retention serve the engine
     front = Front.open(engine, config, cfg, max_tokens, hardware, kv_store) if jax.process_index() == 0 else None
     compute.compute_loop(engine, compute.Broadcast(jax.process_count() > 1), front, kv_store=kv_store,
                          kv_full=config.kv_full, top_k=config.top_k)

@@ -7,7 +7,9 @@
 Fields: `id` (1-128 characters of [A-Za-z0-9._-], not starting with '.': it names the request's KV directory;
 unique within a run), exactly one of `tokens` (non-empty list of ints in [0, vocab)) or `text` (non-empty string),
 optional `text_literal` (bool, with `text`: special-token strings such as "<|endoftext|>" are encoded as ordinary
-text instead of as the control token), optional `ttft_slo_ms` (finite number > 0). Anything else is an error.
+text instead of as the control token), optional `ttft_slo_ms` (finite number > 0), optional `cache_salt` (a
+non-empty string of at most 1024 characters, vLLM's field: prompts share cached prefixes only with prompts of the
+same salt; one per tenant). Anything else is an error.
 
 The boundary is total: whatever goes wrong while decoding (the line must be UTF-8), parsing (strict JSON: NaN,
 Infinity and numbers that overflow a float are refused), validating or tokenizing one line raises `LineError` for that
@@ -62,7 +64,8 @@ def check_request_id(request_id: str, where: str = "request") -> str:
     return request_id
 
 
-_FIELDS = {"id", "tokens", "text", "text_literal", "ttft_slo_ms"}
+_FIELDS = {"id", "tokens", "text", "text_literal", "ttft_slo_ms", "cache_salt"}
+MAX_SALT = 1024
 
 
 @dataclasses.dataclass
@@ -72,6 +75,7 @@ class Request:
     ttft_slo_ms: float | None
     arrival: float  # time.perf_counter() when the line arrived
     line: int
+    cache_salt: str | None = None
 
 
 def _short(value, limit: int = 60) -> str:
@@ -156,6 +160,7 @@ def _parse(line, where, lineno, vocab_size, max_tokens, tokenizer, seen_ids, arr
     slo = obj.get("ttft_slo_ms")
     if slo is not None and (isinstance(slo, bool) or not isinstance(slo, (int, float)) or not 0 < slo < math.inf):
         raise RequestError(f"{where}: 'ttft_slo_ms' must be a finite number > 0, got {_short(slo)}")
+    salt = _salt(obj.get("cache_salt"), where)
     if "text" in obj:
         ids = _encode(obj["text"], literal, tokenizer, where)
     else:
@@ -174,7 +179,15 @@ def _parse(line, where, lineno, vocab_size, max_tokens, tokenizer, seen_ids, arr
         if not 0 <= t < vocab_size:
             raise RequestError(f"{where}: token id {_short(t, 40)} at index {i} is outside the vocabulary "
                                f"[0, {vocab_size})")
-    return Request(rid, np.asarray(ids, dtype=np.int32), None if slo is None else float(slo), arrival, lineno)
+    return Request(rid, np.asarray(ids, dtype=np.int32), None if slo is None else float(slo), arrival, lineno, salt)
+
+
+def _salt(salt, where: str) -> str | None:
+    """The optional `cache_salt`: None, or a non-empty string of at most MAX_SALT characters (RequestError)."""
+    if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_SALT):
+        raise RequestError(f"{where}: 'cache_salt' must be a non-empty string of at most {MAX_SALT} characters, got "
+                           f"{_short(salt)}")
+    return salt
 
 
 def _encode(text, literal: bool, tokenizer, where: str) -> list[int]:

@@ -105,6 +105,12 @@ class Pending:
     predicted_compute_ms: float | None = None
     dropped: bool = False  # rejected after having been admitted (work ahead overran its prediction)
     seq: int = -1  # arrival order, set by `add` (FCFS tie-break)
+    cached_tokens: int = 0  # prompt tokens expected from the prefix cache (prefix reuse): the step computes the rest
+
+    @property
+    def work(self) -> int | tuple[int, int]:
+        """What the cost model predicts from: the prompt length, or (length, cached tokens) for a prefix hit."""
+        return self.num_tokens if not self.cached_tokens else (self.num_tokens, self.cached_tokens)
 
     @property
     def slo_ms(self) -> float | None:
@@ -128,6 +134,9 @@ class Scheduler:
       per_step: prompts per engine step (`parallel.in_flight` on a mesh, 1 on one device; >= 1).
       compile_ms: `compile_ms((bucket, prompts)) -> float`, the expected XLA compile time in ms of a step shape (0
         when compiled); needs `bucket`. None: compilation is not charged.
+      hit_key: `hit_key(n, cached) -> (bucket, cached rows)`, the step of a prefix hit (`PrefillEngine.step_key`);
+        a hit's compile shape is then `((bucket, cached rows), prompts)`. Requests carry their expected hit in
+        `Pending.cached_tokens`; `predict_ms` then receives `(n, cached)` for them (`Pending.work`).
     Raises:
       ValueError naming the argument and its allowed values.
     Thread safety: `add` may be called from a reader thread while the loop calls `take_batch`.
@@ -136,7 +145,8 @@ class Scheduler:
     def __init__(self, predict_ms: Callable[[list[int]], float], *, batch_size: int, batch_wait_ms: float,
                  order: str = "edf", slo_policy: str = "reject", default_slo_ms: float | None = None,
                  bucket: Callable[[int], int] | None = None, per_step: int = 1,
-                 compile_ms: Callable[[tuple[int, int]], float] | None = None):
+                 compile_ms: Callable[[tuple[int, int]], float] | None = None,
+                 hit_key: Callable[[int, int], tuple[int, int]] | None = None):
         if order not in ORDERS:
             raise ValueError(f"order={order!r}: must be one of {ORDERS}")
         if slo_policy not in SLO_POLICIES:
@@ -152,6 +162,7 @@ class Scheduler:
         if compile_ms is not None and bucket is None:
             raise ValueError("compile_ms needs bucket: compiled step shapes are (bucket, prompts)")
         self.bucket, self.per_step, self.compile_ms = bucket, int(per_step), compile_ms
+        self.hit_key = hit_key
         self.predict_ms = predict_ms
         self.batch_size = int(batch_size)
         self.batch_wait_s = batch_wait_ms / 1e3
@@ -242,9 +253,16 @@ class Scheduler:
     def _group(self, n: int) -> int:
         return 0 if self.bucket is None else int(self.bucket(int(n)))
 
-    def _shapes(self, batch: Sequence[Pending]) -> set[tuple[int, int]]:
-        """The step shapes (bucket, prompts) the engine runs for this batch (`steps.group_steps`)."""
-        return step_shapes([p.num_tokens for p in batch], self._group, self.per_step)
+    def _step_key(self, work):
+        """The compiled step a prompt runs in: its bucket, or for a prefix hit (work = (n, cached)) `hit_key(n,
+        cached)`, the bucket of its new tokens and its cached-prefix rows (`PrefillEngine.step_key`)."""
+        if isinstance(work, tuple):
+            return self.hit_key(*work) if self.hit_key is not None else self._group(work[0])
+        return self._group(work)
+
+    def _shapes(self, batch: Sequence[Pending]) -> set:
+        """The step shapes (bucket or step key, prompts) the engine runs for this batch (`steps.group_steps`)."""
+        return step_shapes([p.work for p in batch], self._step_key, self.per_step)
 
     def _compile_part_ms(self, batch: Sequence[Pending], compiled: set) -> float:
         """Expected ms compiling the step shapes of `batch` not in `compiled`."""
@@ -254,7 +272,7 @@ class Scheduler:
 
     def _cost_ms(self, batch: Sequence[Pending], compiled: set) -> tuple[float, set]:
         """Predicted ms of a batch (compute + compiling its shapes not in `compiled`) and the shapes it compiles."""
-        ms = float(self.predict_ms([p.num_tokens for p in batch]))
+        ms = float(self.predict_ms([p.work for p in batch]))
         if self.compile_ms is None:
             return ms, set()
         new = self._shapes(batch) - compiled

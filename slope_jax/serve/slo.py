@@ -9,6 +9,7 @@ over lengths, the measurements the machine's actual speed (a calibration off by 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -99,19 +100,32 @@ class BatchModel:
     16–25 s for buckets 32–1536 on the CPU); before the first compile, `compile_prior_ms` (`compile_prior_ms()`).
     """
 
-    def __init__(self, engine, step_ms, compile_prior_ms: float):
+    def __init__(self, engine, step_ms, compile_prior_ms: float, hit_ms=None):
         self.engine = engine
         self.per_step = 1 if engine.mesh is None else engine.parallel.in_flight
-        self.model = sched_lib.OnlineCorrection(sched_lib.batch_predictor(step_ms, engine.bucket, self.per_step))
+        cold = sched_lib.batch_predictor(step_ms, engine.bucket, self.per_step)
+        hit = functools.lru_cache(maxsize=4096)(hit_ms) if hit_ms is not None else None
+
+        def base(works: list) -> float:
+            # a prefix hit (n, cached) runs its own step: its new tokens and their attention over the cached keys
+            hits = [w for w in works if isinstance(w, tuple)]
+            ms = cold([w for w in works if not isinstance(w, tuple)]) if len(hits) < len(works) else 0.0
+            return ms + sum(hit(*w) if hit is not None else cold([w[0]]) for w in hits)
+
+        self.model = sched_lib.OnlineCorrection(base)
         self.compile_prior_ms = float(compile_prior_ms)
 
-    def __call__(self, lengths: list[int]) -> float:
+    def __call__(self, lengths: list) -> float:
         return self.model(lengths)
 
-    def compile_ms(self, shape: tuple[int, int]) -> float:
-        """Expected ms to compile the step of `shape` = (bucket length, prompts per step); 0 when compiled."""
+    def compile_ms(self, shape: tuple) -> float:
+        """Expected ms to compile the step of `shape` = (bucket length, prompts per step), or for a prefix hit
+        ((bucket, cached rows), prompts per step); 0 when compiled."""
+        key, m = shape
+        key = (key[0], m, key[1]) if isinstance(key, tuple) and key[1] else (
+            (key[0], m) if isinstance(key, tuple) else (key, m))
         seen = self.engine.compile_ms  # insertion-ordered: the last entry is the latest compile
-        if tuple(shape) in seen:
+        if key in seen:
             return 0.0
         return next(reversed(seen.values())) if seen else self.compile_prior_ms
 
@@ -133,4 +147,9 @@ def batch_model(engine, hardware: str, dtype: str, devices_per_host: int) -> Bat
         return float(predict(engine.cfg, layout, bucket, hardware, batch=m, bucket=bucket, dtype=dtype,
                              devices_per_host=devices_per_host).ttft_ms)
 
-    return BatchModel(engine, step_ms, compile_prior_ms(hardware, cache_warm=persistent_cache_warm()))
+    def hit_ms(n: int, cached: int) -> float:
+        bucket, _ = engine.step_key(n, cached)
+        return float(predict(engine.cfg, layout, n - cached, hardware, bucket=bucket, dtype=dtype, cached=cached,
+                             devices_per_host=devices_per_host).ttft_ms)
+
+    return BatchModel(engine, step_ms, compile_prior_ms(hardware, cache_warm=persistent_cache_warm()), hit_ms)

@@ -32,8 +32,9 @@ def group_steps(lengths: Sequence[int], bucket: Callable[[int], T], per_step: in
     """
     if int(per_step) < 1:
         raise ValueError(f"per_step={per_step}: must be >= 1")
-    keys = [bucket(int(n)) for n in lengths]
-    order = sorted(range(len(keys)), key=lambda i: (keys[i], i))
+    keys = [bucket(n if isinstance(n, tuple) else int(n)) for n in lengths]  # a tuple: (n, cached), a prefix hit
+    # keys may mix a bucket (an int) and a prefix hit's (bucket, cached rows): order them as (bucket, rows)
+    order = sorted(range(len(keys)), key=lambda i: (keys[i] if isinstance(keys[i], tuple) else (keys[i], 0), i))
     steps: list[tuple[T, list[int]]] = []
     for i in order:
         if steps and steps[-1][0] == keys[i] and len(steps[-1][1]) < per_step:

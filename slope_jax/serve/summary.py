@@ -1,11 +1,11 @@
 """The launcher's end-of-run summary (process 0, stderr): one row per result record, and count lines computed from
 the same records the results file holds, so every count can be checked against it with `jq`/`grep`.
 
-    id                        tokens   first   TTFT ms    queue (compile)  compute   export  status
-    corpus-600                   600     412   45012.3  44500.1  44390.2    512.2     21.0  ok, SLO missed (late)
-    invalid-token                                                                            failed:
+    id                        tokens  cached   first   TTFT ms    queue (compile)  compute   export  status
+    corpus-600                   600       0     412   45012.3  44500.1  44390.2    512.2     21.0  ok, SLO missed
+    invalid-token                                                                                    failed:
         line 6 (invalid-token): prompt 0: token id 5000 at index 2 is outside the vocabulary [0, 1024)
-    6 records: 4 ok (1 SLO met, 2 late), 1 rejected, 1 failed; 2110 prompt tokens in 95.1 s (22 tokens/s ...)
+    6 records: 4 ok (1 SLO met, 2 late), 1 rejected, 1 failed; 2110 prompt tokens (0 from the prefix cache) in ...
     SLO attainment 20.0% (1/5); goodput ... served 4, late 2, rejected 1, failed 1; wall 95.1 s
 
 An error is never cut: it goes on its own lines under its row, wrapped at `width` columns. The two count lines
@@ -22,8 +22,8 @@ from typing import Sequence
 from slope_jax.serve.scheduler import slo_stats
 
 MAX_ROWS = 40  # rows shown; the count lines always cover every record
-_HEAD = (f"{'id':<24} {'tokens':>7} {'first':>7} {'TTFT ms':>9} {'queue':>8} {'(compile)':>9} {'compute':>8} "
-         f"{'export':>8}  status")
+_HEAD = (f"{'id':<24} {'tokens':>7} {'cached':>7} {'first':>7} {'TTFT ms':>9} {'queue':>8} {'(compile)':>9} "
+         f"{'compute':>8} {'export':>8}  status")
 
 
 def _status(r: dict) -> str:
@@ -37,9 +37,10 @@ def _status(r: dict) -> str:
 def _row(r: dict) -> str:
     if "error" in r:
         name = r.get("id") or f"(line {r.get('line')})"
-        return f"{name:<24} {'':>7} {'':>7} {'':>9} {'':>8} {'':>9} {'':>8} {'':>8}  {_status(r)}"
-    return (f"{r['id']:<24} {r['num_tokens']:>7} {r['first_token']:>7} {r['ttft_ms']:>9.1f} {r['queue_ms']:>8.1f} "
-            f"{r['compile_ms']:>9.1f} {r['compute_ms']:>8.1f} {r['export_ms']:>8.1f}  {_status(r)}")
+        return f"{name:<24} {'':>7} {'':>7} {'':>7} {'':>9} {'':>8} {'':>9} {'':>8} {'':>8}  {_status(r)}"
+    return (f"{r['id']:<24} {r['num_tokens']:>7} {r.get('cached_tokens', 0):>7} {r['first_token']:>7} "
+            f"{r['ttft_ms']:>9.1f} {r['queue_ms']:>8.1f} {r['compile_ms']:>9.1f} {r['compute_ms']:>8.1f} "
+            f"{r['export_ms']:>8.1f}  {_status(r)}")
 
 
 def count_line(records: Sequence[dict], wall_s: float) -> str:
@@ -50,8 +51,10 @@ def count_line(records: Sequence[dict], wall_s: float) -> str:
     met = sum(1 for r in ok if r.get("slo_met") is True)
     late = sum(1 for r in records if r.get("late") is True)
     toks = sum(r["num_tokens"] for r in ok)
+    cached = sum(r.get("cached_tokens", 0) for r in ok)
     return (f"{len(records)} records: {len(ok)} ok ({met} SLO met, {late} late), {rejected} rejected, "
-            f"{len(records) - len(ok) - rejected} failed; {toks} prompt tokens in {wall_s:.1f} s "
+            f"{len(records) - len(ok) - rejected} failed; {toks} prompt tokens ({cached} from the prefix cache) in "
+            f"{wall_s:.1f} s "
             f"({toks / max(wall_s, 1e-9):.0f} tokens/s including compilation)")
 
 
