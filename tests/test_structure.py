@@ -238,3 +238,61 @@ def test_undefined_name_check_finds_a_missing_import(tmp_path):
     path = tmp_path / "m.py"
     path.write_text("import os\n\ndef f(x):\n    y = os.sep\n    return best_seconds(lambda: x + y)\n")
     assert _undefined_names(str(path)) == [("f", 3, "best_seconds")]
+
+
+# absl flags are read in at most this many functions per module of slope_jax/ (issue 33): a command builds one frozen
+# config from the parsed flags at its entry point (`LaunchConfig.from_flags(FLAGS)`, `PlanConfig.from_flags(FLAGS)`)
+# and passes it down; nothing below reads FLAGS. Module-level flag definitions are outside every function.
+MAX_FLAGS_READERS = 2
+
+
+def _flags_readers(path: str) -> list[str]:
+    """`name:line` of each function (def / async def, methods and nested functions included) whose own body reads
+    an attribute or item of a name `FLAGS` (`FLAGS.x`, `FLAGS[...]`); an access inside a nested function counts for
+    the innermost function only."""
+    import ast
+
+    def reads_flags(node) -> bool:
+        return (isinstance(node, (ast.Attribute, ast.Subscript)) and isinstance(node.value, ast.Name)
+                and node.value.id == "FLAGS")
+
+    found = []
+
+    def visit(node, function):
+        if function is not None and reads_flags(node) and f"{function.name}:{function.lineno}" not in found:
+            found.append(f"{function.name}:{function.lineno}")
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):  # decorators, defaults: the enclosing scope
+            for outer in (*node.decorator_list, node.args, node.returns):
+                if outer is not None:
+                    visit(outer, function)
+            for stmt in node.body:
+                visit(stmt, node)
+            return
+        for child in ast.iter_child_nodes(node):
+            visit(child, function)
+
+    visit(ast.parse(open(path).read(), path), None)
+    return found
+
+
+def test_flags_read_in_at_most_two_functions_per_module():
+    files = [os.path.join(root, f) for root, _, names in sorted(os.walk(os.path.join(REPO, "slope_jax")))
+             for f in sorted(names) if f.endswith(".py")]
+    assert len(files) > 50
+    offenders = {os.path.relpath(path, REPO): readers for path in files
+                 if len(readers := _flags_readers(path)) > MAX_FLAGS_READERS}
+    assert not offenders, (f"absl FLAGS read in more than {MAX_FLAGS_READERS} functions of a module (build a frozen "
+                           f"config once with from_flags and pass it down): {offenders}")
+
+
+def test_flags_reader_check_counts_functions(tmp_path):
+    """The checker itself: module-level reads (and a default argument's) do not count, a nested function counts on
+    its own (not its parent), FLAGS[...] counts, a function reading twice counts once, another name's attributes and
+    FLAGS passed as a value do not count."""
+    (tmp_path / "m.py").write_text(
+        "FLAGS = flags.FLAGS\nflags.DEFINE_string('x', None, 'x')\nV = FLAGS.x\n\n"
+        "def a():\n    return FLAGS.x + FLAGS.y\n\n"
+        "def outer():\n    def inner():\n        return FLAGS['x'].value\n    return inner\n\n"
+        "class C:\n    async def m(self):\n        return FLAGS.z\n\n"
+        "def b(fv=FLAGS, n=FLAGS.n):\n    return fv.x, other.FLAGS, FLAGS\n")
+    assert _flags_readers(str(tmp_path / "m.py")) == ["a:5", "inner:9", "m:14"]

@@ -21,6 +21,7 @@ Table columns (per length):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -74,21 +75,52 @@ def load_model(spec: str):
                             f"name in {os.path.join(REPO, 'configs')}")
 
 
-def _percentile() -> float:
-    p = FLAGS.percentile
-    if not 0 < p <= 100:
-        raise app.UsageError(f"--percentile={p}: must be in (0, 100]")
-    return p / 100
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    """The planner CLI's options, one field per flag of `_define_flags` (same name, same default; the flags' help
+    says what each means), built once from the parsed flags by `from_flags` and passed to the command that runs.
+    `lengths` are the --lengths as integers. Built directly (tests), call `validate()` for the same checks."""
 
+    model: str = "gpt-oss-120b"
+    hardware: str = "mi250"
+    hosts: int = 4
+    devices_per_host: int = 8
+    ttft_slo_ms: float = 1000.0
+    percentile: float = 90.0
+    lengths: tuple[int, ...] = (32768, 65536, 102400)
+    dtype: str | None = None
+    expert_parallel: bool = True
+    json: str | None = None
+    png: str | None = None
+    measured: str | None = None
+    out: str | None = None
 
-def _lengths() -> list[int]:
-    try:
-        out = [int(x) for x in FLAGS.lengths]
-    except ValueError:
-        raise app.UsageError(f"--lengths={','.join(FLAGS.lengths)}: must be integers") from None
-    if not out or min(out) < 1:
-        raise app.UsageError("--lengths: need at least one positive length")
-    return out
+    @classmethod
+    def from_flags(cls, fv: flags.FlagValues) -> PlanConfig:
+        """The options the parsed flags `fv` give, validated (app.UsageError names the flag and its limit)."""
+        values = {f.name: fv[f.name].value for f in dataclasses.fields(cls)}
+        try:
+            lengths = tuple(int(x) for x in values["lengths"])
+        except ValueError:
+            raise app.UsageError(f"--lengths={','.join(values['lengths'])}: must be integers") from None
+        config = cls(**{**values, "lengths": lengths})
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Raises app.UsageError naming the flag and its limit."""
+        if not 0 < self.percentile <= 100:
+            raise app.UsageError(f"--percentile={self.percentile}: must be in (0, 100]")
+        if not self.lengths or min(self.lengths) < 1:
+            raise app.UsageError("--lengths: need at least one positive length")
+        for name, low in (("hosts", 1), ("devices_per_host", 1), ("ttft_slo_ms", 1e-3)):
+            if getattr(self, name) < low:
+                raise app.UsageError(f"--{name}={getattr(self, name)}: must be >= {low}")
+
+    @property
+    def quantile(self) -> float:
+        """--percentile as a fraction (90 -> 0.9): what the search and the report take."""
+        return self.percentile / 100
 
 
 def run_plan(cfg, hw, hosts, dph, lengths, slo_ms, pct, dtype=None, expert_parallel=True):
@@ -101,55 +133,51 @@ def run_plan(cfg, hw, hosts, dph, lengths, slo_ms, pct, dtype=None, expert_paral
     return search.plan(cfg, hw, hosts * dph, dph, lengths, slo_ms=slo_ms, percentile=pct, layouts=layouts, **kw)
 
 
-def cmd_plan():
+def cmd_plan(c: PlanConfig):
     from slope_jax.plan import hardware
 
-    cfg = load_model(FLAGS.model)
-    hw = hardware.load(FLAGS.hardware)
-    entries = run_plan(cfg, hw, FLAGS.hosts, FLAGS.devices_per_host, _lengths(), FLAGS.ttft_slo_ms, _percentile(),
-                       FLAGS.dtype, FLAGS.expert_parallel)
-    print(f"{FLAGS.model} on {FLAGS.hosts} host(s) x {FLAGS.devices_per_host} {hw.name} ({hw.description})")
+    cfg = load_model(c.model)
+    hw = hardware.load(c.hardware)
+    entries = run_plan(cfg, hw, c.hosts, c.devices_per_host, list(c.lengths), c.ttft_slo_ms, c.quantile, c.dtype,
+                       c.expert_parallel)
+    print(f"{c.model} on {c.hosts} host(s) x {c.devices_per_host} {hw.name} ({hw.description})")
     print(f"efficiency: matmul {hw.efficiency.matmul:.3g}, attention {hw.efficiency.attention:.3g} — "
           f"{hw.efficiency.source or 'no source given'}")
     print(f"memory: {hw.memory_budget()} (the profile's memory_fraction and runtime_reserve_gib, sources in it)\n")
     for e in entries:
         print(report.table(e) + "\n")
     print("columns:\n" + report.column_key() + "\n")
-    result = {"model": FLAGS.model, "hardware": hw.to_dict(), "hosts": FLAGS.hosts,
-              "devices_per_host": FLAGS.devices_per_host, "ttft_slo_ms": FLAGS.ttft_slo_ms,
-              "percentile": _percentile(), "lengths": entries}
-    if FLAGS.json:
-        report.write_json(FLAGS.json, result)
-        print(f"wrote {FLAGS.json}")
-    if FLAGS.png:
-        cluster = f"{FLAGS.hosts} host(s) x {FLAGS.devices_per_host} {hw.name} ({hw.description})"
-        report.write_png(FLAGS.png, entries, FLAGS.ttft_slo_ms,
-                         f"{FLAGS.model} on {FLAGS.hosts} x {FLAGS.devices_per_host} {hw.name} (predicted)",
-                         report.caption(FLAGS.model, cluster, FLAGS.ttft_slo_ms, _percentile(), hw.efficiency))
-        print(f"wrote {FLAGS.png}")
+    result = {"model": c.model, "hardware": hw.to_dict(), "hosts": c.hosts, "devices_per_host": c.devices_per_host,
+              "ttft_slo_ms": c.ttft_slo_ms, "percentile": c.quantile, "lengths": entries}
+    if c.json:
+        report.write_json(c.json, result)
+        print(f"wrote {c.json}")
+    if c.png:
+        cluster = f"{c.hosts} host(s) x {c.devices_per_host} {hw.name} ({hw.description})"
+        report.write_png(c.png, entries, c.ttft_slo_ms,
+                         f"{c.model} on {c.hosts} x {c.devices_per_host} {hw.name} (predicted)",
+                         report.caption(c.model, cluster, c.ttft_slo_ms, c.quantile, hw.efficiency))
+        print(f"wrote {c.png}")
 
 
-def cmd_calibrate():
-    import dataclasses
-
+def cmd_calibrate(c: PlanConfig):
     from slope_jax.atomic import atomic_json
     from slope_jax.plan import calibrate, hardware
 
-    if not FLAGS.measured:
+    if not c.measured:
         raise app.UsageError("calibrate needs --measured=PATH (rows from benchmarks/plan_measure_cpu.py)")
-    with open(FLAGS.measured) as fh:
+    with open(c.measured) as fh:
         measured = json.load(fh)
-    cfg = load_model(measured.get("config", FLAGS.model))
-    name = FLAGS.hardware
-    path = FLAGS.out or os.path.join(hardware.HARDWARE_DIR, f"{name}.json")
-    base = hardware.load(path if os.path.isfile(path) else name)
+    cfg = load_model(measured.get("config", c.model))
+    path = c.out or os.path.join(hardware.HARDWARE_DIR, f"{c.hardware}.json")
+    base = hardware.load(path if os.path.isfile(path) else c.hardware)
     if "peak_flops_float32" in measured:  # measured in the same run: the CPU's own peak and copy bandwidth
         base = dataclasses.replace(base, peak_flops={"float32": measured["peak_flops_float32"],
                                                      "bfloat16": measured["peak_flops_float32"]},
                                    intra_host_bytes_per_s=measured["memcpy_bytes_per_s"],
                                    inter_host_bytes_per_s=measured["memcpy_bytes_per_s"])
     eff, rows = calibrate.fit(cfg, base, measured["rows"], source=f"fitted by `python -m slope_jax.plan calibrate` "
-                              f"to {os.path.relpath(FLAGS.measured, REPO)}")
+                              f"to {os.path.relpath(c.measured, REPO)}")
     fitted = calibrate.normalised(base, eff)
     eff = fitted.efficiency
     out = fitted.to_dict()
@@ -164,10 +192,10 @@ def cmd_calibrate():
           f" per step + {eff.layer_overhead_s * 1e3:.3f} ms per layer slot; wrote {path}")
 
 
-def cmd_scenario():
+def cmd_scenario(c: PlanConfig):
     from slope_jax.plan import scenario
 
-    out = FLAGS.out or os.path.join(REPO, "docs", "scenario-gpt-oss-120b-mi250.md")
+    out = c.out or os.path.join(REPO, "docs", "scenario-gpt-oss-120b-mi250.md")
     scenario.write(out)
     print(f"wrote {out}")
 
@@ -182,8 +210,9 @@ def main(argv):
     from slope_jax.parallel.config import LayoutError
     from slope_jax.plan.hardware import HardwareError
 
+    config = PlanConfig.from_flags(FLAGS)  # the only read of the flags
     try:
-        commands[argv[1] if len(argv) == 2 else "plan"]()
+        commands[argv[1] if len(argv) == 2 else "plan"](config)
     except (ConfigError, HardwareError, LayoutError, OSError) as e:
         raise app.UsageError(str(e)) from None
 
