@@ -5,7 +5,8 @@ nothing from tests/ or the rest of benchmarks/.
     python benchmarks/vllm_driver.py spec.json out.json
 
 spec: {"model": dir, "hybrid": bool, "prefix_caching": bool, "extra_config": {...}, "max_tokens": int,
-       "phases": [{"wait_for": path or null, "requests": [{"id", "prompt": [ids], "params": {...} or null}]}]}
+       "phases": [{"wait_for": path or null, "requests": [{"id", "prompt": [ids], "params": {...} or null,
+                                                           "cache_salt": str (optional)}]}]}
 Each phase waits for its `wait_for` file (exports still being written), empties vLLM's prefix cache if it says
 "reset_prefix_cache", then generates its requests in one batch
 (greedy, float32, ignore_eos). out: {"results": {id: {"tokens", "logprobs", "num_cached_tokens",
@@ -46,7 +47,9 @@ def main(spec_path: str, out_path: str) -> None:
                               extra_args={"kv_transfer_params": r["params"]} if r.get("params") else None)
                for r in reqs]
         t = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in reqs], sps, use_tqdm=False)
+        prompts = [{"prompt_token_ids": r["prompt"], **({"cache_salt": r["cache_salt"]} if r.get("cache_salt") else {})}
+                   for r in reqs]
+        outs = llm.generate(prompts, sps, use_tqdm=False)
         out["phase_seconds"].append(time.perf_counter() - t)
         for r, o in zip(reqs, outs):
             c = o.outputs[0]

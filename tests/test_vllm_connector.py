@@ -10,8 +10,12 @@ The reference is a plain vLLM run of the same prompt in the same engine (no expo
 (`SLOPE_VLLM_PYTHON`, default `.venv-vllm/bin/python` as `.ci/run` creates it), one engine per fixture: it starts
 while the exports are computed and first decodes the plain references.
 
+Identity (issue 31): the same run decodes exports computed with other weights of the same config and exports of
+another tenant's cache_salt, by kv_transfer_params and by the kv_dir lookup: vLLM computes those prompts itself (the
+plain run's tokens, 0 external tokens, the reason in the status); the request with the export's own salt loads it.
+
 The vLLM-free decisions (`slope_jax.kv.vllm_plan`: slots, rows per layer kind and KV manager, refusals) are also
-checked directly, without vLLM.
+checked directly, without vLLM (the identity refusals in tests/test_vllm_identity.py).
 """
 
 import json
@@ -25,6 +29,7 @@ import numpy as np
 import pytest
 from support import REPO, SHIPPED, free_port as _free_port, random_prompt
 from test_pd_transformers import WORKER
+from test_vllm_identity import other_weights_checkpoint
 
 from slope_jax import kv, xla_env
 from slope_jax.kv import vllm_plan as plan
@@ -42,6 +47,18 @@ LOGPROB_TOL = 1e-4  # max |Δ logprob| of the 16 greedy tokens vs the plain run;
 LAYOUTS = {"1x1x1": ParallelConfig(), "2x2x2-c2": ParallelConfig(pipeline=2, ring=2, ulysses=2, seq_chunks=2)}
 SLOW_LAYOUTS = {"1x2x4": ParallelConfig(ring=2, ulysses=4)}  # plus "2proc-2x4" (`run_slow`)
 TAMPER_LEN = W + 1
+SALT = "tenant-a"
+# (request id, prompt length, export (None: the kv_dir lookup), cache_salt, refusal reason or None: loads n−1)
+IDENTITY_CASES = [
+    ("identity/other-weights/params", W + 1, "other-weights/len-41", None, r"model\.weights_digest: the export was "
+     r"computed with weights [0-9a-f]+, vLLM serves weights [0-9a-f]+"),
+    ("identity/other-weights/lookup", W - 1, None, None, r"model\.weights_digest: the export was computed with"),
+    ("identity/salt-b/params", W + 1, "salted/len-41", "tenant-b", r"cache_salt: .*computed for another cache_salt"),
+    ("identity/no-salt/params", W + 1, "salted/len-41", None, r"cache_salt: .*the request has no cache_salt"),
+    ("identity/salt-a/params", W + 1, "salted/len-41", SALT, None),
+    ("identity/salt-b/lookup", BLOCK + 1, None, "tenant-b", r"cache_salt: .*computed for another cache_salt"),
+    ("identity/salt-a/lookup", BLOCK + 1, None, SALT, None),
+]
 VLLM_PYTHON = os.environ.get("SLOPE_VLLM_PYTHON", os.path.join(REPO, ".venv-vllm", "bin", "python"))
 
 
@@ -88,7 +105,7 @@ def _plain_phase():
                          for rid, p in zip(_ids(), _prompts())]}
 
 
-def _export_phase(exports, go_file, tampered=(), lookups=()):
+def _export_phase(exports, go_file, tampered=(), lookups=(), identity_dir=None):
     reqs = []
     for (layout, policy), d in exports.items():
         for rid, p in zip(_ids(), _prompts()):
@@ -99,16 +116,33 @@ def _export_phase(exports, go_file, tampered=(), lookups=()):
                      "params": {plan.PATH_KEY: str(path)}})
     for rid in lookups:
         reqs.append({"id": f"lookup/{rid}", "prompt": _prompts()[_ids().index(rid)].tolist(), "params": None})
+    for rid, n, export, salt, _ in IDENTITY_CASES if identity_dir else ():
+        reqs.append({"id": rid, "prompt": _prompts()[LENGTHS.index(n)].tolist(), "cache_salt": salt,
+                     "params": {plan.PATH_KEY: str(identity_dir / export)} if export else None})
     return {"wait_for": str(go_file), "requests": reqs}
 
 
-def _export_layouts(layouts, exports):
-    """Prefill every prompt from each layout (one engine at a time) and policy into exports[(layout, policy)]."""
+def _export_layouts(layouts, exports, salted=None):
+    """Prefill every prompt from each layout (one engine at a time) and policy into exports[(layout, policy)]; and
+    (`salted`) from the first layout the prompts of W+1 and BLOCK+1 tokens with cache_salt SALT."""
     for layout, par in layouts.items():
         eng = PrefillEngine.from_checkpoint(CKPT, par, dtype="float32", progress=False)
         for policy, full in POLICIES.items():
             eng.prefill(_prompts(), str(exports[(layout, policy)]), ids=_ids(), kv_full=full)
+        if salted is not None:
+            lens = [W + 1, BLOCK + 1]
+            eng.prefill([_prompts()[LENGTHS.index(n)] for n in lens], str(salted), ids=[f"len-{n}" for n in lens],
+                        cache_salt=SALT)
+            salted = None
         del eng
+
+
+def _export_other_weights(base, out):
+    """The prompts of W±1 tokens prefilled with other weights of the same config (test_vllm_identity) into out."""
+    eng = PrefillEngine.from_checkpoint(other_weights_checkpoint(base / "other-ckpt"), dtype="float32", progress=False)
+    lens = [W + 1, W - 1]
+    eng.prefill([_prompts()[LENGTHS.index(n)] for n in lens], str(out), ids=[f"len-{n}" for n in lens])
+    del eng
 
 
 @pytest.fixture(scope="module")
@@ -124,9 +158,11 @@ def run(tmp_path_factory):
     tampered = [(name, tamper_dir / name / (f"len-{TAMPER_LEN}" if name != "wrong-model" else "x"))
                 for name in ("manifest", "wrong-model", "missing-file", "truncated")]
     lookups = ["len-41", "len-1000"]
+    identity = base / "identity"
     wait_vllm = _start_driver(base, "hybrid", hybrid=True, prefix_caching=False, extra_config={"kv_dir": str(kv_dir)},
-                              phases=[_plain_phase(), _export_phase(exports, go, tampered, lookups)])
-    _export_layouts(LAYOUTS, exports)
+                              phases=[_plain_phase(), _export_phase(exports, go, tampered, lookups, identity)])
+    _export_layouts(LAYOUTS, exports, salted=identity / "salted")
+    _export_other_weights(base, identity / "other-weights")
     # another model's KV of the same prompt: the shipped head_dim-24 checkpoint (6 layers)
     other = PrefillEngine.from_checkpoint(SHIPPED, dtype="float32", progress=False)
     other.prefill([_prompts()[LENGTHS.index(TAMPER_LEN)]], str(base / "other-model"), ids=["x"])
@@ -135,6 +171,9 @@ def run(tmp_path_factory):
     kv_dir.mkdir()  # exports found by token hash: published after the engine started (the index rescans on a miss)
     shutil.copytree(exports[("2x2x2-c2", "last_window")] / "len-41", kv_dir / "len-41")
     shutil.copytree(exports[("1x1x1", "full")] / "len-1000", kv_dir / "len-1000")
+    # identity: the only export of the W−1 prompt is from other weights; the BLOCK+1 prompt's is salted
+    shutil.copytree(identity / "other-weights" / f"len-{W - 1}", kv_dir / f"len-{W - 1}")
+    shutil.copytree(identity / "salted" / f"len-{BLOCK + 1}", kv_dir / f"len-{BLOCK + 1}")
     go.write_text("go")
     results, log = wait_vllm()
     return exports, results, log
@@ -262,6 +301,27 @@ def test_broken_exports_are_prefilled_by_vllm(run):
     assert results[f"1x1x1/last_window/len-{TAMPER_LEN}"]["num_cached_tokens"] == TAMPER_LEN - 1
 
 
+def test_identity_mismatches_are_prefilled_by_vllm(run):
+    """Other weights of the same config, another tenant's cache_salt or none, by kv_transfer_params and by the kv_dir
+    lookup: 0 external tokens, the plain run's tokens, the reason (naming model.weights_digest or cache_salt) in the
+    status and the log; the request with the export's own salt loads n−1 tokens, by either path."""
+    _, results, log = run
+    worst = [0.0]
+    for rid, n, _, _, reason in IDENTITY_CASES:
+        got, ref = results[rid], results[f"plain/len-{n}"]
+        if reason is None:
+            _check_against_plain(results, rid, f"len-{n}", n, worst)
+            continue
+        assert got["tokens"] == ref["tokens"] and got["logprobs"] == pytest.approx(ref["logprobs"], abs=LOGPROB_TOL)
+        assert got["num_cached_tokens"] == 0, rid
+        params = got["kv_transfer_params"]
+        assert params[plan.LOADED_KEY] == 0 and re.search(reason, params[plan.STATUS_KEY]), (rid, params)
+        assert params[plan.STATUS_KEY].startswith("not used: "), (rid, params)
+    assert re.search(r"served weights digest [0-9a-f]{32}", log)
+    assert re.search(r"export not used, vLLM prefills it itself: .*other-weights.*model\.weights_digest", log)
+    assert re.search(r"export not used, vLLM prefills it itself: .*salted.*cache_salt", log)
+
+
 def test_plain_vllm_equals_transformers(run):
     """The shipped head_dim-64 checkpoint: plain vLLM's 16 greedy tokens equal transformers' (float32, eager)."""
     import torch
@@ -361,19 +421,20 @@ def test_validate_refusals(run):
 
     exports = run[0]
     d = exports[("1x1x1", "last_window")]
+    served = plan.weights_digest(CKPT)
     a, p41, p39 = str(d / "len-41"), _prompts()[LENGTHS.index(41)], _prompts()[LENGTHS.index(39)]
-    ok = plan.validate(a, p41, CFG, "float32", None)
+    ok = plan.validate(a, p41, CFG, "float32", None, weights=served)
     assert ok.num_tokens == 41 and ok.dtype == "float32"
     with pytest.raises(plan.ExportRefused, match="num_tokens: the export holds 41 tokens, the prompt has 39"):
-        plan.validate(a, p39, CFG, "float32", None)
+        plan.validate(a, p39, CFG, "float32", None, weights=served)
     other = p41.copy()
     other[3] = (other[3] + 1) % CFG.vocab_size
     with pytest.raises(plan.ExportRefused, match="token_ids_sha256"):
-        plan.validate(a, other, CFG, "float32", None)
+        plan.validate(a, other, CFG, "float32", None, weights=served)
     with pytest.raises(plan.ExportRefused, match="dtype: the export is float32, vLLM's KV cache is bfloat16"):
-        plan.validate(a, p41, CFG, "bfloat16", None)
+        plan.validate(a, p41, CFG, "bfloat16", None, weights=served)
     assert ok.sliding_from == 1  # last_window: [n−W, n)
-    full = plan.validate(str(exports[("1x1x1", "full")] / "len-41"), p41, CFG, "float32", None)
+    full = plan.validate(str(exports[("1x1x1", "full")] / "len-41"), p41, CFG, "float32", None, weights=served)
     assert full.sliding_from == 0
     plan.check_sliding(ok, *plan.layer_rows("sliding_attention", 0, 41, W, BLOCK, plan.WINDOW), plan.WINDOW)
     for mode in (plan.BLOCK, plan.ALL):  # prefix caching on: the block of position n−W = 1 starts at 0
@@ -385,13 +446,13 @@ def test_validate_refusals(run):
         plan.check_sliding(full, lo, hi, mode)
     plan.check_sliding(ok, *plan.layer_rows("sliding_attention", 128, 41, W, BLOCK, plan.BLOCK), plan.BLOCK)
     with pytest.raises(plan.ExportRefused, match="kv_transfer_params.slope_jax_first_token"):
-        plan.validate(a, p41, CFG, "float32", {plan.FIRST_TOKEN_KEY: -1})
+        plan.validate(a, p41, CFG, "float32", {plan.FIRST_TOKEN_KEY: -1}, weights=served)
     with pytest.raises(plan.ExportRefused, match="kv_transfer_params.num_tokens=40"):
-        plan.validate(a, p41, CFG, "float32", {plan.NUM_TOKENS_KEY: 40})
+        plan.validate(a, p41, CFG, "float32", {plan.NUM_TOKENS_KEY: 40}, weights=served)
     with pytest.raises(plan.ExportRefused, match="absolute directory"):
         plan.find_path({plan.PATH_KEY: "kv/a"}, "", None)
     with pytest.raises(plan.ExportRefused, match="sliding_window is 40 in the export, 41 in the model"):
-        plan.validate(a, p41, dataclasses.replace(CFG, sliding_window=41), "float32", None)
+        plan.validate(a, p41, dataclasses.replace(CFG, sliding_window=41), "float32", None, weights=served)
     index = plan.ExportIndex(str(d))
     assert index.lookup(kv.token_hash(p39)) == str(d / "len-39")
     assert index.lookup(kv.token_hash(other)) is None

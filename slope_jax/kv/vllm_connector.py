@@ -9,8 +9,11 @@
 
 A request finds its export by `kv_transfer_params={"slope_jax_kv_path": "<abs dir>", ...}` (what slope_jax's
 prefill endpoint returns), else by its prompt's token hash among the exports under `kv_dir`. The scheduler side
-validates the export (`slope_jax.kv.vllm_plan.validate`: manifest, model, prompt, dtype, files and checksums) before
-it reports n−1 external tokens; a refused export is logged with its reason and vLLM prefills the request itself.
+validates the export (`slope_jax.kv.vllm_plan.validate`: manifest, model, weights digest, the request's cache_salt,
+prompt, dtype, files and checksums) before it reports n−1 external tokens; a refused export is logged with its
+reason and vLLM prefills the request itself. The weights vLLM serves are digested once at start-up
+(`slope_jax.checkpoints.digest.weights_digest` of its model directory, as the prefill engine records it), so an
+export computed with other weights, or for another tenant's cache_salt, is never loaded.
 The worker side reads the export (`slope_jax.kv.load`, any prefill layout or process count) and writes each layer's
 rows through the attention backend's own cache-update op (`impl.do_kv_cache_update`, the op vLLM's forward uses),
 so the connector never depends on a backend's physical cache layout. Subclassing `SupportsHMA` keeps vLLM's hybrid
@@ -83,20 +86,27 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
       kv_dir (str, optional): look exports up by the prompt's token hash under this directory.
       verify_checksums (bool, default True): compare every file's SHA-256 before use (sizes are always compared).
       check_fingerprint (bool, default True): also compare the model fingerprint (`slope_jax.kv.check_model`).
+      weights_digest (str, optional): the served weights' digest (`slope_jax.checkpoints.digest.weights_digest` of
+        the checkpoint directory), for a model that is not a local directory; default: computed from vLLM's model
+        directory at start-up. Without either, every export is refused (model.weights_digest unknown).
     """
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig" = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
-        unknown = sorted(set(extra) - {"kv_dir", "verify_checksums", "check_fingerprint"})
+        unknown = sorted(set(extra) - {"kv_dir", "verify_checksums", "check_fingerprint", "weights_digest"})
         if unknown:
             raise ValueError(f"kv_connector_extra_config: unknown key(s) {unknown}; SlopeJaxConnector knows kv_dir, "
-                             "verify_checksums, check_fingerprint")
+                             "verify_checksums, check_fingerprint, weights_digest")
         self._verify = bool(extra.get("verify_checksums", True))
         self._check_fp = bool(extra.get("check_fingerprint", True))
         self._index = plan.ExportIndex(extra["kv_dir"]) if extra.get("kv_dir") else None
         self._cfg = compat.model_config(vllm_config.model_config.hf_config)
         self._prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
+        # the served weights' digest (the scheduler side decides; the worker only loads what it validated)
+        self._weights, self._weights_unknown = None, "not computed on the worker side"
+        if role == KVConnectorRole.SCHEDULER:
+            self._weights, self._weights_unknown = self._served_weights(vllm_config, extra)
         # layer name → (global layer index, kind, group index); group → (block size, is a sliding-window group)
         self._layers: dict[str, tuple[int, str, int]] = {}
         self._groups: list[tuple[int, bool]] = []
@@ -126,6 +136,14 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         logger.info("SlopeJaxConnector (%s): kv_dir=%s, %d KV cache group(s) (kind, block size) %s, prefix caching "
                     "%s, cache dtype %s", role.name, self._index.kv_dir if self._index else None, len(self._groups),
                     [("sliding" if s else "full", b) for b, s in self._groups], self._prefix_caching, self._cache_dtype)
+
+    @staticmethod
+    def _served_weights(vllm_config, extra) -> tuple[str | None, str]:
+        t0 = time.perf_counter()
+        weights, why = plan.served_weights(str(vllm_config.model_config.model), extra.get("weights_digest"))
+        logger.info("SlopeJaxConnector: served weights digest %s (%.1f s)%s", weights, time.perf_counter() - t0,
+                    f": {why}; every export will be refused" if weights is None else "")
+        return weights, why
 
     @staticmethod
     def _find_cache_dtype(vllm_config, kv_cache_config) -> str:
@@ -168,11 +186,12 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         if len(prompt) <= 1:
             return _Decision(None, "not used: a 1-token prompt has nothing to load (vLLM computes the last token)")
         try:
-            path, how = plan.find_path(params, kvfmt.token_hash(prompt), self._index)
-            if path is None:
+            export, how = plan.choose(params, prompt, self._index, cfg=self._cfg, cache_dtype=self._cache_dtype,
+                                      weights=self._weights, weights_unknown=self._weights_unknown,
+                                      cache_salt=getattr(request, "cache_salt", None), verify_checksums=self._verify,
+                                      check_fingerprint=self._check_fp)
+            if export is None:
                 return _Decision(None, f"not used: {how}")
-            export = plan.validate(path, prompt, self._cfg, self._cache_dtype, params,
-                                   verify_checksums=self._verify, check_fingerprint=self._check_fp)
         except plan.ExportRefused as e:
             logger.warning("SlopeJaxConnector: request %s: export not used, vLLM prefills it itself: %s",
                            request.request_id, e)
@@ -182,7 +201,7 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
                              "it itself", request.request_id)
             return _Decision(None, f"not used: {type(e).__name__}: {e}")
         logger.info("SlopeJaxConnector: request %s: export %s (found by %s) validated, %d tokens",
-                    request.request_id, path, how, export.num_tokens)
+                    request.request_id, export.path, how, export.num_tokens)
         return _Decision(export, "validated")
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:

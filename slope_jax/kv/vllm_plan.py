@@ -14,8 +14,14 @@ Notable:
   published, so sliding layers need every token [start, n−1). A `last_window` export keeps [n−W, n) only: under BLOCK
   it serves a prompt only when n−W is block-aligned or n ≤ W, under ALL only when n ≤ W; otherwise the request is
   refused (export with kv_full, or turn prefix caching off on the decode engine) rather than publish unwritten slots.
+- Fails closed on identity (`check_identity`): an export is used only if its `model.weights_digest` equals the digest
+  of the weights vLLM serves (the config fingerprint says nothing about the weight bytes: other weights of the same
+  config would load and silently change vLLM's output), and only if it was computed for the request's `cache_salt`
+  (its `prefix.identity` must equal the identity recomputed with the request's salt; an export without one serves
+  unsalted requests only), so one tenant never receives another tenant's KV, as vLLM's own prefix cache shares
+  nothing across salts. A missing or unknown digest refuses the export.
 - Every refusal is an `ExportRefused` whose message names the export, the field and both values; the connector
-  logs it and lets vLLM prefill the request itself.
+  logs it and lets vLLM prefill the request itself (0 external tokens, the status says why).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import numpy as np
 
 from slope_jax.kv import compat
 from slope_jax.kv import format as kvfmt
+from slope_jax.kv import prefix as prefix_lib
 
 # kv_transfer_params keys (the contract with slope_jax's prefill endpoint)
 PATH_KEY = "slope_jax_kv_path"
@@ -68,21 +75,57 @@ class Validated:
 def find_path(params: dict | None, prompt_hash: str, index: "ExportIndex | None") -> tuple[str | None, str]:
     """The export directory for a request: `kv_transfer_params[PATH_KEY]` if given, else the `index` entry of the
     prompt's token hash. Returns (path or None, how it was found / why none was)."""
+    paths, how = find_paths(params, prompt_hash, index)
+    return (paths[0] if paths else None), how
+
+
+def find_paths(params: dict | None, prompt_hash: str, index: "ExportIndex | None",
+               exclude: frozenset = frozenset()) -> tuple[list[str], str]:
+    """The candidate export directories for a request: [kv_transfer_params[PATH_KEY]] if given, else every export
+    of the prompt's token hash under `index` (several tenants or checkpoints may have exported the same prompt)
+    not in `exclude`. Returns (paths, how they were found / why there are none)."""
     if params and params.get(PATH_KEY) is not None:
         path = params[PATH_KEY]
         if not isinstance(path, str) or not os.path.isabs(path):
             raise ExportRefused(f"kv_transfer_params.{PATH_KEY}={path!r}: expected an absolute directory path")
-        return path, f"kv_transfer_params.{PATH_KEY}"
+        return ([] if path in exclude else [path]), f"kv_transfer_params.{PATH_KEY}"
     if index is None:
-        return None, "no kv_transfer_params." + PATH_KEY + " and no kv_dir configured"
-    path = index.lookup(prompt_hash)
-    if path is None:
-        return None, f"no export of this prompt (token hash {prompt_hash[:12]}…) under kv_dir {index.kv_dir!r}"
-    return path, f"kv_dir index ({index.kv_dir})"
+        return [], "no kv_transfer_params." + PATH_KEY + " and no kv_dir configured"
+    paths = index.lookup_all(prompt_hash, exclude)
+    if not paths:
+        return [], f"no export of this prompt (token hash {prompt_hash[:12]}…) under kv_dir {index.kv_dir!r}"
+    return paths, f"kv_dir index ({index.kv_dir})"
 
 
-def validate(path: str, prompt: np.ndarray, cfg, cache_dtype: str, params: dict | None, *,
-             verify_checksums: bool = True, check_fingerprint: bool = True) -> Validated:
+def choose(params: dict | None, prompt: np.ndarray, index: "ExportIndex | None", **validate_kwargs
+           ) -> tuple[Validated | None, str]:
+    """Find and validate the export serving `prompt` (`find_paths`, `validate` with `validate_kwargs`: cfg,
+    cache_dtype, weights, cache_salt, ...): the first candidate that passes. Returns (export, how it was found) or
+    (None, why there is none); raises ExportRefused with every candidate's reason if all were refused."""
+    h = kvfmt.token_hash(prompt)
+    refused: list[str] = []
+    tried: set[str] = set()
+    how = ""
+    while True:
+        paths, found = find_paths(params, h, index, frozenset(tried))
+        if not paths:
+            break
+        how = found
+        for path in paths:
+            tried.add(path)
+            try:
+                return validate(path, prompt, params=params, **validate_kwargs), how
+            except ExportRefused as e:
+                refused.append(str(e))
+    if refused:
+        raise ExportRefused(refused[0] if len(refused) == 1 else
+                            f"{len(refused)} exports of this prompt, none usable: " + "; ".join(refused))
+    return None, found
+
+
+def validate(path: str, prompt: np.ndarray, cfg, cache_dtype: str, params: dict | None, *, weights: str | None,
+             weights_unknown: str = "", cache_salt: str | None = None, verify_checksums: bool = True,
+             check_fingerprint: bool = True) -> Validated:
     """Check that the export at `path` is this prompt's KV for this model, readable and complete.
 
     Args:
@@ -91,11 +134,15 @@ def validate(path: str, prompt: np.ndarray, cfg, cache_dtype: str, params: dict 
       cfg: the decode engine's `ModelConfig` (`slope_jax.kv.model_config` of vLLM's hf_config).
       cache_dtype: vLLM's KV cache element type ("float32", "bfloat16", "float16"; others are refused).
       params: the request's kv_transfer_params; its NUM_TOKENS_KEY / HASH_KEY, when present, must agree too.
+      weights: the digest of the weights vLLM serves (`served_weights`), None if unknown (`weights_unknown` says
+        why): every export is then refused.
+      cache_salt: the request's `cache_salt` (None or "" for none): the export must have been computed for it.
       verify_checksums: also compare each file's SHA-256 (sizes are always compared).
       check_fingerprint: also compare the model fingerprint (`slope_jax.kv.check_model`).
     Raises:
       ExportRefused naming the field: an inconsistent or unknown manifest, another model (layer count/kinds, KV
-      heads, head_dim, window, fingerprint), another prompt (length or token hash), a dtype the cache cannot hold
+      heads, head_dim, window, fingerprint), other or unknown weights (`model.weights_digest`), another tenant
+      (`cache_salt`), another prompt (length or token hash), a dtype the cache cannot hold
       exactly, a missing/short/modified file. (Whether the sliding layers hold enough tokens depends on the request's
       local prefix hit: `check_sliding`.)
     """
@@ -107,6 +154,7 @@ def validate(path: str, prompt: np.ndarray, cfg, cache_dtype: str, params: dict 
         compat.check_model(m, cfg, path, check_fingerprint=check_fingerprint)
     except kvfmt.KVFormatError as e:
         raise ExportRefused(str(e)) from None
+    check_identity(path, m, cfg, weights, cache_salt, weights_unknown=weights_unknown)
     n = len(prompt)
     if m["num_tokens"] != n:
         raise ExportRefused(f"{path}: num_tokens: the export holds {m['num_tokens']} tokens, the prompt has {n}")
@@ -134,6 +182,89 @@ def validate(path: str, prompt: np.ndarray, cfg, cache_dtype: str, params: dict 
         raise ExportRefused(str(e)) from None
     sliding_from = kvfmt.kept_range(n, kvfmt.SLIDING, cfg.sliding_window, m["sliding_policy"] == "full")[0]
     return Validated(path, m["run_nonce"], m["checksums"], n, m["dtype"], sliding_from)
+
+
+def served_weights(model: str, configured: str | None = None) -> tuple[str | None, str]:
+    """(digest of the weights vLLM serves, or None; why it is unknown). `configured`
+    (kv_connector_extra_config.weights_digest) wins; else `weights_digest(model)` of vLLM's model directory, which
+    must hold the *.safetensors files."""
+    if configured is not None:
+        if not isinstance(configured, str) or not configured:
+            raise ValueError(f"kv_connector_extra_config.weights_digest={configured!r}: expected the hex digest "
+                             "printed by slope_jax.checkpoints.digest.weights_digest(<checkpoint dir>)")
+        return configured, ""
+    if not os.path.isdir(model):
+        return None, (f"vLLM's model {model!r} is not a local checkpoint directory: serve a directory or set "
+                      "kv_connector_extra_config.weights_digest")
+    try:
+        return weights_digest(model), ""
+    except OSError as e:
+        return None, f"cannot digest vLLM's weights: {e}"
+
+
+def weights_digest(path: str) -> str:
+    """`slope_jax.checkpoints.digest.weights_digest` (what the prefill engine records as `model.weights_digest`),
+    restated here because `kv` may not import `checkpoints` (tests/test_structure.py); tests/test_vllm_identity.py
+    checks that both give the same digest. XXH3-128 of every `*.safetensors` file of `path` and `path/original`,
+    in sorted relative-path order, each prefixed by `<relative path>:<size>:`. FileNotFoundError without one."""
+    import xxhash
+
+    files = []
+    for sub in ("", "original"):
+        d = os.path.join(path, sub)
+        if os.path.isdir(d):
+            files += [os.path.join(sub, n) for n in sorted(os.listdir(d)) if n.endswith(".safetensors")]
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors weight files to digest")
+    h = xxhash.xxh3_128()
+    for rel in files:
+        full = os.path.join(path, rel)
+        h.update(f"{rel}:{os.path.getsize(full)}:".encode())
+        with open(full, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def check_identity(path: str, m: dict, cfg, weights: str | None, cache_salt: str | None, *,
+                   weights_unknown: str = "") -> None:
+    """Raise ExportRefused unless the export (manifest `m`) was computed with the weights vLLM serves (`weights`,
+    its digest; None: unknown, `weights_unknown` says why) and for the request's `cache_salt` (module doc)."""
+    theirs = (m.get("model") or {}).get("weights_digest")
+    if theirs is None:
+        raise ExportRefused(f"{path}: model.weights_digest: the export does not record which weights computed it, "
+                            f"vLLM serves {weights or 'weights of unknown digest'}: re-export it with this slope_jax")
+    if weights is None:
+        raise ExportRefused(f"{path}: model.weights_digest: the export was computed with weights {theirs}, the "
+                            f"digest of the weights vLLM serves is unknown ({weights_unknown})")
+    if theirs != weights:
+        raise ExportRefused(f"{path}: model.weights_digest: the export was computed with weights {theirs}, vLLM "
+                            f"serves weights {weights} (another checkpoint, maybe of the same config)")
+    salt = cache_salt or None  # vLLM salts its own prefix cache only with a non-empty cache_salt
+    pre = m.get("prefix")
+    ident = pre.get("identity") if isinstance(pre, dict) else None
+    if ident is None:
+        if salt is not None:
+            raise ExportRefused(f"{path}: cache_salt: the request has a cache_salt, the export records no "
+                                "prefix.identity, so whose KV it is is unknown (export it with prefix reuse on)")
+        return
+    model = m.get("model") or {}
+
+    def want(s):
+        return prefix_lib.identity(fingerprint=model.get("fingerprint") or cfg.fingerprint(), weights=weights,
+                                   dtype=m["dtype"], kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                                   window=cfg.sliding_window, layer_types=cfg.layer_types, cache_salt=s)
+
+    mine = want(salt)
+    if ident != mine:
+        if salt is None:
+            whose = "the request has no cache_salt, the export was computed for one"
+        elif ident == want(None):
+            whose = "the request has a cache_salt, the export was computed without one"
+        else:
+            whose = "the export was computed for another cache_salt"
+        raise ExportRefused(f"{path}: cache_salt: the export's prefix.identity {ident} is not the request's {mine} "
+                            f"({whose}): KV is never shared across cache salts (tenants)")
 
 
 def layer_rows(kind: str, start: int, n: int, window: int, block_size: int, mode: str) -> tuple[int, int]:
@@ -179,28 +310,36 @@ def slots(block_ids: list[int], block_size: int, lo: int, hi: int, null_block: i
 
 
 class ExportIndex:
-    """token_ids_sha256 → export directory, for the exports under `kv_dir` (`<kv_dir>/<id>`, ids not starting with
-    '.'). Built from each export's manifest (`slope_jax.kv.read_manifest`); rescanned when a lookup misses, so an
-    export published after start-up is found. Thread-safe."""
+    """token_ids_sha256 → export directories, for the exports under `kv_dir` (`<kv_dir>/<id>`, ids not starting
+    with '.'). Built from each export's manifest (`slope_jax.kv.read_manifest`); rescanned when a lookup finds no
+    candidate, so an export published after start-up is found. Thread-safe."""
 
     def __init__(self, kv_dir: str):
         self.kv_dir = os.fspath(kv_dir)
-        self._by_hash: dict[str, str] = {}
+        self._by_hash: dict[str, list[str]] = {}
         self._lock = threading.Lock()
 
     def lookup(self, token_hash: str) -> str | None:
+        paths = self.lookup_all(token_hash)
+        return paths[0] if paths else None
+
+    def lookup_all(self, token_hash: str, exclude: frozenset = frozenset()) -> list[str]:
+        """The existing export directories of `token_hash` (sorted by id) not in `exclude`; rescans once if none."""
         with self._lock:
-            path = self._by_hash.get(token_hash)
-            if path is not None and os.path.isdir(path):
-                return path
-            self._scan()
-            return self._by_hash.get(token_hash)
+            for scan in (False, True):
+                if scan:
+                    self._scan()
+                paths = [p for p in self._by_hash.get(token_hash, []) if p not in exclude and os.path.isdir(p)]
+                if paths:
+                    return paths
+            return []
 
     def _scan(self) -> None:
         try:
-            names = os.listdir(self.kv_dir)
+            names = sorted(os.listdir(self.kv_dir))
         except FileNotFoundError:
             return
+        by_hash: dict[str, list[str]] = {}
         for name in names:
             if name.startswith("."):
                 continue
@@ -209,4 +348,5 @@ class ExportIndex:
                 m = kvfmt.read_manifest(path)
             except (kvfmt.KVFormatError, OSError):
                 continue  # unfinished or broken: validate() reports why if a request names it explicitly
-            self._by_hash[m["token_ids_sha256"]] = path
+            by_hash.setdefault(m["token_ids_sha256"], []).append(path)
+        self._by_hash = by_hash
