@@ -104,7 +104,9 @@ def child(argv: list[str]) -> dict:
     reps = []
     for _ in range(a.reps):
         digests = []
-        for res in eng.prefill(prompts, return_kv=True):
+        # prefix reuse off: every rep runs the cold step (a later rep would otherwise reuse the first one's KV, a
+        # different computation; the prefix-hit path has its own parity tests, tests/test_prefix_reuse.py)
+        for res in eng.prefill(prompts, return_kv=True, prefix_reuse=False):
             h = hashlib.sha256(np.ascontiguousarray(res.logits).tobytes())
             for layer in sorted(res.kv):
                 h.update(np.ascontiguousarray(res.kv[layer].k).tobytes())

@@ -286,6 +286,7 @@ def test_endpoint_serves_first_token_and_export(server):
         status, body = answers[name]
         assert status == 200, body
         assert body["id"] == f"req-{name}" and body["usage"]["prompt_tokens"] == len(ids)
+        assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}  # shorter than a prefix block
         params = body["kv_transfer_params"]
         assert set(params) == {"slope_jax_kv_path", "slope_jax_first_token", "num_tokens", "token_ids_sha256"}
         assert params["slope_jax_kv_path"] == str(base / "kv" / f"req-{name}")
@@ -321,6 +322,8 @@ def test_endpoint_errors(server):
     assert status == 400 and "not valid JSON" in body["error"]["message"]
     status, body = _post(url + "/v1/completions", {"prompt": [1], "model": "other"})
     assert status == 404 and body["error"]["param"] == "model"
+    status, body = _post(url + "/v1/completions", {"prompt": [1, 2], "cache_salt": 7})
+    assert status == 400 and body["error"]["param"] == "cache_salt" and "non-empty string" in body["error"]["message"]
     # SLO admission: a TTFT no prefill can meet is rejected at once, naming predicted vs allowed
     status, body = _post(url + "/v1/completions", {"prompt": [1, 2, 3], "ttft_slo_ms": 0.001, "request_id": "slo"})
     assert status == 503 and "rejected: predicted TTFT" in body["error"]["message"], body

@@ -83,7 +83,8 @@ def test_without_prefix_reuse_sliding_layers_keep_the_last_window(reference_engi
     p = random_prompt(CONFIG_A, 3 * w + 2, seed=2)
     res = reference_engines["A"].prefill([p], str(tmp_path), ids=["x"], prefix_reuse=False, return_kv=True)[0]
     m = kv.read_manifest(res.kv_path)
-    assert m["sliding_policy"] == "last_window" and "prefix" not in m
+    # not indexed for reuse (no block hashes), but the identity the decode side checks cache_salt and weights against
+    assert m["sliding_policy"] == "last_window" and m["prefix"]["hashes"] == [] and len(m["prefix"]["identity"]) == 32
     for layer, lk in kv.load(res.kv_path).items():
         start = max(0, len(p) - w) if CONFIG_A.is_sliding(layer) else 0  # sliding layers keep the last W
         np.testing.assert_array_equal(lk.positions, np.arange(start, len(p)))

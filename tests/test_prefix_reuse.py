@@ -98,6 +98,15 @@ def test_export_of_a_hit_is_whole_and_reuse_survives_a_restart(checkpoints, refe
     m = kv.read_manifest(res.kv_path)
     assert m["model"]["weights_digest"] == restarted.weights_digest
     assert len(m["prefix"]["hashes"]) == len(prompt) // BLOCK
+    # a decode engine cannot tell it from the cold export: the next token's logits from either cache match a full
+    # forward over the prompt and its first token (the reference decode step, kv.decode)
+    from slope_jax.kv import decode
+
+    full = reference_engines["A"].prefill([np.concatenate([prompt, [res.first_token]])], prefix_reuse=False)[0]
+    for path in (res.kv_path, cold.kv_path):
+        logits = decode.decode_step(CONFIG_A, reference_engines["A"].params, kv.load(path), res.first_token,
+                                    len(prompt))
+        assert np.abs(logits - full.logits).max() < 1e-5  # as tests/test_kv_export.py (measured 1.6e-6 there)
 
 
 def test_other_weights_and_other_salts_never_share(checkpoints, tmp_path):

@@ -128,7 +128,10 @@ def _export_layouts(layouts, exports, salted=None):
     for layout, par in layouts.items():
         eng = PrefillEngine.from_checkpoint(CKPT, par, dtype="float32", progress=False)
         for policy, full in POLICIES.items():
-            eng.prefill(_prompts(), str(exports[(layout, policy)]), ids=_ids(), kv_full=full)
+            res = eng.prefill(_prompts(), str(exports[(layout, policy)]), ids=_ids(), kv_full=full)
+            if full:  # the second pass over the same prompts: the BLOCK+1 and 1000-token prompts are prefix hits of
+                # the first (host tier), so vLLM decodes hit exports (cached rows beside computed ones) like cold ones
+                assert [r.cached_tokens for r in res] == [(n - 1) // BLOCK * BLOCK for n in LENGTHS], layout
         if salted is not None:
             lens = [W + 1, BLOCK + 1]
             eng.prefill([_prompts()[LENGTHS.index(n)] for n in lens], str(salted), ids=[f"len-{n}" for n in lens],

@@ -207,7 +207,8 @@ def write_manifest(directory: str, *, request_id: str, token_ids: np.ndarray, cf
     process's `write_shard_file`; `files`: the files they name, whose digest sidecars must be present (they are
     checked against the files and removed). `weights_digest`: the digest of the weight bytes that computed the KV
     (`model.weights_digest`; a reader compares it with its own weights). `prefix`: the reuse record
-    (`{"block_size", "hashes"}`, `slope_jax.kv.prefix`), with the token ids stored in `shard_file_name(0)`.
+    (`{"block_size", "hashes", "identity"}`, `slope_jax.kv.prefix`: chained block hashes and the identity —
+    config, weights, dtype, KV layout, cache_salt — they are rooted in), with the token ids in `shard_file_name(0)`.
     Raises KVFormatError if a file or its digest is missing or disagrees."""
     by_layer: dict[int, list[dict]] = {}
     for s in segments:
@@ -246,6 +247,7 @@ def write_manifest(directory: str, *, request_id: str, token_ids: np.ndarray, cf
         manifest["model"]["weights_digest"] = weights_digest
     if prefix is not None:
         manifest["prefix"] = {"block_size": int(prefix["block_size"]), "hashes": list(prefix["hashes"]),
+                              "identity": prefix.get("identity"),
                               "token_ids": {"file": shard_file_name(0), "tensor": TOKEN_IDS}}
     path = os.path.join(directory, MANIFEST)
     atomic_json(path, manifest)

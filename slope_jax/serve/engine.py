@@ -38,7 +38,8 @@ from slope_jax.parallel import pipeline as pipe_lib
 from slope_jax.parallel import sharding, stages
 from slope_jax.parallel.config import ParallelConfig
 from slope_jax.parallel.mesh import format_device_map, make_mesh
-from slope_jax.serve import agreement, reuse
+from slope_jax.serve import agreement
+from slope_jax.serve import reuse as reuse_lib
 from slope_jax.serve.requests import RequestError, check_request_id
 from slope_jax.serve.steps import group_steps
 
@@ -141,6 +142,10 @@ class PrefillEngine:
         self._exporter = KVExporter(cfg, self.plan.flat, self.dtype.name, self.run_nonce)
         self.reuse = reuse if reuse is not None else prefix_lib.ReuseOptions()
         self._weights = weights_digest
+        if self._weights is None and jax.process_count() > 1:
+            # a collective (every process hashes its shards): now, while every process is here, never later from
+            # one process alone (process 0's admission asks for the prefix identity)
+            self._weights = reuse_lib.params_digest(self.params)
         self._retention = (kv_dir_max_bytes, kv_dir_max_age_s)
         self._stores: dict[str, KVStore] = {}
         self._prefix_steps: dict = {}
@@ -151,9 +156,9 @@ class PrefillEngine:
     @property
     def weights_digest(self) -> str:
         """The identity of this engine's weights (32 hex digits): the checkpoint files' digest, or one of the
-        parameters as placed (`reuse.params_digest`). Prefix-cache keys and export manifests record it."""
+        parameters as placed (`serve.reuse.params_digest`). Prefix-cache keys and export manifests record it."""
         if self._weights is None:
-            self._weights = reuse.params_digest(self.params)
+            self._weights = reuse_lib.params_digest(self.params)
         return self._weights
 
     def use_store(self, store: KVStore) -> None:
@@ -199,7 +204,7 @@ class PrefillEngine:
             return cls(cfg, params, parallel, dtype, devices=devices, _placed=True, **kwargs)
         ck = ckpt_lib.open_checkpoint(path)
         cfg = ck.config
-        kwargs.setdefault("weights_digest", reuse.checkpoint_weights_digest(path))
+        kwargs.setdefault("weights_digest", reuse_lib.checkpoint_weights_digest(path))
         parallel.validate(cfg, len(devices) if parallel.num_devices > 1 else None)
         if parallel.num_devices == 1:
             params = ckpt_lib.load_params(ck, dtype, progress=progress)
@@ -424,7 +429,10 @@ class PrefillEngine:
         ids = self._check_ids(ids, len(tokens), kv_dir, overwrite)
         if return_kv is None:
             return_kv = kv_dir is None and jax.process_count() == 1
-        hits = reuse.find(self, tokens, salts, kv_dir) if on else [reuse.Hit([]) for _ in tokens]
+        # with reuse off a prompt is neither looked up nor indexed, but its export still names its identity (the
+        # decode side refuses it for another cache_salt or other weights)
+        hits = (reuse_lib.find(self, tokens, salts, kv_dir) if on
+                else [reuse_lib.Hit([], identity=self.prefix_identity(s)) for s in salts])
         arrival = list(arrival_times) if arrival_times is not None else [now] * len(tokens)
         try:
             return self._run_steps(tokens, ids, arrival, hits, kv_dir=kv_dir, kv_full=kv_full, overwrite=overwrite,
@@ -445,7 +453,7 @@ class PrefillEngine:
                         [arrival[i] for i in members], [hits[i] for i in members])
             out = self.run_step(step, top_k=top_k)
             if kv_dir is not None:
-                self.export_step(step, out, kv_dir, kv_full=kv_full, overwrite=overwrite, record=cache)
+                self.export_step(step, out, kv_dir, kv_full=kv_full, overwrite=overwrite)
             self._keep(step, out, cache=cache, return_kv=return_kv)
             for i, res in zip(members, out):
                 results[i] = res
@@ -459,7 +467,8 @@ class PrefillEngine:
             return self.bucket(n), 0
         # a hit's new tokens get coarse buckets (a quarter octave, like the cached rows): the turns of a growing
         # conversation then share compiled programs instead of compiling one per new length
-        return reuse.suffix_bucket(n - cached, self.parallel.token_multiple), reuse.prefix_capacity(cached, group)
+        return (reuse_lib.suffix_bucket(n - cached, self.parallel.token_multiple),
+                reuse_lib.prefix_capacity(cached, group))
 
     def _check_ids(self, ids, count: int, kv_dir: str | None, overwrite: bool) -> list[str]:
         ids = [str(i) for i in range(count)] if ids is None else [str(x) for x in ids]
@@ -518,7 +527,7 @@ class PrefillEngine:
                            np.int32)
         host = [tokens, positions, n_tok]
         if step.prefix_rows:
-            host += list(reuse.prefix_arrays(self, step.hits, step.prefix_rows))
+            host += list(reuse_lib.prefix_arrays(self, step.hits, step.prefix_rows))
         return [self._global_input(a, sh) for a, sh in zip(host, self._input_shardings(t, m, step.prefix_rows))]
 
     def run_step(self, step: Step, *, top_k: int = 5) -> list[PrefillResult]:
@@ -542,20 +551,21 @@ class PrefillEngine:
         return out
 
     def export_step(self, step: Step, results: list[PrefillResult], kv_dir: str, *, kv_full: bool,
-                    overwrite: bool, record: bool = True) -> None:
+                    overwrite: bool) -> None:
         """Export a finished step's requests to `kv_dir/<id>/` (whole prompts: a hit's cached rows are written
-        beside the computed ones), and (`record`) index them for prefix reuse. RequestError if an export fails."""
+        beside the computed ones), and hand them to the directory's store (indexed for prefix reuse when they carry
+        block hashes; retention). RequestError if an export fails."""
         block = self.reuse.block_size
         self._exporter.weights_digest = self.weights_digest
         try:
             self._exporter.export_batch(kv_dir, step.ids, step.tokens, step.k, step.v,
                                         self._layout_positions(step.bucket), kv_full, results, overwrite,
                                         offsets=[h.cached for h in step.hits], prefixes=[h.prefix for h in step.hits],
-                                        reuse=[{"block_size": block, "hashes": h.hashes} if record else None
+                                        reuse=[{"block_size": block, "hashes": h.hashes, "identity": h.identity}
                                                for h in step.hits])
         except ExportFailed as e:  # a request's error: RequestError like every other
             raise RequestError(str(e)) from e
-        if record and jax.process_index() == 0:
+        if jax.process_index() == 0:
             store = self.kv_store(kv_dir)
             for rid in step.ids:
                 store.record(rid)
@@ -571,7 +581,8 @@ class PrefillEngine:
             ks, vs = {}, {}
             for entry, layer in enumerate(self.plan.flat):
                 if layer >= 0:
-                    ks[layer], vs[layer] = kh[j, entry, :n - p], vh[j, entry, :n - p]
+                    # copies, not views: a view would keep the whole gathered batch alive in the host tier
+                    ks[layer], vs[layer] = kh[j, entry, :n - p].copy(), vh[j, entry, :n - p].copy()
                     if p:
                         pk, pv = hit.prefix.rows(layer, hit.prefix.start.get(layer, 0), p)
                         ks[layer], vs[layer] = np.concatenate([pk, ks[layer]]), np.concatenate([pv, vs[layer]])
@@ -608,7 +619,7 @@ class PrefillEngine:
 class Step:
     """One compiled step of a batch: `bucket` (padded length of the tokens it computes), `prefix_rows` (cached-prefix
     capacity S, 0 for cold prompts), and per prompt its token ids (whole prompt), export id, arrival time and
-    `reuse.Hit`; `k`, `v` hold the step's K/V (device arrays, layout order of the computed tokens) once it ran."""
+    `serve.reuse.Hit`; `k`, `v` hold the step's K/V (device arrays, layout order of the computed tokens) once it ran."""
 
     bucket: int
     prefix_rows: int

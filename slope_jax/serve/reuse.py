@@ -38,6 +38,7 @@ class Hit:
 
     hashes: list[str]
     prefix: prefix_lib.PrefixKV | None = None
+    identity: str | None = None  # the cache identity the hashes are rooted in (`kv.prefix.identity`)
     release: object = None  # called when the step no longer needs the prefix (unpins a host-tier entry)
 
     @property
@@ -94,7 +95,8 @@ def suffix_bucket(s: int, multiple: int = 1) -> int:
 def find(engine, tokens: list[np.ndarray], salts: list[str | None], kv_dir: str | None) -> list[Hit]:
     """Every prompt's Hit (module docstring). `salts`: each prompt's `cache_salt` (None: none)."""
     block = engine.reuse.block_size
-    hits = [Hit(prefix_lib.block_hashes(x, engine.prefix_identity(s), block)) for x, s in zip(tokens, salts)]
+    idents = [engine.prefix_identity(s) for s in salts]
+    hits = [Hit(prefix_lib.block_hashes(x, i, block), identity=i) for x, i in zip(tokens, idents)]
     store = engine.kv_store(kv_dir) if kv_dir is not None else None
     if jax.process_count() == 1:
         for x, hit in zip(tokens, hits):
