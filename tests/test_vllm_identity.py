@@ -131,7 +131,8 @@ def test_other_weights_are_refused(exports, tmp_path):
 
 def test_cache_salt_must_match(exports, tmp_path):
     """A salted export serves only requests with its salt; an unsalted one only unsalted requests ("" is no salt, as
-    in vLLM); an export without prefix.identity (prefix reuse off) serves no salted request. Through kv_dir, each
+    in vLLM); an export written with prefix reuse off names its identity too (an export without one would serve no
+    salted request). Through kv_dir, each
     request gets the export of its own salt out of several of the same prompt."""
     paths, prompt, mine, _, _ = exports
     salted, plain = paths["salted"], paths["plain"]
@@ -146,12 +147,19 @@ def test_cache_salt_must_match(exports, tmp_path):
     with pytest.raises(plan.ExportRefused, match="cache_salt: .*the request has a cache_salt, the export was "
                                                  "computed without one"):
         _validate(plain, prompt, mine, SALT)
+    # with prefix reuse off an export is not indexed for reuse (no block hashes) but still names its identity, so
+    # the salt is checked all the same
     for name in ("noreuse", "noreuse-salted"):
-        assert "prefix" not in kv.read_manifest(paths[name])
-        with pytest.raises(plan.ExportRefused, match="cache_salt: the request has a cache_salt, the export records "
-                                                     "no prefix.identity"):
-            _validate(paths[name], prompt, mine, SALT)
+        m = kv.read_manifest(paths[name])
+        assert m["prefix"]["hashes"] == [] and len(m["prefix"]["identity"]) == 32
+    with pytest.raises(plan.ExportRefused, match="cache_salt: .*the request has a cache_salt, the export was "
+                                                 "computed without one"):
+        _validate(paths["noreuse"], prompt, mine, SALT)
+    with pytest.raises(plan.ExportRefused, match="cache_salt: .*the request has no cache_salt, the export was "
+                                                 "computed for one"):
+        _validate(paths["noreuse-salted"], prompt, mine)
     assert _validate(paths["noreuse"], prompt, mine).num_tokens == N
+    assert _validate(paths["noreuse-salted"], prompt, mine, SALT).num_tokens == N
     # by kv_dir: the plain and the salted export of the same prompt side by side
     index = plan.ExportIndex(os.path.dirname(plain))
     kw = dict(cfg=CFG, cache_dtype="float32", weights=mine)
