@@ -110,7 +110,7 @@ class PrefillEngine:
                  dtype="bfloat16", *, devices=None, options: StepOptions | None = None,
                  allow_cross_host_ulysses: bool = False, reuse: prefix_lib.ReuseOptions | None = None,
                  weights_digest: str | None = None, kv_dir_max_bytes: int | None = None,
-                 kv_dir_max_age_s: float | None = None, _placed: bool = False, **option_fields):
+                 kv_dir_max_age_s: float | None = None, _placed: bool = False, _mesh=None, **option_fields):
         compile_cache.enable()  # the persistent XLA cache (default dir, SLOPE_JAX_COMPILE_CACHE, or the launcher's)
         devices = list(jax.devices() if devices is None else devices)
         self.run_nonce = agreement.agreed_run_nonce()  # names this run's KV export staging directories and barriers
@@ -130,7 +130,8 @@ class PrefillEngine:
             self.params = params if _placed else self._cast(params, devices[0])
             self._step = jax.jit(self._single_device_step)
         else:
-            self.mesh = make_mesh(parallel, devices, allow_cross_host_ulysses=allow_cross_host_ulysses)
+            # from_checkpoint built the mesh already (to place the weights as they are read): one mesh per engine
+            self.mesh = _mesh or make_mesh(parallel, devices, allow_cross_host_ulysses=allow_cross_host_ulysses)
             self.plan = stages.plan_stages(cfg, parallel.pipeline)
             self.params = params if _placed else self._place(params)
             log.info("engine: device -> (process, stage, ring, ulysses): %s", format_device_map(self.mesh))
@@ -206,16 +207,16 @@ class PrefillEngine:
         cfg = ck.config
         kwargs.setdefault("weights_digest", reuse_lib.checkpoint_weights_digest(path))
         parallel.validate(cfg, len(devices) if parallel.num_devices > 1 else None)
+        mesh = None
         if parallel.num_devices == 1:
             params = ckpt_lib.load_params(ck, dtype, progress=progress)
         else:
             mesh = make_mesh(parallel, devices,
                              allow_cross_host_ulysses=kwargs.get("allow_cross_host_ulysses", False))
-            plan = stages.plan_stages(cfg, parallel.pipeline)
             params = ckpt_lib.load_params(ck, dtype, shardings=sharding.param_shardings(cfg, parallel, dtype, mesh),
-                                          stack_layers=plan.flat, vocab_rows=stages.vocab_rows(cfg, parallel),
-                                          progress=progress)
-        return cls(cfg, params, parallel, dtype, devices=devices, _placed=True, **kwargs)
+                                          stack_layers=stages.plan_stages(cfg, parallel.pipeline).flat,
+                                          vocab_rows=stages.vocab_rows(cfg, parallel), progress=progress)
+        return cls(cfg, params, parallel, dtype, devices=devices, _placed=True, _mesh=mesh, **kwargs)
 
     def _cast(self, params, device):
         specs = model_lib.param_specs(self.cfg, self.dtype)
