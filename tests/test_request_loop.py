@@ -149,7 +149,7 @@ def test_a_failing_step_is_retried_per_request_and_blamed_on_one():
     eng = _FlakyEngine()
     prompts = [[1] * 5, [13] * 6, [2] * 7, [3] * 20, [4] * 3]
     ids = ["a", "bad", "c", "long", "e"]
-    out = compute.prefill_isolated(eng, prompts, ids, None, top_k=5)
+    out = compute.prefill_isolated(eng, [compute.BatchItem(i, p) for i, p in zip(ids, prompts)], top_k=5)
     assert out[0] == "result-a" and out[2] == "result-c" and out[3] == "result-long" and out[4] == "result-e"
     assert out[1].startswith("prefill failed: RuntimeError: RESOURCE_EXHAUSTED")
     # steps of one bucket and at most in_flight prompts; the failed step is retried one request at a time

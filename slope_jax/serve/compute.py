@@ -7,6 +7,7 @@ Nothing here reads absl flags: the export options come in as arguments. No JAX o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import traceback
@@ -54,29 +55,50 @@ def _failure_text(err: BaseException) -> str:
     return f"prefill failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
 
 
-def prefill_isolated(engine, prompts, ids, arrivals=None, *, kv_store=None, kv_full: bool | None = None,
-                     top_k: int = 5, salts=None) -> list:
-    """Run prompts so that a failure is attributed to the request that causes it: prompts go in the engine steps of
+@dataclasses.dataclass(frozen=True)
+class BatchItem:
+    """One request of a batch, as every process runs it: its id, token ids (int32 `[n]`), arrival
+    (`time.perf_counter()` on process 0; None elsewhere) and `cache_salt` (None: none)."""
+
+    id: str
+    tokens: object
+    arrival: float | None = None
+    cache_salt: str | None = None
+
+    def to_wire(self) -> list:
+        """The JSON-able form `Broadcast` sends (the arrival stays on process 0)."""
+        return [self.id, [int(t) for t in self.tokens], self.cache_salt]
+
+    @classmethod
+    def from_wire(cls, wire: list, arrival: float | None = None) -> BatchItem:
+        import numpy as np
+
+        return cls(wire[0], np.asarray(wire[1], np.int32), arrival, wire[2])
+
+
+def prefill_isolated(engine, items: list[BatchItem], *, kv_store=None, kv_full: bool | None = None,
+                     top_k: int = 5) -> list:
+    """Run a batch so that a failure is attributed to the request that causes it: items go in the engine steps of
     `steps.group_steps` (one length bucket, at most `parallel.in_flight` prompts each, as the engine groups them); a
     step that fails (on any process) is retried one request at a time, and only a request that fails alone gets an
     error. `kv_store` (`kv.store.KVStore` or None): where the exports go and whether they may replace earlier ones.
-    `salts`: each prompt's `cache_salt` (None: no salt for any). Returns a PrefillResult or an error string per
-    prompt, in order."""
+    Returns a PrefillResult or an error string per item, in order."""
     from slope_jax.serve.requests import RequestError
 
     export = ({} if kv_store is None else {"kv_dir": kv_store.kv_dir, "overwrite": kv_store.overwrite})
 
     def attempt(idx):
         err = out = None
+        part = [items[i] for i in idx]
+        arrivals = [x.arrival for x in part]
         try:
-            out = engine.prefill([prompts[i] for i in idx], ids=[ids[i] for i in idx],
-                                 arrival_times=None if arrivals is None else [arrivals[i] for i in idx],
-                                 kv_full=kv_full, return_kv=False, top_k=top_k,
-                                 cache_salt=None if salts is None else [salts[i] for i in idx], **export)
+            out = engine.prefill([x.tokens for x in part], ids=[x.id for x in part],
+                                 arrival_times=None if None in arrivals else arrivals, kv_full=kv_full,
+                                 return_kv=False, top_k=top_k, cache_salt=[x.cache_salt for x in part], **export)
         except Exception as e:  # noqa: BLE001 - attributed below; a dead peer is reported by the peer watch
             err = e
             if not isinstance(e, RequestError):
-                logging.warning("prefill of %s failed: %s", [ids[i] for i in idx], traceback.format_exc(limit=3))
+                logging.warning("prefill of %s failed: %s", [x.id for x in part], traceback.format_exc(limit=3))
         if not any_process(err is not None):
             return out
         if len(idx) > 1:
@@ -84,8 +106,8 @@ def prefill_isolated(engine, prompts, ids, arrivals=None, *, kv_store=None, kv_f
         return ["prefill failed on another process (see its log)" if err is None else _failure_text(err)]
 
     per_step = 1 if engine.mesh is None else engine.parallel.in_flight
-    outcomes: list = [None] * len(prompts)
-    for _, idx in group_steps([len(p) for p in prompts], engine.bucket, per_step):
+    outcomes: list = [None] * len(items)
+    for _, idx in group_steps([len(x.tokens) for x in items], engine.bucket, per_step):
         for i, out in zip(idx, attempt(idx)):
             outcomes[i] = out
     return outcomes
@@ -95,26 +117,21 @@ def compute_loop(engine, broadcast, front, *, kv_store=None, kv_full: bool | Non
     """Every process: process 0 (`front`, None elsewhere) takes the next batch from the scheduler and broadcasts it;
     all compute it; process 0 corrects the cost model online and writes the records. Ends when process 0 broadcasts
     None."""
-    import numpy as np
-
     pending: dict = {}
     while True:
         payload = None
         if front is not None:
             batch = front.intake.next_batch()
             if batch is not None:
-                pending = {item.id: item for item in batch}
-                payload = [[item.id, item.request.tokens.tolist(), item.request.cache_salt] for item in batch]
+                pending = {p.id: p for p in batch}
+                payload = [BatchItem(p.id, p.request.tokens, None, p.request.cache_salt).to_wire() for p in batch]
         payload = broadcast(payload)
         if payload is None:
             break
-        ids = [p[0] for p in payload]
-        prompts = [np.asarray(p[1], np.int32) for p in payload]
-        salts = [p[2] for p in payload]
-        arrivals = [pending[i].arrival_s for i in ids] if front is not None else None
+        items = [BatchItem.from_wire(w, pending[w[0]].arrival_s if front is not None else None) for w in payload]
+        ids = [x.id for x in items]
         t_batch, compiled_before = time.perf_counter(), set(engine.compile_ms)
-        outcomes = prefill_isolated(engine, prompts, ids, arrivals, kv_store=kv_store, kv_full=kv_full, top_k=top_k,
-                                    salts=salts)
+        outcomes = prefill_isolated(engine, items, kv_store=kv_store, kv_full=kv_full, top_k=top_k)
         if front is not None:
             # the engine's busy time for the cost model's online correction: wall time less first-time compilation
             busy_ms = (time.perf_counter() - t_batch) * 1e3 - sum(ms for key, ms in engine.compile_ms.items()
