@@ -76,8 +76,8 @@ def _validate(path, prompt, weights, salt=None, **kw):
 
 
 def test_weights_digest_is_the_prefill_side_digest(exports, tmp_path):
-    """vllm_plan.weights_digest (kv may not import checkpoints) equals checkpoints.digest.weights_digest, which the
-    prefill engine records; served_weights: configured, computed, or unknown with the reason."""
+    """vllm_plan.weights_digest equals checkpoints.digest.weights_digest, which the prefill engine records (one
+    implementation, kv.prefix.weights_digest); served_weights: configured, computed, or unknown with the reason."""
     paths, _, mine, theirs, other = exports
     assert plan.weights_digest(CKPT) == mine and plan.weights_digest(other) == theirs and mine != theirs
     assert kv.read_manifest(paths["plain"])["model"]["weights_digest"] == mine

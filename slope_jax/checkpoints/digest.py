@@ -169,32 +169,10 @@ def _safetensors_header(path: str) -> bytes:
         return head + f.read(min(n, 1 << 27))
 
 
-_WEIGHTS_CACHE: dict[tuple, str] = {}
-
 
 def weights_digest(path: str) -> str:
-    """XXH3-128 (32 hex digits) of every byte of an HF / `original/` checkpoint's weight files (`*.safetensors`,
-    headers included, in sorted relative-path order, each prefixed by its name and size): the identity of the weights
-    that a prefix cache and a KV export record, so that KV computed with other weights of the same config is never
-    reused or loaded. Computed once per process for unchanged files (keyed by names, sizes and mtimes); ~7 GB/s of
-    hashing here. Raises FileNotFoundError when the directory holds no weight file (a converted directory: use the
-    loaded parameters' digest instead)."""
-    files = []
-    for sub in ("", "original"):
-        d = os.path.join(path, sub)
-        if os.path.isdir(d):
-            files += [os.path.join(sub, n) for n in sorted(os.listdir(d)) if n.endswith(".safetensors")]
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors weight files to digest")
-    stats = tuple((f, os.path.getsize(os.path.join(path, f)), os.path.getmtime(os.path.join(path, f)))
-                  for f in files)
-    key = (os.path.realpath(path), stats)
-    if key not in _WEIGHTS_CACHE:
-        h = xxhash.xxh3_128()
-        for rel, size, _ in stats:
-            h.update(f"{rel}:{size}:".encode())
-            with open(os.path.join(path, rel), "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 24), b""):
-                    h.update(chunk)
-        _WEIGHTS_CACHE[key] = h.hexdigest()
-    return _WEIGHTS_CACHE[key]
+    """The weights' identity a prefix cache and a KV export record: `slope_jax.kv.prefix.weights_digest` (kept in the
+    JAX-free `kv` package, so the vLLM connector computes the same value)."""
+    from slope_jax.kv.prefix import weights_digest as digest
+
+    return digest(path)

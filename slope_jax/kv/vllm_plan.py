@@ -203,27 +203,12 @@ def served_weights(model: str, configured: str | None = None) -> tuple[str | Non
 
 
 def weights_digest(path: str) -> str:
-    """`slope_jax.checkpoints.digest.weights_digest` (what the prefill engine records as `model.weights_digest`),
-    restated here because `kv` may not import `checkpoints` (tests/test_structure.py); tests/test_vllm_identity.py
-    checks that both give the same digest. XXH3-128 of every `*.safetensors` file of `path` and `path/original`,
-    in sorted relative-path order, each prefixed by `<relative path>:<size>:`. FileNotFoundError without one."""
-    import xxhash
+    """The digest of the weights vLLM serves from `path`: `slope_jax.kv.prefix.weights_digest`, the function the
+    prefill engine records as `model.weights_digest` (XXH3-128 of the checkpoint's `*.safetensors` files).
+    FileNotFoundError without one."""
+    from slope_jax.kv.prefix import weights_digest as digest
 
-    files = []
-    for sub in ("", "original"):
-        d = os.path.join(path, sub)
-        if os.path.isdir(d):
-            files += [os.path.join(sub, n) for n in sorted(os.listdir(d)) if n.endswith(".safetensors")]
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors weight files to digest")
-    h = xxhash.xxh3_128()
-    for rel in files:
-        full = os.path.join(path, rel)
-        h.update(f"{rel}:{os.path.getsize(full)}:".encode())
-        with open(full, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 24), b""):
-                h.update(chunk)
-    return h.hexdigest()
+    return digest(path)
 
 
 def check_identity(path: str, m: dict, cfg, weights: str | None, cache_salt: str | None, *,
