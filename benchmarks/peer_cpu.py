@@ -1,6 +1,6 @@
 """slope_jax vs vLLM-CPU on this machine: time to first token of one prompt, identical weights, engines alternated.
 
-    python benchmarks/peer_cpu.py                           # all lengths, 2 rounds x 3 timed runs, bf16 + a float32 check
+    python benchmarks/peer_cpu.py                     # all lengths, 2 rounds x 3 timed runs, bf16 + a float32 check
     python benchmarks/peer_cpu.py --lengths=2048,8192 --repeats=1 --f32_lengths=2048
     SLOPE_VLLM_PYTHON=/path/.venv-vllm/bin/python python benchmarks/peer_cpu.py ...
 
@@ -13,11 +13,15 @@ One measurement = one fresh process of one engine (slope_jax: this interpreter; 
 of n tokens `--timed` times (bf16; float32: once) and keeps the fastest; single runs of either engine scatter by up
 to 1.5× on the shared 2-core host, and its first run of a length pays one-off costs (vLLM's start-up profile run
 already ran that length; slope_jax's first call of a bucket's program runs cold):
-- slope_jax (`PrefillEngine`, one device): the bucket's program is compiled (or loaded from the persistent
-  compilation cache) before the timed call and reported apart (`compile_s`, `compile_source`); TTFT is the engine's
-  `compute_ms` (step start → first token on the host).
+- slope_jax (`PrefillEngine`, one device, prefix reuse off (`prefix_reuse=False`; vLLM runs without prefix
+  caching): each timed run prefills the whole prompt): the bucket's program is compiled (or loaded from the
+  persistent compilation cache) before the timed call and reported apart (`compile_s`, `compile_source`); TTFT is
+  the engine's `compute_ms` (step start → first token on the host).
 - vLLM (`LLM.generate`, one request, `max_tokens=1`, eager mode, the whole prompt in one scheduler step): TTFT is
-  the wall time of `generate` (scheduling, prefill, sampling).
+  the wall time of `generate` (scheduling, prefill, sampling). It gets every core: its OpenMP compute threads bound
+  to all of them (`VLLM_CPU_OMP_THREADS_BIND`), none reserved (`VLLM_CPU_NUM_OF_RESERVED_CPU=0`; vLLM's default
+  reserves one core for its scheduler process, which on this 2-core host left one compute thread), split-KV
+  attention off (`VLLM_CPU_ATTN_SPLIT_KV=0`): `vllm_turns.vllm_env`.
 Process start-up and model load are excluded on both sides (reported as `init_s`). Per round the lengths are run in
 order and the two engines alternate (which one goes first flips each round), so a busier moment of a shared machine
 hits both; each (engine, length, dtype) keeps its best over `--repeats` rounds. The float32 runs (`--f32_lengths`,
@@ -70,13 +74,16 @@ def child_slope_jax(spec: dict, out_path: str) -> None:
     init_s = time.perf_counter() - t0
     n = spec["tokens"]
     prompt = np.asarray(_prompt(n, eng.cfg.vocab_size), np.int32)
-    eng.prefill([prompt[:WARMUP_TOKENS]], return_kv=False)
+    # prefix reuse off (on by default): a timed run would otherwise reuse the previous run's KV of the same prompt
+    eng.prefill([prompt[:WARMUP_TOKENS]], return_kv=False, prefix_reuse=False)
     eng.precompile([n])
     key = (eng.bucket(n), 1)
     ttfts, walls, tokens = [], [], set()
     for _ in range(spec["timed"]):
         t = time.perf_counter()
-        res = eng.prefill([prompt], return_kv=False)[0]
+        res = eng.prefill([prompt], return_kv=False, prefix_reuse=False)[0]
+        if res.cached_tokens:
+            raise RuntimeError(f"a cold run reused {res.cached_tokens} cached tokens")
         walls.append(time.perf_counter() - t)
         ttfts.append(res.compute_ms / 1e3)
         tokens.add(int(res.first_token))
@@ -155,6 +162,7 @@ def main(argv):
     del argv
     from absl import flags
     from common import start_load, write_result  # benchmarks/common.py (not imported by the children)
+    from vllm_turns import vllm_env
 
     load0 = start_load()
     F = flags.FLAGS
@@ -177,9 +185,8 @@ def main(argv):
         if os.path.exists(op):
             os.remove(op)
         env = dict(os.environ)
-        if engine == "vllm":
-            env = {k: v for k, v in env.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-            env.update(PYTHONPATH=REPO, VLLM_CPU_ATTN_SPLIT_KV="0")
+        if engine == "vllm":  # every core bound to vLLM's compute threads, none reserved (vllm_turns.vllm_env)
+            env = vllm_env({"PYTHONPATH": REPO})
             cmd = [vllm_python]
         else:
             env["PYTHONPATH"] = REPO
@@ -217,7 +224,8 @@ def main(argv):
                 measure(engine, n, "float32")
     table = summarize(runs, lengths, f32_lengths)
     result = {"config": CONFIG, "checkpoint": F.checkpoint_dir, "cpus": os.cpu_count(), "repeats": F.repeats,
-              "f32_repeats": F.f32_repeats, "vllm_mode": "compile" if F.vllm_compile else "eager", "table": table,
+              "f32_repeats": F.f32_repeats, "vllm_mode": "compile" if F.vllm_compile else "eager",
+              "vllm_env": {k: v for k, v in vllm_env().items() if k.startswith("VLLM_CPU_")}, "table": table,
               "runs": runs}
     write_result(F.out, result, load_start=load0)
     print(f"\nwrote {F.out}")
