@@ -186,6 +186,25 @@ def test_decode_from_export_equals_full_prefill(name, exports, hf_models):
     _check_sources(name, sources, hf_models[name])
 
 
+def test_decode_from_a_prefix_hit_export_equals_full_prefill(checkpoints, hf_models, tmp_path):
+    """transformers decodes the export of a prefix hit (cached rows beside the computed ones) like a cold one: the
+    first decoded token's logits equal its own full prefill of prompt + first token (CONFIG_B, W = 7, blocks of 8:
+    32 tokens reused, 15 computed)."""
+    from slope_jax.kv.prefix import ReuseOptions
+
+    eng = PrefillEngine.from_checkpoint(checkpoints["B"]["mxfp4"], dtype="float32", progress=False,
+                                        reuse=ReuseOptions(block_size=8), **TILES)
+    doc = random_prompt(CONFIG_B, 40, seed=31)
+    prompt = np.concatenate([doc[:32], random_prompt(CONFIG_B, 15, seed=32)])
+    eng.prefill([doc], str(tmp_path), ids=["doc"])
+    res = eng.prefill([prompt], str(tmp_path), ids=["turn"])[0]
+    assert res.cached_tokens == 32
+    model = hf_models["B"]
+    ref = _forward(model, np.concatenate([prompt, [res.first_token]]))
+    got = _forward(model, [res.first_token], kv.to_transformers_cache(tmp_path / "turn", model))
+    assert float(np.abs(got - ref).max()) <= LOGIT_TOL and int(np.argmax(got)) == int(np.argmax(ref))
+
+
 @pytest.mark.slow
 def test_decode_from_slow_layouts_equals_full_prefill(exports, exports_slow, hf_models):
     """CONFIG_B from the slow-suite layouts, checked together with the default ones (same first token everywhere)."""
