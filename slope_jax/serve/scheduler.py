@@ -348,9 +348,11 @@ class Scheduler:
                 break
             p, fin = misses[0]  # the earliest in service order; re-plan, since dropping it may save the others
             if self.slo_policy == "reject":
+                plan = self._plan(self._sorted(self._queue), start)
                 self._queue.remove(p)
                 p.dropped = True
-                rejected.append((p, _reason(p, fin, start - now, note="work ahead ran longer than predicted; ")))
+                rejected.append((p, _reason(p, fin, note="work ahead ran longer than predicted; ",
+                                            parts=_parts(plan, p, start))))
             else:
                 p.late = True
         # 2. New requests, in service order: admit each only if the plan with it keeps every deadline.
@@ -364,13 +366,13 @@ class Scheduler:
                 self._queue.append(p)
                 continue
             k = next(i for i, entry in enumerate(trial) if any(q is p for q in entry[0]))  # p's batch
-            own, compiling = trial[k][1], sum(entry[3] for entry in trial[:k + 1])
+            own = trial[k][1]
             if self.slo_policy == "serve_late":
                 p.late = True
                 self._queue.append(p)
                 continue
-            rejected.append((p, _reason(p, own, start - now, len(misses) if own <= p.deadline_s + _EPS_S else 0,
-                                        compiling_ms=compiling)))
+            rejected.append((p, _reason(p, own, len(misses) if own <= p.deadline_s + _EPS_S else 0,
+                                        parts=_parts(trial, p, start))))
         return rejected
 
 
@@ -380,18 +382,32 @@ def _slack(plan) -> float:
                 if p.deadline_s is not None and not p.late), default=math.inf)
 
 
-def _reason(p: Pending, finish_s: float, busy_s: float, pushed: int = 0, note: str = "",
-            compiling_ms: float = 0.0) -> str:
-    """The rejection message: predicted vs allowed TTFT in ms, and why (incl. the compilation it would wait for)."""
+def _parts(plan, p: Pending, start: float) -> tuple[float, float, float]:
+    """p's predicted TTFT in the plan, in ms, split into (waiting: from arrival until its batch starts, the work
+    already running and the batches ahead; compiling: step programs not compiled yet, its batch's and those ahead;
+    computing: its own batch)."""
+    k = next(i for i, entry in enumerate(plan) if any(q is p for q in entry[0]))
+    compile_ms = sum(entry[3] for entry in plan[:k + 1])
+    ahead_ms = sum(entry[2] - entry[3] for entry in plan[:k])
+    return (start - p.arrival_s) * 1e3 + ahead_ms, compile_ms, plan[k][2] - plan[k][3]
+
+
+def _reason(p: Pending, finish_s: float, pushed: int = 0, note: str = "",
+            parts: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> str:
+    """The rejection message: predicted vs allowed TTFT in ms and, in words, what the prediction is made of
+    (`_parts`: waiting for work ahead, compiling, computing its batch)."""
     predicted = (finish_s - p.arrival_s) * 1e3
     if pushed:
         head = (f"rejected: predicted TTFT {predicted:.1f} ms is within the allowed {p.slo_ms:.1f} ms (ttft_slo_ms), "
                 f"but admitting it would make {pushed} admitted request(s) miss their deadline")
     else:
         head = f"rejected: predicted TTFT {predicted:.1f} ms exceeds the allowed {p.slo_ms:.1f} ms (ttft_slo_ms)"
-    tail = (f"; {compiling_ms:.1f} ms of it compiling step shapes not compiled yet (--precompile warms them up "
-            "before traffic)") if compiling_ms > 0 else ""
-    return f"{head}; {note}{p.num_tokens} tokens, {busy_s * 1e3:.1f} ms of work in flight{tail}"
+    wait_ms, compile_ms, compute_ms = parts
+    cached = f", {p.cached_tokens} of them expected from the prefix cache" if p.cached_tokens else ""
+    compiling = (f"{compile_ms:.1f} ms of it compiling step shapes not compiled yet (--precompile warms them up "
+                 "before traffic), ") if compile_ms > 0 else ""
+    return (f"{head}; {note}{wait_ms:.1f} ms waiting for work already running or queued ahead, {compiling}"
+            f"{compute_ms:.1f} ms computing its batch ({p.num_tokens} tokens{cached})")
 
 
 def batch_predictor(step_ms: Callable[[int, int], float], bucket: Callable[[int], int], per_step: int = 1
