@@ -216,15 +216,23 @@ def test_retention_removes_least_recently_used_exports_but_not_one_in_use(checkp
     store.release("r0")
     errors = []
 
+    outcomes = {"whole": 0, "gone": 0}
+
     def read():
         for _ in range(20):
             for r in ("r0", "r2", "r3"):
                 try:
-                    kv.load(os.path.join(d, r))
+                    layers = kv.load(os.path.join(d, r))
                 except kv.KVFormatError:
-                    pass  # removed meanwhile: a miss, never a half-read export
+                    outcomes["gone"] += 1  # removed meanwhile: a miss, never a half-read export
+                    continue
                 except Exception as e:  # noqa: BLE001 - anything else is a fault
                     errors.append(e)
+                    continue
+                if sorted(layers) != list(range(CONFIG_A.num_hidden_layers)) or any(
+                        lk.positions.size != 30 for lk in layers.values()):
+                    errors.append(AssertionError(f"{r}: a partial export was read"))
+                outcomes["whole"] += 1
 
     t = threading.Thread(target=read)
     t.start()
@@ -232,6 +240,7 @@ def test_retention_removes_least_recently_used_exports_but_not_one_in_use(checkp
     store.retain()
     t.join()
     assert not errors and not [x for x in os.listdir(d) if not x.startswith(".")]
+    assert outcomes["whole"] + outcomes["gone"] == 60  # every read ended whole or as a miss
 
 
 def test_two_engines_sharing_a_kv_dir_see_each_others_exports(checkpoints, tmp_path):

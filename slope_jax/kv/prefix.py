@@ -112,6 +112,31 @@ class HostEntry:
         return int(sum(a.nbytes for a in self.k.values()) + sum(a.nbytes for a in self.v.values()))
 
 
+class RefCounts:
+    """Thread-safe use counts by key: `add` / `remove` (a key at 0 is dropped); `held(key)` says whether one is in
+    use. The host tier pins entries with it, `kv.store.KVStore` the exports a load is reading."""
+
+    def __init__(self):
+        self._counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, key: str) -> None:
+        with self._lock:
+            self._counts[key] = self._counts.get(key, 0) + 1
+
+    def remove(self, key: str) -> None:
+        with self._lock:
+            left = self._counts.get(key, 0) - 1
+            if left > 0:
+                self._counts[key] = left
+            else:
+                self._counts.pop(key, None)
+
+    def held(self, key: str) -> bool:
+        with self._lock:
+            return self._counts.get(key, 0) > 0
+
+
 class HostTier:
     """Host-memory prefix tier: LRU over entries under a byte budget; pinned entries are never evicted.
 
@@ -122,7 +147,7 @@ class HostTier:
         self.max_bytes = int(max_bytes)
         self._entries: OrderedDict[str, HostEntry] = OrderedDict()
         self._by_hash: dict[str, str] = {}  # block hash -> key of an entry holding it
-        self._pins: dict[str, int] = {}
+        self._pins = RefCounts()
         self._lock = threading.Lock()
         self.nbytes = 0
 
@@ -154,7 +179,7 @@ class HostTier:
         for key in list(self._entries):
             if self.nbytes <= self.max_bytes:
                 return
-            if not self._pins.get(key):
+            if not self._pins.held(key):
                 self._drop(key)
 
     def lookup(self, hashes: list[str]) -> tuple[HostEntry | None, int]:
@@ -168,16 +193,12 @@ class HostTier:
         return None, 0
 
     def pin(self, key: str) -> None:
-        with self._lock:
-            self._pins[key] = self._pins.get(key, 0) + 1
+        """Mark an entry in use: never evicted until `unpin`."""
+        self._pins.add(key)
 
     def unpin(self, key: str) -> None:
+        self._pins.remove(key)
         with self._lock:
-            left = self._pins.get(key, 0) - 1
-            if left > 0:
-                self._pins[key] = left
-            else:
-                self._pins.pop(key, None)
             self._evict()
 
 

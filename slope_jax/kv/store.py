@@ -57,7 +57,7 @@ class KVStore:
         self._seen: dict[str, str] = {}  # request id -> version dir indexed (or "" for an unusable one)
         self._entries: dict[str, dict] = {}  # request id -> {"hashes", "block", "bytes", "used", "version", ...}
         self._by_hash: dict[str, str] = {}
-        self._held: dict[str, int] = {}
+        self._held = prefix_lib.RefCounts()
         self._dir_mtime = None
         self._warned = False
         self.removed: list[str] = []  # ids removed by retention (for logs and tests)
@@ -200,16 +200,10 @@ class KVStore:
 
     def hold(self, request_id: str) -> None:
         """Mark an export in use by this process: retention never removes it until `release`."""
-        with self._lock:
-            self._held[request_id] = self._held.get(request_id, 0) + 1
+        self._held.add(request_id)
 
     def release(self, request_id: str) -> None:
-        with self._lock:
-            left = self._held.get(request_id, 0) - 1
-            if left > 0:
-                self._held[request_id] = left
-            else:
-                self._held.pop(request_id, None)
+        self._held.remove(request_id)
 
     # -------------------------------------------------------------------------------------------------- retention
     def retain(self, now: float | None = None) -> list[str]:
@@ -227,7 +221,7 @@ class KVStore:
                 e = self._entries[rid]
                 old = self.max_age_s is not None and now - e["used"] > self.max_age_s
                 over = self.max_bytes is not None and total > self.max_bytes
-                if not (old or over) or self._held.get(rid):
+                if not (old or over) or self._held.held(rid):
                     continue
                 if self._remove(rid, e["version"]):
                     total -= e["bytes"]

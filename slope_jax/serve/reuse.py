@@ -17,7 +17,6 @@ skipped). Capacities are coarse (four per octave) so that a growing conversation
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 
 import jax
@@ -28,6 +27,7 @@ from slope_jax.checkpoints import digest as digest_lib
 from slope_jax.kv import prefix as prefix_lib
 from slope_jax.kv.store import KVStore, ReuseRefused
 from slope_jax.model import attention as attn_lib
+from slope_jax.serve.compute import Broadcast
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def _agree(engine, tokens, hits: list[Hit], store: KVStore | None) -> list[Hit]:
             usable = _limit(hit.hashes, x.size, block)
             rid, blocks = store.lookup(usable, block) if usable else (None, 0)
             choice.append([rid, blocks * block])
-    choice = _broadcast_json(choice) or [[None, 0]] * len(hits)
+    choice = Broadcast(True)(choice) or [[None, 0]] * len(hits)  # process 0's choices on every process
     loaded = [None if rid is None else _load(engine, store, rid, x, p)
               for (rid, p), x in zip(choice, tokens)]
     ok = np.asarray([c[0] is None or lp is not None for c, lp in zip(choice, loaded)], np.int32)
@@ -178,18 +178,6 @@ def _agree(engine, tokens, hits: list[Hit], store: KVStore | None) -> list[Hit]:
     for hit, lp, good in zip(hits, loaded, every):
         hit.prefix = lp if good else None
     return hits
-
-
-def _broadcast_json(obj):
-    """Process 0's JSON-able `obj` on every process (two broadcasts: its length, then its bytes)."""
-    from jax.experimental import multihost_utils
-
-    raw = json.dumps(obj).encode() if jax.process_index() == 0 else b""
-    n = int(multihost_utils.broadcast_one_to_all(np.asarray(len(raw), np.int64)))
-    buf = np.zeros(max(n, 1), np.uint8)
-    buf[:len(raw)] = np.frombuffer(raw, np.uint8)
-    data = np.asarray(multihost_utils.broadcast_one_to_all(buf))[:n]
-    return json.loads(bytes(data).decode()) if n else None
 
 
 def prefix_arrays(engine, hits: list[Hit], capacity: int):
