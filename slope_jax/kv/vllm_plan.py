@@ -26,9 +26,11 @@ Notable:
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import os
 import threading
+import time
 
 import numpy as np
 
@@ -296,42 +298,87 @@ def slots(block_ids: list[int], block_size: int, lo: int, hi: int, null_block: i
 
 class ExportIndex:
     """token_ids_sha256 → export directories, for the exports under `kv_dir` (`<kv_dir>/<id>`, ids not starting
-    with '.'). Built from each export's manifest (`slope_jax.kv.read_manifest`); rescanned when a lookup finds no
-    candidate, so an export published after start-up is found. Thread-safe."""
+    with '.'). Thread-safe.
+
+    Kept current incrementally, so a lookup costs O(1) in vLLM's scheduler however many exports `kv_dir` holds:
+    a lookup that finds no candidate looks again only if the directory changed (its mtime: every publication,
+    replacement or removal renames or unlinks an entry in it), and then lists it and reads the manifests of the
+    entries that are new or were replaced (another inode, or a new version directory of the id:
+    `kv.format.publish` renames a new pointer over an id's),
+    never every manifest (the listing itself is one `scandir`, about 1 ms per 2,000 entries). Each directory entry's
+    manifest is read once (exports are published complete, `kv.format.publish`); one that cannot be read is not a
+    candidate until it is replaced. A directory modified less than `RACY_S` ago is listed again at the next miss: a
+    publication in the same timestamp tick as the last listing leaves the mtime unchanged (git's "racy" rule).
+    `reads` counts manifest reads (for tests and logs)."""
+
+    RACY_S = 2.0
 
     def __init__(self, kv_dir: str):
         self.kv_dir = os.fspath(kv_dir)
         self._by_hash: dict[str, list[str]] = {}
+        self._entries: dict[str, tuple[int, str | None]] = {}  # name → (inode, token hash or None)
+        self._versions: set[str] = set()  # version directory names at the last listing
+        self._dir_mtime: int | None = None  # of the last listing, when it is safe to trust (not racy)
         self._lock = threading.Lock()
+        self.reads = 0
 
     def lookup(self, token_hash: str) -> str | None:
         paths = self.lookup_all(token_hash)
         return paths[0] if paths else None
 
     def lookup_all(self, token_hash: str, exclude: frozenset = frozenset()) -> list[str]:
-        """The existing export directories of `token_hash` (sorted by id) not in `exclude`; rescans once if none."""
+        """The existing export directories of `token_hash` (sorted by id) not in `exclude`; refreshes the index
+        (`refresh`) once if there are none."""
         with self._lock:
             for scan in (False, True):
                 if scan:
-                    self._scan()
+                    self._refresh()
                 paths = [p for p in self._by_hash.get(token_hash, []) if p not in exclude and os.path.isdir(p)]
                 if paths:
                     return paths
             return []
 
-    def _scan(self) -> None:
+    def refresh(self) -> None:
+        """Take in what changed under `kv_dir` since the last listing (nothing to do when its mtime is unchanged)."""
+        with self._lock:
+            self._refresh()
+
+    def _refresh(self) -> None:
         try:
-            names = sorted(os.listdir(self.kv_dir))
-        except FileNotFoundError:
+            mtime = os.stat(self.kv_dir).st_mtime_ns
+            if mtime == self._dir_mtime:
+                return
+            listed = {e.name: e.inode() for e in os.scandir(self.kv_dir)}
+        except OSError:  # no kv_dir (yet): nothing to index
             return
-        by_hash: dict[str, list[str]] = {}
-        for name in names:
-            if name.startswith("."):
-                continue
+        # trust this listing for the next misses only once no publication can share its timestamp tick
+        self._dir_mtime = mtime if time.time_ns() - mtime > self.RACY_S * 1e9 else None
+        # A re-export of an id publishes a version directory of a name never used before (`.v-<nonce>-<n>.<id>`):
+        # its id's pointer is read again even if the inode number of the new pointer happens to be the old one's.
+        versions = {name for name in listed if name.startswith(".v-")}
+        renewed = {kvfmt.export_id(v) for v in versions - self._versions}
+        self._versions = versions
+        listed = {name: inode for name, inode in listed.items() if not name.startswith(".")}
+        for gone in set(self._entries) - set(listed):
+            self._unindex(gone)
+        for name, inode in listed.items():
+            if name in self._entries and self._entries[name][0] == inode and name not in renewed:
+                continue  # the same directory entry as at the last listing: its manifest was read then
+            self._unindex(name)
+            self.reads += 1
             path = os.path.join(self.kv_dir, name)
             try:
-                m = kvfmt.read_manifest(path)
-            except (kvfmt.KVFormatError, OSError):
-                continue  # unfinished or broken: validate() reports why if a request names it explicitly
-            by_hash.setdefault(m["token_ids_sha256"], []).append(path)
-        self._by_hash = by_hash
+                token_hash = kvfmt.read_manifest(path)["token_ids_sha256"]
+            except (kvfmt.KVFormatError, OSError, KeyError, TypeError):
+                token_hash = None  # broken or not an export: validate() reports why if a request names it explicitly
+            self._entries[name] = (inode, token_hash)
+            if token_hash is not None:
+                bisect.insort(self._by_hash.setdefault(token_hash, []), path)
+
+    def _unindex(self, name: str) -> None:
+        inode, token_hash = self._entries.pop(name, (None, None))
+        if token_hash is not None:
+            paths = self._by_hash[token_hash]
+            paths.remove(os.path.join(self.kv_dir, name))
+            if not paths:
+                del self._by_hash[token_hash]
