@@ -4,18 +4,29 @@
 and, per request: every process writes the pieces its devices hold into one fresh staging directory (named from the
 run nonce and an export counter advanced identically on every process), all meet at a barrier, process 0 writes the
 manifest and publishes (`format.publish`, atomic), and every process learns which exports were published.
+A directory that takes no writes (read-only, full, over quota, no permission: `store.unwritable`) fails only the
+exports it refuses: each is reported as its request's `export_error` (nothing of it is left in `kv_dir`), and the
+caller decides whether that fails the request (`KVStore.exports_required`).
 numpy at import; JAX (multihost_utils) only when a multi-process run calls it, so `slope_jax.kv` stays JAX-free.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import time
 from typing import Sequence
 
 import numpy as np
 
 from slope_jax.kv import format as kvfmt
+from slope_jax.kv.store import unwritable
+
+log = logging.getLogger(__name__)
+
+# each process's outcome of one export (its own piece; process 0 also the publication), all-gathered or broadcast
+OK, NOT_WRITABLE, FAILED = 0, 1, 2
 
 
 class ExportFailed(RuntimeError):
@@ -41,7 +52,7 @@ class KVExporter:
 
     def export_batch(self, kv_dir: str, ids: list[str], batch: list[np.ndarray], k, v, positions: np.ndarray,
                      full: bool, results: list, overwrite: bool, *, offsets: Sequence[int] | None = None,
-                     prefixes: Sequence | None = None, reuse: Sequence[dict | None] | None = None) -> None:
+                     prefixes: Sequence | None = None, reuse: Sequence[dict | None] | None = None) -> dict[str, str]:
         """Export every request of a step. `batch[j]`: request j's token ids; `positions[i]`: the position of layout
         row i within the step; `results[j]` gets `kv_path` and `export_ms` (first token on the host → this request's
         export published). Each device shard of K/V is copied to the host once for the whole batch.
@@ -49,46 +60,84 @@ class KVExporter:
         `positions + offsets[j]`); `prefixes[j]` (`kv.prefix.PrefixKV`) holds its first `offsets[j]` tokens, which
         process 0 writes into its own file, so the export is whole: a decode engine cannot tell it from a cold one.
         `reuse[j]`: the prefix record for the manifest (`{"block_size", "hashes"}`) or None.
-        Raises ExportFailed naming the requests whose export process 0 could not publish (multi-process: on every
-        process); a single process raises process 0's error itself."""
+        Returns {request id: reason} of the exports `kv_dir` refused to take (`store.unwritable`: read-only, full,
+        over quota, no permission; the same ids on every process): their results get `kv_path` None and
+        `export_error` naming the path and the error, and nothing of them stays in `kv_dir`.
+        Raises ExportFailed naming the requests whose export failed otherwise (multi-process: on every process); a
+        single process raises process 0's error itself."""
         import jax
 
         e0 = time.perf_counter()
         me, multi = jax.process_index(), jax.process_count() > 1
         host = [(sk.index, np.asarray(sk.data), np.asarray(sv.data))
                 for sk, sv in zip(k.addressable_shards, v.addressable_shards)]
-        failed: dict[str, str] = {}
+        status, reasons = [], {}
         for j, (rid, res) in enumerate(zip(ids, results)):
             req = _Req(batch[j], positions + (0 if offsets is None else int(offsets[j])),
                        None if prefixes is None else prefixes[j], None if reuse is None else reuse[j])
-            staging = self._write_own_pieces(kv_dir, rid, host, j, req, full, me, multi)
-            if me == 0:
+            staging, code, err = self._write_own_pieces(kv_dir, rid, host, j, req, full, me, multi)
+            if me == 0 and code == OK:
                 try:
                     self._publish(kv_dir, rid, staging, k, j, req, full, res.first_token, overwrite)
                 except Exception as e:  # noqa: BLE001 - reported to every process below, then raised
-                    if not multi:
+                    if not multi and not unwritable(e):
                         raise
-                    failed[rid] = f"{type(e).__name__}: {e}"
-            res.kv_path = os.path.join(kv_dir, rid)
+                    code, err = (NOT_WRITABLE if unwritable(e) else FAILED), e
+            if me == 0 and code == NOT_WRITABLE and _discard(kv_dir, rid, staging):
+                code = OK  # the failure came after the atomic publication: the export is whole and in place
+            if err is not None and code != OK:
+                reasons[rid] = f"{type(err).__name__}: {err}" if isinstance(err, BaseException) else err
+            status.append(code)
             res.export_ms = 1e3 * (time.perf_counter() - e0)
         if multi:
-            _agree_published(ids, failed)
+            status = _agree_published(ids, status, reasons)
+        return self._report(kv_dir, ids, results, status, reasons)
 
-    def _write_own_pieces(self, kv_dir, rid, host, j, req: _Req, full, me, multi) -> str:
-        """This process's pieces of request j into a fresh staging directory, then the barrier; its path."""
+    @staticmethod
+    def _report(kv_dir: str, ids: list[str], results: list, status: list[int], reasons: dict) -> dict[str, str]:
+        """Each result's `kv_path` (published) or `export_error` (refused by the directory); the refused ids."""
+        refused = {}
+        for rid, res, code in zip(ids, results, status):
+            path = os.path.join(kv_dir, rid)
+            if code == OK:
+                res.kv_path = path
+                continue
+            refused[rid] = reasons.get(rid, "process 0 could not write it (see its log)")
+            res.kv_path = None
+            res.export_error = f"KV export {path!r} not written: {kv_dir!r} takes no writes ({refused[rid]})"
+        return refused
+
+    def _write_own_pieces(self, kv_dir, rid, host, j, req: _Req, full, me, multi) -> tuple[str, int, object]:
+        """This process's pieces of request j into a fresh staging directory, then every process learns whether
+        every piece was written (multi-process: an all-gather, also the barrier before process 0 publishes).
+        Returns (staging path, OK / NOT_WRITABLE / FAILED over all processes, the error: this process's OSError, a
+        peer's as text, or None)."""
         staging = kvfmt.staging_dir(kv_dir, rid, self.run_nonce, self.count)
         self.count += 1
         n = int(req.tokens.size)
-        local = [seg for index, hk, hv in host for seg in self.segments(index, hk, hv, j, n, full, req.positions)]
-        if me == 0:
-            local += list(self.prefix_segments(req.prefix, n, full))
-        if local or me == 0:
-            kvfmt.write_shard_file(staging, me, local, token_ids=req.tokens if me == 0 else None)
-        if multi:
-            from jax.experimental import multihost_utils
+        err = None
+        try:
+            local = [seg for index, hk, hv in host for seg in self.segments(index, hk, hv, j, n, full, req.positions)]
+            if me == 0:
+                local += list(self.prefix_segments(req.prefix, n, full))
+            if local or me == 0:
+                kvfmt.write_shard_file(staging, me, local, token_ids=req.tokens if me == 0 else None)
+        except OSError as e:
+            if not multi and not unwritable(e):
+                raise
+            err = e
+        code = OK if err is None else NOT_WRITABLE if unwritable(err) else FAILED
+        if not multi:
+            return staging, code, err
+        from jax.experimental import multihost_utils
 
-            multihost_utils.sync_global_devices(f"slope_jax kv export {os.path.basename(staging)}")
-        return staging
+        if err is not None:
+            log.info("kv export %s: process %d could not write its piece: %s", staging, me, err)
+        codes = np.asarray(multihost_utils.process_allgather(np.asarray([code], np.int32))).reshape(-1)
+        if err is None and codes.max() != OK:
+            bad = int(np.argmax(codes))
+            err = f"process {bad} could not write its piece (see its log)"
+        return staging, int(codes.max()), err
 
     def _publish(self, kv_dir, rid, staging, k, j, req: _Req, full, first_token, overwrite) -> None:
         """Process 0: the manifest of every process's pieces, then the atomic publish."""
@@ -160,12 +209,34 @@ def _record(process: int, layer: int, a: int, b: int) -> dict:
             "positions": kvfmt.segment_name(layer, "positions", a, b)}
 
 
-def _agree_published(ids: list[str], failed: dict[str, str]) -> None:
-    """Every process learns which exports process 0 published (and waits for them); ExportFailed if any was not."""
+def _discard(kv_dir: str, rid: str, staging: str) -> bool:
+    """Remove what a refused export left in `kv_dir` (process 0, after every process wrote or failed): its staging
+    directory, its version directory and pointer-in-placement. True if the pointer already names its version (the
+    error came after the atomic publication: the export is whole, and stays)."""
+    tag = os.path.basename(os.path.normpath(staging))[len(".tmp-"):]  # "<nonce>-<counter>.<id>" (format.staging_dir)
+    try:
+        if os.readlink(os.path.join(kv_dir, rid)) == f".v-{tag}":
+            return True
+    except OSError:
+        pass
+    for name in (f".tmp-{tag}", f".v-{tag}"):
+        shutil.rmtree(os.path.join(kv_dir, name), ignore_errors=True)
+    try:
+        os.remove(os.path.join(kv_dir, f".lnk-{tag}"))
+    except OSError:
+        pass
+    return False
+
+
+def _agree_published(ids: list[str], status: list[int], reasons: dict[str, str]) -> list[int]:
+    """Every process learns process 0's outcome of each export (and waits for its publication): the status list
+    (OK / NOT_WRITABLE per id); ExportFailed on every process if any export failed otherwise."""
     from jax.experimental import multihost_utils
 
-    ok = multihost_utils.broadcast_one_to_all(np.asarray([rid not in failed for rid in ids]))
-    if not np.all(ok):
-        bad = [rid for rid, good in zip(ids, ok) if not good]
+    agreed = [int(c) for c in multihost_utils.broadcast_one_to_all(np.asarray(status, np.int32))]
+    bad = [rid for rid, code in zip(ids, agreed) if code == FAILED]
+    if bad:
         raise ExportFailed(f"KV export of request(s) {bad} failed on process 0"
-                           + (f": {'; '.join(failed.values())}" if failed else "; see its log"))
+                           + (f": {'; '.join(reasons[r] for r in bad if r in reasons)}"
+                              if any(r in reasons for r in bad) else "; see its log"))
+    return agreed

@@ -11,12 +11,18 @@ Every entry point (the engine, the launcher's intake, the HTTP endpoint) asks on
 - **retention** (`max_bytes`, `max_age_s`): after each publication, exports are removed least recently used first
   while the directory holds more than `max_bytes` of export files, and exports not used for `max_age_s`; an export
   this process holds (`hold`) is never removed. The same policy bounds P/D exports that a decode engine has consumed.
+- **a directory that takes no writes** (read-only, full, over quota, no permission: `unwritable`): reuse from the
+  exports already there goes on (reads are all it needs), new prefixes are not stored, an export it refuses fails
+  alone (`exports_required`: the request errors, or only its `export_error` says so) and leaves nothing behind, and
+  retention keeps what it cannot remove; `note_unwritable` logs one warning per store naming the directory and the
+  error. The host tier (RAM) is unaffected.
 Two writers sharing a directory never corrupt each other: exports are published atomically (`kv.format.publish`),
 the index lives in each process's memory, and a reader that finds an entry gone computes cold.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -30,8 +36,25 @@ from slope_jax.kv import prefix as prefix_lib
 log = logging.getLogger(__name__)
 
 
+# errors that say the directory takes no (more) writes, as opposed to a fault of one export
+UNWRITABLE = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.ENOTDIR})
+
+
 class ReuseRefused(ValueError):
     """A cached entry cannot serve a prefix hit; the message names the entry and the reason."""
+
+
+def unwritable(err: BaseException | None) -> bool:
+    """True if `err` (or an error it was raised from: `raise ... from`) is an OSError saying the directory takes no
+    writes: read-only file system, no space left, disk quota exceeded, permission denied, or a path component that
+    is not a directory (a kv_dir whose parent cannot be created)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError) and err.errno in UNWRITABLE:
+            return True
+        seen.add(id(err))
+        err = err.__cause__
+    return False
 
 
 class KVStore:
@@ -42,16 +65,21 @@ class KVStore:
       overwrite: an existing export of a request id may be replaced (atomically); default False: it is an error.
       max_bytes: retention budget of export files in bytes (None: unbounded).
       max_age_s: exports unused for longer than this are removed (None: no age limit).
+      exports_required: where the directory takes no writes (`unwritable`), a request whose export it refuses fails
+        (`RequestError`; default True, the launcher's: a decode engine reads every export); False (the Python API's
+        `PrefillEngine.kv_store`): the request's result comes back with `kv_path` None and `export_error` saying why.
     """
 
     def __init__(self, kv_dir: str, *, overwrite: bool = False, max_bytes: int | None = None,
-                 max_age_s: float | None = None):
+                 max_age_s: float | None = None, exports_required: bool = True):
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"kv_dir max_bytes={max_bytes}: must be >= 0")
         if max_age_s is not None and max_age_s <= 0:
             raise ValueError(f"kv_dir max_age_s={max_age_s}: must be > 0")
         self.kv_dir = kv_dir
         self.overwrite = overwrite
+        self.exports_required = exports_required
+        self.write_error: str | None = None  # why the directory first refused a write (None: it never did)
         self.max_bytes, self.max_age_s = max_bytes, max_age_s
         self._lock = threading.RLock()
         self._seen: dict[str, str] = {}  # request id -> version dir indexed (or "" for an unusable one)
@@ -59,7 +87,7 @@ class KVStore:
         self._by_hash: dict[str, str] = {}
         self._held = prefix_lib.RefCounts()
         self._dir_mtime = None
-        self._warned = False
+        self._warned: set[str] = set()  # conditions already warned about (one warning line each per store)
         self.removed: list[str] = []  # ids removed by retention (for logs and tests)
 
     # -------------------------------------------------------------------------------------------------- exists
@@ -93,7 +121,8 @@ class KVStore:
             try:
                 names = [x for x in os.listdir(self.kv_dir) if not x.startswith(".")]
             except OSError as e:
-                self._warn(f"cannot list {self.kv_dir!r} ({e})")
+                self._warn("list", f"cannot list it ({e}); no prefix reuse from it until it can be read "
+                                   "(requests are computed cold)")
                 return
             for gone in set(self._seen) - set(names):
                 self._forget(gone)
@@ -239,20 +268,38 @@ class KVStore:
             if os.path.islink(path):
                 if os.readlink(path) != version:
                     return False
-                os.remove(path)
+                os.remove(path)  # the pointer first: a directory that refuses it keeps the export whole
                 kvfmt.remove_tree(os.path.join(self.kv_dir, version))
-            else:
-                kvfmt.remove_tree(path)
+            else:  # a version-2 export (a plain directory): set aside whole first, for the same reason
+                aside = os.path.join(self.kv_dir, f".old-{kvfmt.new_run_nonce()}-0.{rid}")
+                os.rename(path, aside)
+                kvfmt.remove_tree(aside)
         except FileNotFoundError:
             pass
         except OSError as e:
-            self._warn(f"cannot remove {path!r} ({e})")
+            if unwritable(e):
+                self.note_unwritable(f"{type(e).__name__}: {e}")
+            else:
+                self._warn("remove", f"retention cannot remove {path!r} ({e}); the export stays")
             return False
         self._forget(rid)
         return True
 
-    def _warn(self, message: str) -> None:
-        if not self._warned:
-            self._warned = True
-            log.warning("kv_dir %s: %s; prefix reuse from this directory is degraded (requests are computed cold)",
-                        self.kv_dir, message)
+    def note_unwritable(self, reason: str) -> None:
+        """Record that the directory refused a write (`unwritable`; `reason` names the error) and say once per store
+        what it means: reuse from the exports already there goes on, new prefixes are not stored."""
+        with self._lock:
+            if self.write_error is None:
+                self.write_error = reason
+        self._warn("write", f"takes no writes ({reason}): prefix reuse continues from the exports already there "
+                            "without storing new prefixes; " + (
+                                "requests whose KV export it refuses fail" if self.exports_required else
+                                "requests run without their KV export (PrefillResult.export_error says why)"))
+
+    def _warn(self, condition: str, message: str) -> None:
+        """One warning line per condition per store."""
+        with self._lock:
+            if condition in self._warned:
+                return
+            self._warned.add(condition)
+        log.warning("kv_dir %s: %s", self.kv_dir, message)

@@ -58,6 +58,9 @@ class PrefillResult:
     host → this request's KV export published, the batch's earlier exports included; not part of TTFT).
     cached_tokens: prompt tokens whose KV came from the prefix cache (0: computed cold); the step computed
     num_tokens − cached_tokens tokens.
+    export_error: why this prompt's KV export was not written, where `kv_dir` takes no writes (read-only, full, over
+    quota, no permission; `kv.store.unwritable`) and its store lets the request succeed without it
+    (`KVStore.exports_required` False, as `PrefillEngine.kv_store` makes it); `kv_path` is then None. None otherwise.
     """
 
     first_token: int
@@ -72,6 +75,7 @@ class PrefillResult:
     compute_ms: float = 0.0
     export_ms: float = 0.0
     cached_tokens: int = 0
+    export_error: str | None = None
 
     @property
     def ttft_ms(self) -> float:
@@ -173,10 +177,12 @@ class PrefillEngine:
 
     def kv_store(self, kv_dir: str) -> KVStore:
         """The policy owner of `kv_dir` (`kv.store.KVStore`), made once per directory: its reuse index is built from
-        the manifests already there, so prefixes exported by earlier runs are reused."""
+        the manifests already there, so prefixes exported by earlier runs are reused. A directory that takes no writes
+        does not fail the requests exporting to it (`exports_required=False`: `PrefillResult.export_error`)."""
         key = os.path.realpath(kv_dir)
         if key not in self._stores:
-            store = KVStore(kv_dir, max_bytes=self._retention[0], max_age_s=self._retention[1])
+            store = KVStore(kv_dir, max_bytes=self._retention[0], max_age_s=self._retention[1],
+                            exports_required=False)
             if self.reuse.enabled:
                 n = store.scan()
                 if n:
@@ -555,21 +561,26 @@ class PrefillEngine:
                     overwrite: bool) -> None:
         """Export a finished step's requests to `kv_dir/<id>/` (whole prompts: a hit's cached rows are written
         beside the computed ones), and hand them to the directory's store (indexed for prefix reuse when they carry
-        block hashes; retention). RequestError if an export fails."""
+        block hashes; retention). RequestError if an export fails, except where the directory takes no writes and
+        its store lets the requests succeed without their export (`PrefillResult.export_error`; one warning)."""
         block = self.reuse.block_size
         self._exporter.weights_digest = self.weights_digest
         try:
-            self._exporter.export_batch(kv_dir, step.ids, step.tokens, step.k, step.v,
-                                        self._layout_positions(step.bucket), kv_full, results, overwrite,
-                                        offsets=[h.cached for h in step.hits], prefixes=[h.prefix for h in step.hits],
-                                        reuse=[{"block_size": block, "hashes": h.hashes, "identity": h.identity}
-                                               for h in step.hits])
+            refused = self._exporter.export_batch(
+                kv_dir, step.ids, step.tokens, step.k, step.v, self._layout_positions(step.bucket), kv_full, results,
+                overwrite, offsets=[h.cached for h in step.hits], prefixes=[h.prefix for h in step.hits],
+                reuse=[{"block_size": block, "hashes": h.hashes, "identity": h.identity} for h in step.hits])
         except ExportFailed as e:  # a request's error: RequestError like every other
             raise RequestError(str(e)) from e
+        store = self.kv_store(kv_dir)
+        if refused:
+            store.note_unwritable(next(iter(refused.values())))
         if jax.process_index() == 0:
-            store = self.kv_store(kv_dir)
             for rid in step.ids:
-                store.record(rid)
+                if rid not in refused:
+                    store.record(rid)
+        if refused and store.exports_required:
+            raise RequestError(next(r.export_error for r in results if r.export_error))
 
     def _keep(self, step: Step, results: list[PrefillResult], *, cache: bool, return_kv: bool) -> None:
         """Whole prompts' KV on the host: into the results (`return_kv`) and the host tier (`cache`)."""
