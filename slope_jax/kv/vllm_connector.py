@@ -9,25 +9,47 @@
 
 A request finds its export by `kv_transfer_params={"slope_jax_kv_path": "<abs dir>", ...}` (what slope_jax's
 prefill endpoint returns), else by its prompt's token hash among the exports under `kv_dir`. The scheduler side
-validates the export (`slope_jax.kv.vllm_plan.validate`: manifest, model, weights digest, the request's cache_salt,
-prompt, dtype, files and checksums) before it reports n−1 external tokens; a refused export is logged with its
+checks the manifest only (`slope_jax.kv.vllm_plan.validate` without hashing: model, weights digest, the request's
+cache_salt, prompt, dtype, file sizes) before it reports n−1 external tokens; a refused export is logged with its
 reason and vLLM prefills the request itself. The weights vLLM serves are digested once at start-up
 (`slope_jax.checkpoints.digest.weights_digest` of its model directory, as the prefill engine records it), so an
 export computed with other weights, or for another tenant's cache_salt, is never loaded.
-The worker side reads the export (`slope_jax.kv.load`, any prefill layout or process count) and writes each layer's
-rows through the attention backend's own cache-update op (`impl.do_kv_cache_update`, the op vLLM's forward uses),
-so the connector never depends on a backend's physical cache layout. Subclassing `SupportsHMA` keeps vLLM's hybrid
-KV cache manager on: sliding layers then get blocks for their window only.
+
+The worker side reads each file into memory, hashing the bytes (SHA-256, the manifest's checksums) as they arrive,
+parses the tensors from the verified bytes only, and writes each layer's rows through the attention backend's own
+cache-update op (`impl.do_kv_cache_update`, the op vLLM's forward uses), so the connector never depends on a
+backend's physical cache layout. Subclassing `SupportsHMA` keeps vLLM's hybrid KV cache manager on: sliding layers
+then get blocks for their window only.
+
+Notable:
+- Asynchronous loads. An export of at least `async_min_bytes` (default 4 MiB) is loaded asynchronously
+  (`get_num_new_matched_tokens` returns load_async=True): a background thread reads and verifies it while vLLM keeps
+  running other requests; the rows are written into vLLM's paged cache on the worker's own thread at a safe point
+  (`get_finished`, after the step's forward pass), and the request is reported in `get_finished`'s finished_recving.
+  Smaller exports are read and written inside the step (no thread), synchronously before the forward pass when vLLM
+  has one KV cache group; with several groups (the hybrid manager) they are reported asynchronously too, because
+  vLLM 0.32 can fail a synchronous load only by block ids, which it refuses for more than one group.
+- Fails closed. A load that fails after validation (file deleted or truncated, bytes whose SHA-256 differs, a manifest
+  replaced) never leaves unwritten or foreign KV in use: an asynchronous load is reported as failed_recving
+  (`get_transfer_results`), a synchronous one through `get_block_ids_with_load_errors`, and vLLM's
+  `kv_load_failure_policy` decides: `fail` (vLLM's default) ends that request with an error, other requests are
+  unaffected; `recompute` makes vLLM prefill it. A request aborted while its KV loads is reported finished once the
+  read ends (vLLM frees its blocks then), and nothing is written for it.
 
 Outputs: each finished request's `kv_transfer_params` carries `slope_jax_loaded_tokens` (tokens injected) and
-`slope_jax_status` ("loaded", or "not used: <reason>").
+`slope_jax_status`: "loaded", "not used: <reason>" (refused before loading, vLLM prefilled it) or
+"recomputed: the KV load failed: <reason>" (0 tokens loaded, vLLM prefilled it under `recompute`).
 
-No JAX is imported here (numpy, safetensors, ml_dtypes and torch only); docs/kv-format.md §7 lists the setup.
+No JAX is imported here (numpy, safetensors, ml_dtypes and torch only); docs/kv-format.md §6 lists the setup.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import hashlib
+import json
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +59,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.logger import init_logger
@@ -55,17 +79,28 @@ if TYPE_CHECKING:
 # under the "vllm" logger, so vLLM's logging configuration (level, format, VLLM_LOGGING_*) applies to these lines
 logger = init_logger("vllm.slope_jax_connector")
 
+ASYNC_MIN_BYTES = 4 << 20  # default kv_connector_extra_config.async_min_bytes
+_READ_CHUNK = 8 << 20  # bytes per read(2) while hashing a file
+_EXTRA_KEYS = ("kv_dir", "verify_checksums", "check_fingerprint", "weights_digest", "async_min_bytes")
+# how a load runs (`_Load.how`)
+SYNC, INLINE, BACKGROUND = "sync", "inline", "background"
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I32": torch.int32,
+              "I64": torch.int64}
+
 
 @dataclasses.dataclass
 class _Load:
-    """One request's load for the worker: export, and per KV cache group the token rows and their slots."""
+    """One request's load for the worker: export, per KV cache group the token rows and their slots, and how it runs:
+    SYNC (before this step's forward; failures reported by block id), INLINE (inside this step, reported through
+    finished_recving) or BACKGROUND (read and verified by a thread, written at a later step's safe point)."""
 
     req_id: str
     export: plan.Validated
     # (group index, layer kind) → (lo, hi, int64 slots [hi − lo]); None if the scheduler could not place the rows
     rows: dict[tuple[int, str], tuple[int, int, np.ndarray]] | None
-    # the request's blocks, reported as failed loads if anything goes wrong
+    # the blocks this load writes: reported through get_block_ids_with_load_errors if a SYNC load fails
     block_ids: set[int]
+    how: str = SYNC
 
 
 @dataclasses.dataclass
@@ -74,9 +109,27 @@ class SlopeJaxConnectorMetadata(KVConnectorMetadata):
 
 
 @dataclasses.dataclass
+class SlopeJaxWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker → scheduler, per step: the requests whose KV this worker wrote, and request id → why its load failed
+    (the scheduler side turns them into the request's status; a failure on any tensor-parallel rank wins)."""
+
+    loaded: set[str] = dataclasses.field(default_factory=set)
+    failures: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, SlopeJaxWorkerMetadata):
+            self.loaded |= other.loaded
+            self.failures.update(other.failures)
+        return self
+
+
+@dataclasses.dataclass
 class _Decision:
     export: plan.Validated | None
+    # "validated", "loading" (blocks allocated, the worker has not confirmed), "loaded" (every worker wrote it),
+    # "not used: …", "recomputed: …" / "failed: …" (the load failed after validation)
     status: str
+    loaded: int = 0  # external tokens of the current load
 
 
 class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
@@ -84,22 +137,31 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
 
     kv_connector_extra_config keys:
       kv_dir (str, optional): look exports up by the prompt's token hash under this directory.
-      verify_checksums (bool, default True): compare every file's SHA-256 before use (sizes are always compared).
+      verify_checksums (bool, default True): the worker compares the SHA-256 of every file's bytes as it reads them
+        (sizes are always compared, by the scheduler and again by the worker).
       check_fingerprint (bool, default True): also compare the model fingerprint (`slope_jax.kv.check_model`).
       weights_digest (str, optional): the served weights' digest (`slope_jax.checkpoints.digest.weights_digest` of
         the checkpoint directory), for a model that is not a local directory; default: computed from vLLM's model
         directory at start-up. Without either, every export is refused (model.weights_digest unknown).
+      async_min_bytes (int, default 4 MiB): exports of at least this many bytes (all files) load asynchronously in a
+        background thread; smaller ones within the step (module doc).
     """
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig" = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
-        unknown = sorted(set(extra) - {"kv_dir", "verify_checksums", "check_fingerprint", "weights_digest"})
+        unknown = sorted(set(extra) - set(_EXTRA_KEYS))
         if unknown:
-            raise ValueError(f"kv_connector_extra_config: unknown key(s) {unknown}; SlopeJaxConnector knows kv_dir, "
-                             "verify_checksums, check_fingerprint, weights_digest")
+            raise ValueError(f"kv_connector_extra_config: unknown key(s) {unknown}; SlopeJaxConnector knows "
+                             f"{', '.join(_EXTRA_KEYS)}")
         self._verify = bool(extra.get("verify_checksums", True))
         self._check_fp = bool(extra.get("check_fingerprint", True))
+        self._async_min_bytes = extra.get("async_min_bytes", ASYNC_MIN_BYTES)
+        if not isinstance(self._async_min_bytes, int) or isinstance(self._async_min_bytes, bool) or \
+                self._async_min_bytes < 0:
+            raise ValueError(f"kv_connector_extra_config.async_min_bytes={self._async_min_bytes!r}: expected a "
+                             "non-negative integer (bytes)")
+        self._recompute = getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail") == "recompute"
         self._index = plan.ExportIndex(extra["kv_dir"]) if extra.get("kv_dir") else None
         self._cfg = compat.model_config(vllm_config.model_config.hf_config)
         self._prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
@@ -107,35 +169,48 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         self._weights, self._weights_unknown = None, "not computed on the worker side"
         if role == KVConnectorRole.SCHEDULER:
             self._weights, self._weights_unknown = self._served_weights(vllm_config, extra)
-        # layer name → (global layer index, kind, group index); group → (block size, is a sliding-window group)
-        self._layers: dict[str, tuple[int, str, int]] = {}
-        self._groups: list[tuple[int, bool]] = []
-        if kv_cache_config is not None:
-            from vllm.model_executor.models.utils import extract_layer_index
-            from vllm.v1.kv_cache_interface import SlidingWindowSpec
-
-            for g, group in enumerate(kv_cache_config.kv_cache_groups):
-                spec = group.kv_cache_spec
-                self._groups.append((int(spec.block_size), isinstance(spec, SlidingWindowSpec)))
-                for name in group.layer_names:
-                    try:
-                        idx = extract_layer_index(name)
-                    except (AssertionError, ValueError):
-                        continue
-                    if 0 <= idx < self._cfg.num_hidden_layers:
-                        self._layers[name] = (idx, self._cfg.layer_types[idx], g)
+        self._layers, self._groups = self._layer_groups(kv_cache_config)
         self._cache_dtype = self._find_cache_dtype(vllm_config, kv_cache_config)
         # scheduler side
         self._decisions: dict[str, _Decision] = {}
         self._pending: list[_Load] = []
         self._null_block: int | None = None
         # worker side
-        self._kv_caches: dict[str, torch.Tensor] = {}
-        self._failed_blocks: set[int] = set()
+        self._failed_blocks: set[int] = set()  # SYNC loads that failed (get_block_ids_with_load_errors)
+        self._failed_recving: set[str] = set()  # INLINE/BACKGROUND loads that failed (get_transfer_results)
+        self._finished_recving: set[str] = set()
+        self._worker_meta = SlopeJaxWorkerMetadata()  # this step's loads written / failed
+        self._inflight: dict[str, tuple[_Load, concurrent.futures.Future, float]] = {}
+        self._aborted: set[str] = set()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._static_layers: dict[str, Any] = {}
         self.load_seconds: list[float] = []
         logger.info("SlopeJaxConnector (%s): kv_dir=%s, %d KV cache group(s) (kind, block size) %s, prefix caching "
-                    "%s, cache dtype %s", role.name, self._index.kv_dir if self._index else None, len(self._groups),
-                    [("sliding" if s else "full", b) for b, s in self._groups], self._prefix_caching, self._cache_dtype)
+                    "%s, cache dtype %s, async loads from %d bytes, kv_load_failure_policy %s", role.name,
+                    self._index.kv_dir if self._index else None, len(self._groups),
+                    [("sliding" if s else "full", b) for b, s in self._groups], self._prefix_caching,
+                    self._cache_dtype, self._async_min_bytes, "recompute" if self._recompute else "fail")
+
+    def _layer_groups(self, kv_cache_config) -> tuple[dict[str, tuple[int, str, int]], list[tuple[int, bool]]]:
+        """(layer name → (global layer index, kind, group index), group → (block size, is a sliding-window group))."""
+        layers: dict[str, tuple[int, str, int]] = {}
+        groups: list[tuple[int, bool]] = []
+        if kv_cache_config is None:
+            return layers, groups
+        from vllm.model_executor.models.utils import extract_layer_index
+        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+        for g, group in enumerate(kv_cache_config.kv_cache_groups):
+            spec = group.kv_cache_spec
+            groups.append((int(spec.block_size), isinstance(spec, SlidingWindowSpec)))
+            for name in group.layer_names:
+                try:
+                    idx = extract_layer_index(name)
+                except (AssertionError, ValueError):
+                    continue
+                if 0 <= idx < self._cfg.num_hidden_layers:
+                    layers[name] = (idx, self._cfg.layer_types[idx], g)
+        return layers, groups
 
     @staticmethod
     def _served_weights(vllm_config, extra) -> tuple[str | None, str]:
@@ -174,6 +249,15 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
                 rows[(g, kind)] = (lo, hi)
         return rows
 
+    def _how(self, export: plan.Validated) -> str:
+        """How `export` is loaded (`_Load.how`): BACKGROUND from async_min_bytes on; below, SYNC when vLLM has one KV
+        cache group, else INLINE (vLLM 0.32 fails a synchronous load only by block ids, which are ambiguous — and
+        refused — with several groups; a request id reported as failed_recving is not)."""
+        size = sum(int(d["bytes"]) for d in export.checksums.values())
+        if size >= self._async_min_bytes:
+            return BACKGROUND
+        return SYNC if len(self._groups) <= 1 else INLINE
+
     # ------------------------------------------------------------------------------------------------------------
     # Scheduler side
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
@@ -185,10 +269,12 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         params = request.kv_transfer_params
         if len(prompt) <= 1:
             return _Decision(None, "not used: a 1-token prompt has nothing to load (vLLM computes the last token)")
+        t0 = time.perf_counter()
         try:
+            # the manifest and file sizes only: the worker hashes the bytes it reads (no SHA-256 in this loop)
             export, how = plan.choose(params, prompt, self._index, cfg=self._cfg, cache_dtype=self._cache_dtype,
                                       weights=self._weights, weights_unknown=self._weights_unknown,
-                                      cache_salt=getattr(request, "cache_salt", None), verify_checksums=self._verify,
+                                      cache_salt=getattr(request, "cache_salt", None), verify_checksums=False,
                                       check_fingerprint=self._check_fp)
             if export is None:
                 return _Decision(None, f"not used: {how}")
@@ -200,8 +286,9 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
             logger.exception("SlopeJaxConnector: request %s: unexpected error validating its export; vLLM prefills "
                              "it itself", request.request_id)
             return _Decision(None, f"not used: {type(e).__name__}: {e}")
-        logger.info("SlopeJaxConnector: request %s: export %s (found by %s) validated, %d tokens",
-                    request.request_id, export.path, how, export.num_tokens)
+        logger.info("SlopeJaxConnector: request %s: export %s (found by %s) validated, %d tokens, %s load (manifest "
+                    "checked in %.1f ms)", request.request_id, export.path, how, export.num_tokens,
+                    self._how(export), (time.perf_counter() - t0) * 1e3)
         return _Decision(export, "validated")
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -215,9 +302,13 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         except plan.ExportRefused as e:
             logger.warning("SlopeJaxConnector: request %s: export not used, vLLM prefills it itself: %s",
                            request.request_id, e)
-            d.export, d.status = None, f"not used: {e}"
+            d.export, d.status, d.loaded = None, f"not used: {e}", 0
             return 0, False
-        return max(0, d.export.num_tokens - 1 - num_computed_tokens), False
+        if d.status == "loaded" and getattr(request, "num_preemptions", 0):
+            logger.info("SlopeJaxConnector: request %s: preempted after loading %d tokens; loading its KV again",
+                        request.request_id, d.loaded)
+        num = max(0, d.export.num_tokens - 1 - num_computed_tokens)
+        return num, num > 0 and self._how(d.export) != SYNC
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         if num_external_tokens <= 0:
@@ -226,30 +317,58 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         n = d.export.num_tokens
         start = n - 1 - num_external_tokens
         block_ids = blocks.get_block_ids()
-        rows = {}
+        rows, written = {}, set()
         try:
             for (g, kind), (lo, hi) in self._rows(d.export, start).items():
-                rows[(g, kind)] = (lo, hi, plan.slots(block_ids[g], self._groups[g][0], lo, hi, self._null_block))
+                block_size = self._groups[g][0]
+                rows[(g, kind)] = (lo, hi, plan.slots(block_ids[g], block_size, lo, hi, self._null_block))
+                if hi > lo:
+                    written.update(int(b) for b in block_ids[g][lo // block_size:(hi - 1) // block_size + 1])
         except plan.ExportRefused as e:
-            # The blocks are allocated and the count reported: too late to prefill instead. vLLM's own invalid-block
-            # path handles it (the worker reports these blocks as failed loads).
+            # The blocks are allocated and the count reported: too late to prefill instead. The worker reports the
+            # load as failed and vLLM's kv_load_failure_policy decides.
             logger.error("SlopeJaxConnector: request %s: cannot place its KV: %s", request.request_id, e)
             rows = None
-        all_blocks = {int(b) for group in block_ids for b in group if b != self._null_block}
-        self._pending.append(_Load(request.request_id, d.export, rows, all_blocks))
-        d.status = f"loaded {num_external_tokens} tokens"
+            written = {int(b) for group in block_ids for b in group}
+        written.discard(self._null_block)
+        how = self._how(d.export)
+        self._pending.append(_Load(request.request_id, d.export, rows, written, how))
+        # A SYNC load is in this step's forward pass: a failure comes back with the step's output (and vLLM then
+        # recomputes or fails the request) before the request can finish. An asynchronous one is "loading" until the
+        # worker confirms it (update_connector_output, before vLLM schedules the request again).
+        d.status, d.loaded = ("loaded" if how == SYNC else "loading"), num_external_tokens
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = SlopeJaxConnectorMetadata(loads=self._pending)
         self._pending = []
         return meta
 
+    def update_connector_output(self, connector_output) -> None:
+        """The worker's failed loads (SlopeJaxWorkerMetadata): the request's status names the failure and it loads
+        nothing more (vLLM recomputes it under `recompute`, or has already ended it with an error under `fail`)."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(meta, SlopeJaxWorkerMetadata):
+            return
+        for req_id in meta.loaded - set(meta.failures):
+            d = self._decisions.get(req_id)
+            if d is not None and d.status == "loading":
+                d.status = "loaded"
+        for req_id, why in meta.failures.items():
+            d = self._decisions.get(req_id)
+            if d is None:
+                continue  # already finished (policy `fail`: ended with an error)
+            what = "recomputed" if self._recompute else "failed"
+            d.export, d.loaded, d.status = None, 0, f"{what}: the KV load failed: {why}"
+            logger.warning("SlopeJaxConnector: request %s: %s", req_id, d.status)
+
     def _finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
         d = self._decisions.pop(request.request_id, None)
         if d is None:
             return False, None
-        loaded = int(d.status.split()[1]) if d.status.startswith("loaded ") else 0
-        return False, {plan.LOADED_KEY: loaded, plan.STATUS_KEY: "loaded" if loaded else d.status}
+        if d.status == "loading":
+            d.status = "not loaded: the request finished while its KV was loading"
+        loaded = d.loaded if d.status == "loaded" else 0
+        return False, {plan.LOADED_KEY: loaded, plan.STATUS_KEY: d.status}
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._finished(request)
@@ -261,69 +380,128 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------------------------------------------------------------
     # Worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
-        self._kv_caches = dict(kv_caches)
+        self._static_layers = self._vllm_config.compilation_config.static_forward_context
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        """SYNC and INLINE loads are read, verified and written here; BACKGROUND loads start their read. vLLM calls
+        this before the forward pass when the step has a synchronous load, else after it: writes here never overlap
+        a forward pass, and none touches a block this step's forward reads (async loads' blocks wait)."""
+        if forward_context is not None and forward_context.no_compile_layers:
+            self._static_layers = forward_context.no_compile_layers
         meta = self._get_connector_metadata()
         if not isinstance(meta, SlopeJaxConnectorMetadata):
             return
         for load in meta.loads:
             t0 = time.perf_counter()
-            try:
-                self._inject(load, forward_context)
-            except Exception as e:  # noqa: BLE001 - reported as failed blocks below, never a crash
-                logger.error("SlopeJaxConnector: request %s: loading %s failed (%s: %s); its blocks are reported "
-                             "as failed loads", load.req_id, load.export.path, type(e).__name__, e)
-                self._failed_blocks.update(load.block_ids)
+            if load.how == BACKGROUND:
+                if self._pool is None:
+                    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="slope_jax_kv_load")
+                self._inflight[load.req_id] = (load, self._pool.submit(self._prepare, load), t0)
+                logger.info("SlopeJaxConnector: request %s: reading %s in the background", load.req_id,
+                            load.export.path)
                 continue
-            dt = time.perf_counter() - t0
-            self.load_seconds.append(dt)
-            logger.info("SlopeJaxConnector: request %s: injected %d tokens from %s in %.1f ms", load.req_id,
-                        load.export.num_tokens - 1, load.export.path, dt * 1e3)
+            try:
+                self._write(load, self._prepare(load), t0)
+            except Exception as e:  # noqa: BLE001 - reported as a failed load, never a crash
+                self._failed(load, e)
+            if load.how == INLINE:
+                self._finished_recving.add(load.req_id)
 
-    def _inject(self, load: _Load, forward_context) -> None:
+    def _prepare(self, load: _Load) -> list[tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Read and verify the export (`_read_export`) and cut each layer's rows for this rank: [(attention layer,
+        K `[t, K_local, H]`, V, int64 slots `[t]`)] in the cache dtype, ready to write. Runs on the background thread
+        for BACKGROUND loads (it writes nothing). Raises ExportRefused / KVFormatError / OSError."""
         if load.rows is None:
             raise plan.ExportRefused("the scheduler could not place the KV")
-        exp = load.export
-        m = kvfmt.read_manifest(exp.path)
-        if m["run_nonce"] != exp.run_nonce or m["checksums"] != exp.checksums:
-            raise plan.ExportRefused(f"{exp.path}: the export was replaced after it was validated (run_nonce "
-                                     f"{exp.run_nonce} → {m['run_nonce']})")
-        kv = kvfmt.load(exp.path, framework="pt", verify=False)  # sizes, shapes, dtype, positions are checked
+        kv = _read_export(load.export, self._verify)
         tp_rank, tp_size = _tp()
-        layers = forward_context.no_compile_layers
+        out = []
         for name, (idx, kind, g) in self._layers.items():
-            layer = layers.get(name)
+            layer = self._static_layers.get(name)
             if layer is None:
                 continue
             lo, hi, slot = load.rows[(g, kind)]
             if hi <= lo:
                 continue
-            src = kv[idx]
-            if src.kind != kind:
-                raise plan.ExportRefused(f"layer {idx} is {src.kind} in the export, {kind} in the model")
-            pos = src.positions
+            src_kind, k, v, pos = kv[idx]
+            if src_kind != kind:
+                raise plan.ExportRefused(f"layer {idx} is {src_kind} in the export, {kind} in the model")
             a = int(torch.searchsorted(pos, lo))
             if a >= len(pos) or int(pos[a]) != lo or int(pos[-1]) < hi - 1:
                 raise plan.ExportRefused(f"layer {idx} holds positions [{int(pos[0])}, {int(pos[-1]) + 1}), "
                                          f"needs [{lo}, {hi})")
-            k, v = src.k[a:a + hi - lo], src.v[a:a + hi - lo]
-            k, v = _tp_heads(k, layer.num_kv_heads, tp_rank, tp_size), _tp_heads(v, layer.num_kv_heads, tp_rank,
-                                                                                 tp_size)
+            k, v = (_tp_heads(x[a:a + hi - lo], layer.num_kv_heads, tp_rank, tp_size) for x in (k, v))
             if k.shape[-1] != layer.head_size:
                 raise plan.ExportRefused(f"layer {idx}: head_dim {k.shape[-1]} in the export, {layer.head_size} in "
                                          "vLLM")
+            if not hasattr(layer.impl, "do_kv_cache_update"):
+                raise plan.ExportRefused(f"attention backend {type(layer.impl).__name__} has no do_kv_cache_update")
+            dt = layer.kv_cache.dtype
+            out.append((layer, k.to(dtype=dt).contiguous(), v.to(dtype=dt).contiguous(), torch.from_numpy(slot)))
+        return out
+
+    def _write(self, load: _Load, rows: list, t0: float) -> None:
+        """Write prepared rows through each layer's cache-update op (on the worker's thread, at a safe point)."""
+        for layer, k, v, slot in rows:
             cache = layer.kv_cache
-            impl = layer.impl
-            if not hasattr(impl, "do_kv_cache_update"):
-                raise plan.ExportRefused(f"attention backend {type(impl).__name__} has no do_kv_cache_update")
             dev = cache.device
-            impl.do_kv_cache_update(layer, k.to(device=dev, dtype=cache.dtype).contiguous(),
-                                    v.to(device=dev, dtype=cache.dtype).contiguous(), cache,
-                                    torch.from_numpy(slot).to(dev))
+            layer.impl.do_kv_cache_update(layer, k.to(dev), v.to(dev), cache, slot.to(dev))
+        dt = time.perf_counter() - t0
+        self.load_seconds.append(dt)
+        self._worker_meta.loaded.add(load.req_id)
+        logger.info("SlopeJaxConnector: request %s: injected %d tokens from %s in %.1f ms (%s)", load.req_id,
+                    load.export.num_tokens - 1, load.export.path, dt * 1e3, load.how)
+
+    def _failed(self, load: _Load, e: Exception) -> None:
+        why = str(e) if isinstance(e, (plan.ExportRefused, kvfmt.KVFormatError)) else f"{type(e).__name__}: {e}"
+        logger.error("SlopeJaxConnector: request %s: loading %s failed (%s); reported as a failed load, "
+                     "kv_load_failure_policy decides", load.req_id, load.export.path, why)
+        self._worker_meta.failures[load.req_id] = why
+        if load.how == SYNC:
+            self._failed_blocks.update(load.block_ids)
+        else:
+            self._failed_recving.add(load.req_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(None, requests whose asynchronous load ended this step). A BACKGROUND load whose read is done is written
+        here — after the step's forward pass — unless its request finished meanwhile (aborted: nothing is written,
+        and reporting it lets vLLM free its blocks)."""
+        self._aborted |= set(finished_req_ids or ()) & set(self._inflight)
+        for req_id, (load, future, t0) in list(self._inflight.items()):
+            if not future.done():
+                continue
+            del self._inflight[req_id]
+            self._finished_recving.add(req_id)
+            if req_id in self._aborted:
+                self._aborted.discard(req_id)
+                logger.info("SlopeJaxConnector: request %s finished while its KV was loading; nothing written",
+                            req_id)
+                continue
+            try:
+                self._write(load, future.result(), t0)
+            except Exception as e:  # noqa: BLE001 - reported as a failed load, never a crash
+                self._failed(load, e)
+        done, self._finished_recving = self._finished_recving, set()
+        return None, (done or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        _, done = self.get_finished(finished_req_ids)
+        failed, self._failed_recving = self._failed_recving, set()
+        return KVConnectorTransferResults(finished_recving=set(done or ()), failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._failed_blocks = set(self._failed_blocks), set()
+        return out
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        meta = self._worker_meta
+        if not meta.loaded and not meta.failures:
+            return None
+        self._worker_meta = SlopeJaxWorkerMetadata()
+        return meta
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv writes every layer before the forward pass (measured in docs/kv-format.md §7)
+        return  # synchronous loads are written before the forward pass, asynchronous ones before vLLM schedules them
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         return  # a consumer saves nothing
@@ -331,9 +509,101 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self):
         return
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        out, self._failed_blocks = set(self._failed_blocks), set()
-        return out
+    def shutdown(self):
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _read_file(path: str, want: dict, verify: bool) -> bytearray:
+    """The bytes of one export file, hashed (SHA-256, with `verify`) as they arrive; raises ExportRefused if the file
+    is gone, shorter or longer than `want["bytes"]`, or its bytes do not hash to `want["sha256"]`."""
+    size = int(want["bytes"])
+    buf = bytearray(size)
+    view = memoryview(buf)
+    digest = hashlib.sha256() if verify else None
+    got = 0
+    try:
+        with open(path, "rb", buffering=0) as f:
+            while got < size:
+                k = f.readinto(view[got:got + _READ_CHUNK])
+                if not k:
+                    break
+                if digest is not None:
+                    digest.update(view[got:got + k])
+                got += k
+            longer = bool(f.read(1))
+    except FileNotFoundError:
+        raise plan.ExportRefused(f"{path}: the file does not exist (deleted after validation)") from None
+    name = os.path.basename(path)
+    if got != size or longer:
+        raise plan.ExportRefused(f"{path}: checksums.{name}.bytes: read {got}{'+' if longer else ''} bytes, the "
+                                 f"manifest records {size} (the file changed after validation)")
+    if digest is not None and digest.hexdigest() != want["sha256"]:
+        raise plan.ExportRefused(f"{path}: checksums.{name}.sha256: the bytes read differ from the manifest's SHA-256 "
+                                 "(the file was modified after validation)")
+    return buf
+
+
+def _safetensors(buf: bytearray, path: str) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held in `buf` (views into it, no copy). Raises ExportRefused if the header
+    is malformed or a tensor lies outside the buffer."""
+    try:
+        n = int.from_bytes(buf[:8], "little")
+        header = json.loads(bytes(buf[8:8 + n])) if len(buf) >= 8 + n else None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise plan.ExportRefused(f"{path}: not a safetensors file ({e})") from None
+    if not isinstance(header, dict):
+        raise plan.ExportRefused(f"{path}: not a safetensors file (no header)")
+    base, out = 8 + n, {}
+    for key, d in header.items():
+        if key == "__metadata__":
+            continue
+        ok = isinstance(d, dict) and d.get("dtype") in _ST_DTYPES and isinstance(d.get("shape"), list) and \
+            isinstance(d.get("data_offsets"), list) and len(d["data_offsets"]) == 2
+        if ok:
+            dtype, count, (a, b) = _ST_DTYPES[d["dtype"]], int(np.prod(d["shape"])), d["data_offsets"]
+            ok = 0 <= a and b - a == count * dtype.itemsize and base + b <= len(buf)
+        if not ok:
+            raise plan.ExportRefused(f"{path}: tensor {key!r}: malformed safetensors entry {d!r}")
+        flat = torch.frombuffer(buf, dtype=dtype, count=count, offset=base + a) if count else torch.zeros(0, dtype)
+        out[key] = flat.view(d["shape"])
+    return out
+
+
+def _read_export(exp: plan.Validated, verify: bool) -> dict[int, tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Global layer id → (kind, K `[t, K, H]`, V, int32 positions `[t]`) of a validated export, from bytes read and
+    hashed once (`_read_file`): what is parsed is exactly what was verified. Raises ExportRefused if the manifest
+    changed since validation, a file is gone, changed or malformed, or a tensor disagrees with the manifest."""
+    m = kvfmt.read_manifest(exp.path)
+    if m["run_nonce"] != exp.run_nonce or m["checksums"] != exp.checksums:
+        raise plan.ExportRefused(f"{exp.path}: the export was replaced after it was validated (run_nonce "
+                                 f"{exp.run_nonce} → {m['run_nonce']})")
+    files = {name: _safetensors(_read_file(os.path.join(exp.path, name), m["checksums"][name], verify),
+                                os.path.join(exp.path, name)) for name in m["files"]}
+    kh, hd, dtype = m["model"]["num_key_value_heads"], m["model"]["head_dim"], m["dtype"]
+    out = {}
+    for rec in m["layers"]:
+        layer, parts = rec["layer"], []
+        for seg in sorted(rec["segments"], key=lambda s: s["start"]):
+            try:
+                k, v, pos = (files[seg["file"]][seg[x]] for x in ("k", "v", "positions"))
+            except KeyError as e:
+                raise plan.ExportRefused(f"{exp.path}: layers[{layer}].segments: tensor {e} missing from "
+                                         f"{seg['file']}") from None
+            want = (seg["end"] - seg["start"], kh, hd)
+            if tuple(k.shape) != want or tuple(v.shape) != want or str(k.dtype) != f"torch.{dtype}" or \
+                    str(v.dtype) != f"torch.{dtype}":
+                raise plan.ExportRefused(f"{exp.path}: layers[{layer}].segments: K/V {list(k.shape)} {k.dtype}, the "
+                                         f"manifest declares {list(want)} {dtype}")
+            if not torch.equal(pos.to(torch.int64), torch.arange(seg["start"], seg["end"])):
+                raise plan.ExportRefused(f"{exp.path}: layers[{layer}].segments: positions tensor {seg['positions']!r} "
+                                         f"does not hold [{seg['start']}, {seg['end']})")
+            parts.append((k, v, pos))
+        if not parts:
+            empty = torch.zeros((0, kh, hd), dtype=getattr(torch, dtype))
+            parts = [(empty, empty, torch.zeros(0, dtype=torch.int32))]
+        out[layer] = (rec["kind"], *(torch.cat([p[i] for p in parts]) for i in range(3)))
+    return out
 
 
 def _tp() -> tuple[int, int]:
