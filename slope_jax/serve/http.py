@@ -15,6 +15,13 @@ r"""The prefill endpoint of a prefill/decode (P/D) deployment: an OpenAI-style c
       503: rejected by SLO admission (`--slo_policy=reject`): the message gives predicted vs allowed TTFT.
       500: the boundary accepted it but the engine could not serve it (its bucket does not fit device memory, or
            the prefill failed); the message says which.
+    POST /v1/chat/completions   {"messages": [{"role": "user", "content": "..."}], ...}: the same, for the
+           checkpoint's chat template (below); the answer has OpenAI's chat shape, and its kv_transfer_params also
+           hold "prompt_token_ids" (the rendered prompt's ids, which vLLM's chat route takes instead of rendering).
+    POST /v1/kv/release   {"request_id": id}: the decode side is done with that export (the P/D proxy calls it):
+           it is removed, unless it holds prefix-reuse blocks (then it stays as the prefill's cache for later
+           prompts sharing its prefix, under --kv_dir_max_gib / --kv_dir_max_age_h retention). 404: not an id this
+           server answered.
     GET /health  200 once the engine is loaded (the server starts after that).    GET /v1/models  the served model.
 
 Body fields. `prompt`: a non-empty string (tokenized with the checkpoint's tokenizer.json by the boundary's rule:
@@ -26,23 +33,33 @@ shape; `top_logprobs` keys are token ids as strings: distinct tokens can decode 
 number > 0 (default --ttft_slo_ms). `request_id` (or header X-Request-Id): names the KV export directory, the
 boundary's id rule, unique within the run; default "cmpl-<32 hex>". `model`: absent or the served name
 (--http_model_name). `stream`, `echo`: absent or false; `n`, `best_of`: absent or 1. `kv_transfer_params`: the P/D
-proxy's {"do_remote_decode": true, ...}; read for nothing (the export is always written). Sampling fields that only
-shape decoding (`temperature`, `top_p`, `seed`, `stop`, ... see `_DECODE_ONLY`) are accepted and ignored: the
+proxy's {"do_remote_decode": true, ...}; read for nothing (the export is always written). `cache_salt`: the
+tenant whose prefix cache the prompt may use and whose export it is. Every other field (sampling options, structured
+outputs, `prompt_logprobs`, ...) shapes decoding only and is ignored, as vLLM ignores fields it does not know: the
 prefill's own first token is always greedy (argmax), and the decode engine recomputes the last prompt position and
-samples its first token itself. Any other field is a 400 naming it.
+samples its first token itself. Chat: `messages` (role and string or text-part content), `add_generation_prompt`
+(default true), `continue_final_message`, `tools`, `documents`, `chat_template_kwargs` render the checkpoint's Hugging
+Face chat template (`chat_template` in tokenizer_config.json or chat_template.jinja, with transformers' renderer) to
+text, which is tokenized like a text prompt; a checkpoint without a template answers 400 naming `messages`.
 
 Library: aiohttp, server and client in one well-kept package (the proxy uses both). vLLM itself serves with FastAPI
 on uvicorn, and its P/D example proxies use httpx or aiohttp; the wire format is what matters, and it is OpenAI's.
 
-Threads: aiohttp serves on its own event loop thread; the handler validates the body (no engine needed), queues one
-request line `{"id", "tokens", "ttft_slo_ms"}` with its arrival time for the launcher's loop (`get`, the
-`batching.LineReader` contract), and waits for the record the loop emits for that id (`deliver`), which becomes the
-HTTP answer. The loop itself (admission, batching, compute on every process, export, result records) is unchanged.
+Threads: aiohttp serves on its own event loop thread; the handler has the body validated on a small thread pool (JSON,
+chat template and tokenization never run on the event loop, and the tokenizer releases the GIL: a 12 MB body does
+not hold other requests), queues one request line `{"id", "tokens", "ttft_slo_ms", "cache_salt"}` with its arrival
+time for the launcher's loop (`get`, the `batching.LineReader` contract), and waits for the record the loop emits for
+that id (`deliver`), which becomes the HTTP answer. A client that disconnects cancels its handler: a request the
+loop has not taken yet is dropped; one already taken is computed (a batch is not unpicked), and its export is
+reclaimed as if released. The loop itself (admission, batching, compute on every process, export, result records) is
+unchanged.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import json
 import os
 import queue
@@ -56,15 +73,15 @@ from absl import logging
 from slope_jax.kv import format as kvfmt
 from slope_jax.serve import requests
 
-# OpenAI / vLLM completion fields that shape decoding only: accepted (a P/D proxy forwards the client's whole body)
-# and ignored here.
-_DECODE_ONLY = frozenset({
-    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "logit_bias", "user", "suffix", "min_tokens", "ignore_eos",
-    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output", "stream_options",
-    "return_token_ids", "priority"})
+# The fields this endpoint reads (and checks). Any other field of an OpenAI / vLLM request (sampling options, structured
+# outputs, `prompt_logprobs`, ...) shapes decoding only: it is ignored here, as vLLM ignores fields it does not know (a
+# P/D proxy may forward a client's whole body), and named in the log.
 _FIELDS = frozenset({"prompt", "model", "max_tokens", "max_completion_tokens", "logprobs", "ttft_slo_ms",
-                     "request_id", "stream", "echo", "n", "best_of", "kv_transfer_params", "cache_salt"}) | _DECODE_ONLY
+                     "request_id", "stream", "echo", "n", "best_of", "kv_transfer_params", "cache_salt"})
+_CHAT_FIELDS = frozenset({"messages", "model", "max_tokens", "max_completion_tokens", "ttft_slo_ms", "request_id",
+                          "stream", "n", "kv_transfer_params", "cache_salt", "add_generation_prompt",
+                          "continue_final_message", "chat_template_kwargs", "tools", "documents"})
+_ID_LOCK = threading.Lock()  # id reservations: validations run on several threads (`HttpIntake`)
 
 
 class HttpError(Exception):
@@ -86,59 +103,92 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 
 
 class Validated:
-    """A completion request that passed every check here: `line` is the request line for the launcher's loop."""
+    """A completion request that passed every check here: `line` is the request line for the launcher's loop;
+    `ignored` the body's fields this endpoint does not read; `chat`: it came by /v1/chat/completions."""
 
-    def __init__(self, request: requests.Request, logprobs: int | None):
-        self.request, self.logprobs = request, logprobs
+    def __init__(self, request: requests.Request, logprobs: int | None, ignored: list[str] = (), chat: bool = False):
+        self.request, self.logprobs, self.ignored, self.chat = request, logprobs, list(ignored), chat
         self.id = request.id
         self.line = json.dumps({"id": request.id, "tokens": request.tokens.tolist(),
-                                **({} if request.ttft_slo_ms is None else {"ttft_slo_ms": request.ttft_slo_ms})})
+                                **({} if request.ttft_slo_ms is None else {"ttft_slo_ms": request.ttft_slo_ms}),
+                                **({} if request.cache_salt is None else {"cache_salt": request.cache_salt})})
+
+
+class _Unlocked:
+    """The tokenizer as the boundary sees it, safe to share between threads and never holding the GIL while it
+    works: `encode` is `encode_batch` of one text, which releases the GIL during the Rust code (`encode` holds it:
+    tokenizing 3 MB of text here stopped every other Python thread, the server's event loop included, for 2.7 s);
+    `encode_special_tokens` (set by the boundary around each call) is this wrapper's own, so the shared tokenizer is
+    never written to: its flag stays False (special-token strings become control tokens; HTTP has no literal mode)."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self.encode_special_tokens = False
+
+    def encode(self, text: str):
+        if self.encode_special_tokens:
+            raise ValueError("literal text (text_literal) is not served over HTTP")
+        return self._tokenizer.encode_batch([text])[0]
 
 
 def _param_of(message: str) -> str:
-    """The HTTP field a boundary message is about. The id's format is checked before the boundary runs, so the
-    boundary can only fault the prompt, `ttft_slo_ms` or `cache_salt` (named in quotes) or a duplicate id."""
+    """The HTTP field a boundary message is about. The id's format and uniqueness are checked before the boundary
+    runs, so the boundary can only fault the prompt, `ttft_slo_ms` or `cache_salt` (named in quotes)."""
     for field in ("ttft_slo_ms", "cache_salt"):
         if f"'{field}'" in message:
             return field
-    if "duplicate id" in message:
-        return "request_id"
     return "prompt"
 
 
 def validate(body: bytes, headers: dict, number: int, *, model_name: str, vocab_size: int, max_tokens: int,
-             tokenizer, seen_ids: set[str], top_k: int, kv_store, arrival: float | None = None) -> Validated:
-    """Check one POST /v1/completions body. Raises HttpError naming the field and the rule.
+             tokenizer, seen_ids: set[str], top_k: int, kv_store, arrival: float | None = None, chat: bool = False,
+             chat_template: "ChatTemplate | None" = None) -> Validated:
+    """Check one POST /v1/completions (or, `chat`, /v1/chat/completions) body. Raises HttpError naming the field and
+    the rule. Safe to call from several threads at once (the id reservation is locked; the tokenizer is only read).
 
     Args:
       body: the raw body (UTF-8 JSON object). headers: request headers (for X-Request-Id).
       number: 1-based count of completion requests received (messages say "request N (id): ...").
       model_name: the served model name. vocab_size, max_tokens, tokenizer: the boundary's limits and tokenizer
-        (`tokenizers.Tokenizer` or None; not shared with another thread: the boundary toggles a flag on it).
+        (`tokenizers.Tokenizer` or None; used through `_Unlocked`).
       seen_ids: ids used so far in this run (updated; the boundary's uniqueness rule).
       top_k: the most `logprobs` a request may ask for (--top_k). kv_store: the owner of the export directory's
         policy (`slope_jax.kv.store.KVStore`): its `check_new` refuses an id whose export exists (409).
       arrival: perf_counter() seconds of the request's arrival (default now).
+      chat_template: the checkpoint's chat template (`ChatTemplate.find`), None if it has none (chat: 400).
     """
     obj = _decode_body(body, number)
     where = f"request {number}"
-    _check_fields(obj, where, model_name)
-    _check_first_token_only(obj, where)
-    logprobs = _check_answer_options(obj, where, top_k)
+    fields = _CHAT_FIELDS if chat else _FIELDS
+    _check_model(obj, where, model_name)
+    _check_first_token_only(obj, where, fields)
+    logprobs = _check_answer_options(obj, where, top_k, chat)
     rid, param_id = _request_id(obj, headers, where)
+    _reserve(rid, seen_ids, where, param_id)
     line = {"id": rid, **{k: obj[k] for k in ("ttft_slo_ms", "cache_salt") if obj.get(k) is not None}}
-    line.update(_prompt_field(obj, where, tokenizer))
+    line.update(chat_prompt(obj, where, tokenizer, chat_template) if chat else _prompt_field(obj, where, tokenizer))
     try:
         req = requests.parse(json.dumps(line), number, vocab_size=vocab_size, max_tokens=max_tokens,
-                             tokenizer=tokenizer, seen_ids=seen_ids, arrival=arrival, label="request")
+                             tokenizer=None if tokenizer is None else _Unlocked(tokenizer), seen_ids=None,
+                             arrival=arrival, label="request")
     except requests.LineError as e:
         message = str(e).replace("'tokens'", "'prompt'").replace("'text'", "'prompt'")
-        raise HttpError(400, message, param_id if _param_of(message) == "request_id" else _param_of(message)) from e
+        param = _param_of(message)
+        raise HttpError(400, message, "messages" if chat and param == "prompt" else param) from e
     try:
         kv_store.check_new(req.id)
     except kvfmt.ExportExistsError as e:
         raise HttpError(409, f"{where} ({req.id}): {e}", param_id) from e
-    return Validated(req, logprobs)
+    return Validated(req, logprobs, sorted(set(obj) - fields), chat)
+
+
+def _reserve(rid: str, seen_ids: set[str], where: str, param_id: str) -> None:
+    """Take `rid` for this run (ids name KV directories): HttpError 400 if an earlier request has it."""
+    with _ID_LOCK:
+        if rid in seen_ids:
+            raise HttpError(400, f"{where}: duplicate id {rid!r} (ids name KV directories and must be unique; the "
+                            "first request with this id keeps it)", param_id)
+        seen_ids.add(rid)
 
 
 def _decode_body(body: bytes, number: int) -> dict:
@@ -154,13 +204,8 @@ def _decode_body(body: bytes, number: int) -> dict:
     return obj
 
 
-def _check_fields(obj: dict, where: str, model_name: str) -> None:
-    """Known fields only (400), and `model`, when given, is the served one (404)."""
-    unknown = sorted(set(obj) - _FIELDS)
-    if unknown:
-        raise HttpError(400, f"{where}: unknown field(s) {requests._short(unknown, 120)}; the prefill endpoint "
-                        f"accepts {sorted(_FIELDS - _DECODE_ONLY)} and ignores decode-only sampling fields",
-                        unknown[0])
+def _check_model(obj: dict, where: str, model_name: str) -> None:
+    """`model`, when given, is the served one (404; 400 if not a string)."""
     model = obj.get("model")
     if model is not None and not isinstance(model, str):
         raise HttpError(400, f"{where}: 'model' must be a string, got {type(model).__name__}", "model")
@@ -169,28 +214,29 @@ def _check_fields(obj: dict, where: str, model_name: str) -> None:
                         f"{model_name!r}", "model")
 
 
-def _check_first_token_only(obj: dict, where: str) -> None:
+def _check_first_token_only(obj: dict, where: str, fields: frozenset) -> None:
     """The fields that would ask for more than one greedy first token in one body: max_tokens /
-    max_completion_tokens 1, stream / echo false, n / best_of 1 (each may be absent)."""
+    max_completion_tokens 1, stream / echo false, n / best_of 1 (each may be absent; only the route's `fields`)."""
     for name in ("max_tokens", "max_completion_tokens"):
         value = obj.get(name)
-        if value is not None and (isinstance(value, bool) or value != 1):
+        if name in fields and value is not None and (isinstance(value, bool) or value != 1):
             raise HttpError(400, f"{where}: '{name}' must be 1 (or absent), got {requests._short(value)}: the "
                             "prefill endpoint produces the first token only; send the request to the decode server "
                             "for the rest (slope_jax.serve.pd_proxy does both)", name)
     for name in ("stream", "echo"):
-        if obj.get(name) is not None and obj[name] is not False:
+        if name in fields and obj.get(name) is not None and obj[name] is not False:
             raise HttpError(400, f"{where}: '{name}' must be false (or absent), got {requests._short(obj[name])}: "
                             "the prefill endpoint answers with one JSON body holding the first token", name)
     for name in ("n", "best_of"):
-        if obj.get(name) not in (None, 1) or isinstance(obj.get(name), bool):
+        if name in fields and (obj.get(name) not in (None, 1) or isinstance(obj.get(name), bool)):
             raise HttpError(400, f"{where}: '{name}' must be 1 (or absent), got {requests._short(obj[name])}: one "
                             "greedy first token per request", name)
 
 
-def _check_answer_options(obj: dict, where: str, top_k: int) -> int | None:
-    """`logprobs` (an integer in [0, top_k] or null; returned) and `kv_transfer_params` (an object or null)."""
-    logprobs = obj.get("logprobs")
+def _check_answer_options(obj: dict, where: str, top_k: int, chat: bool) -> int | None:
+    """`logprobs` (completions: an integer in [0, top_k] or null; returned) and `kv_transfer_params` (an object or
+    null)."""
+    logprobs = None if chat else obj.get("logprobs")
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                  or not 0 <= logprobs <= top_k):
         raise HttpError(400, f"{where}: 'logprobs' must be an integer in [0, {top_k}] (--top_k) or null, got "
@@ -237,6 +283,83 @@ def _prompt_field(obj: dict, where: str, tokenizer) -> dict:
     return {"tokens": prompt}
 
 
+class ChatTemplate:
+    """A checkpoint's chat template (Hugging Face's: `chat_template` in tokenizer_config.json, or
+    chat_template.jinja) and the special-token strings it may use (`bos_token`, `eos_token`, ...)."""
+
+    def __init__(self, source: str, special_tokens: dict[str, str]):
+        self.source, self.special_tokens = source, special_tokens
+
+    @staticmethod
+    def find(checkpoint: str | None) -> "ChatTemplate | None":
+        """The template of the checkpoint directory, or None if it has none (a named-template list: "default")."""
+        if checkpoint is None:
+            return None
+        try:
+            with open(os.path.join(checkpoint, "tokenizer_config.json")) as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            config = {}
+        source = config.get("chat_template")
+        if isinstance(source, list):
+            source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+        if source is None and os.path.exists(os.path.join(checkpoint, "chat_template.jinja")):
+            with open(os.path.join(checkpoint, "chat_template.jinja")) as f:
+                source = f.read()
+        special = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
+        return ChatTemplate(source, special) if isinstance(source, str) and source else None
+
+    def render(self, messages: list, **options) -> str:
+        """The prompt text of `messages` (transformers' `render_jinja_template`, what `apply_chat_template` renders;
+        `options`: add_generation_prompt, continue_final_message, tools, documents, and template kwargs)."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        rendered, _ = render_jinja_template([messages], chat_template=self.source,
+                                            **{**self.special_tokens, **options})
+        return rendered[0]
+
+
+def chat_prompt(obj: dict, where: str, tokenizer, template: ChatTemplate | None) -> dict:
+    """`messages` (and the template options) → the boundary's "text": the checkpoint's chat template rendered as
+    `vllm serve` renders it for a Hugging Face template (text, then tokenized without adding special tokens).
+    HttpError 400 naming the field: no chat template, no tokenizer, malformed messages or options."""
+    if template is None:
+        raise HttpError(400, f"{where}: the checkpoint has no chat template ('chat_template' in tokenizer_config.json "
+                        "or chat_template.jinja), so its messages cannot be turned into a prompt here; send "
+                        "/v1/completions with the formatted prompt, or serve a checkpoint that has one", "messages")
+    if tokenizer is None:
+        raise HttpError(400, f"{where}: the checkpoint has no tokenizer.json to tokenize the chat prompt with",
+                        "messages")
+    messages = obj.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise HttpError(400, f"{where}: 'messages' must be a non-empty list of messages", "messages")
+    flat = []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            content = "\n".join(str(p.get("text", "")) for p in content)  # vLLM joins text parts for such templates
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, (str, type(None))):
+            raise HttpError(400, f"{where}: 'messages'[{i}] must be an object with a string 'role' and a string (or "
+                            "text parts) 'content'", "messages")
+        flat.append({**m, "content": content})
+    options = {"add_generation_prompt": obj.get("add_generation_prompt", True),
+               "continue_final_message": obj.get("continue_final_message", False)}
+    for name, value in options.items():
+        if not isinstance(value, bool):
+            raise HttpError(400, f"{where}: '{name}' must be true or false, got {requests._short(value)}", name)
+    for name, kind in (("tools", list), ("documents", list), ("chat_template_kwargs", dict)):
+        if obj.get(name) is not None and not isinstance(obj[name], kind):
+            raise HttpError(400, f"{where}: '{name}' must be {'a list' if kind is list else 'an object'} or null",
+                            name)
+    try:
+        text = template.render(flat, tools=obj.get("tools"), documents=obj.get("documents"),
+                               **(obj.get("chat_template_kwargs") or {}), **options)
+    except Exception as e:  # noqa: BLE001 - the template's own error (raise_exception, a missing key) is the client's
+        raise HttpError(400, f"{where}: the chat template failed on these messages ({type(e).__name__}: "
+                        f"{str(e)[:200]})", "messages") from e
+    return {"text": text}
+
+
 def completion_body(record: dict, validated: Validated, model_name: str) -> tuple[int, dict]:
     """The HTTP status and body for the launcher's record of a validated request (see the module docstring)."""
     rid = validated.id
@@ -271,6 +394,14 @@ def completion_body(record: dict, validated: Validated, model_name: str) -> tupl
                 "slo_met", "late"):
         if key in record:
             body[key] = record[key]
+    if validated.chat:
+        # OpenAI's chat shape; the prompt's token ids ride along for the decode server (vLLM reads
+        # kv_transfer_params.prompt_token_ids of a chat request instead of rendering its own template: both engines
+        # then run the same tokens whatever each would render, e.g. vLLM's Harmony encoder for gpt-oss)
+        body.update(object="chat.completion", choices=[
+            {"index": 0, "message": {"role": "assistant", "content": text}, "token_ids": [first], "logprobs": None,
+             "finish_reason": "length", "stop_reason": None}])
+        body["kv_transfer_params"]["prompt_token_ids"] = tokens.tolist()
     return 200, body
 
 
@@ -282,9 +413,12 @@ class HttpIntake:
     Args:
       host, port: where to listen (port 0: any free port; `port` then holds the bound one after `start`).
       model_name: the name /v1/models and responses give; `model` in a request must match it.
-      vocab_size, max_tokens: the boundary's limits. tokenizer_path: the checkpoint's tokenizer.json, or None.
+      vocab_size, max_tokens: the boundary's limits. tokenizer_path: the checkpoint's tokenizer.json, or None (its
+        directory's chat template, if any, serves /v1/chat/completions).
       top_k: --top_k (the most `logprobs`). kv_store: the launcher's `kv.store.KVStore` (--kv_dir, --overwrite).
     """
+
+    VALIDATION_THREADS = 8
 
     def __init__(self, host: str, port: int, *, model_name: str, vocab_size: int, max_tokens: int,
                  tokenizer_path: str | None, top_k: int, kv_store):
@@ -292,20 +426,26 @@ class HttpIntake:
         self._limits = dict(model_name=model_name, vocab_size=vocab_size, max_tokens=max_tokens, top_k=top_k,
                             kv_store=kv_store)
         self._tokenizer_path = tokenizer_path
+        self._chat_template = ChatTemplate.find(os.path.dirname(tokenizer_path) if tokenizer_path else None)
         self._queue: queue.Queue = queue.Queue()
         self._waiters: dict[str, tuple[asyncio.Future, Validated]] = {}
+        self._abandoned: set[str] = set()  # ids whose client left before the answer (their exports are reclaimed)
+        self._served: set[str] = set()  # ids answered with an export (what /v1/kv/release may remove)
         self._lock = threading.Lock()
         self._seen: set[str] = set()
         self._number = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner = None
+        # validation (JSON, chat template, tokenization) runs here, off the event loop: a 12 MB body must not hold
+        # other requests (`_Unlocked` releases the GIL while tokenizing)
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.VALIDATION_THREADS, "slope_jax-http-validate")
+        self.dropped: list[str] = []  # ids abandoned before the launcher's loop took them (never computed)
 
     # ---- the launcher's side (main thread) -------------------------------------------------------------------
     def start(self) -> None:
         """Bind and serve on a daemon thread; returns once listening. Raises OSError if the address is taken."""
         from tokenizers import Tokenizer
 
-        # the handler thread's own tokenizer: the boundary toggles `encode_special_tokens` on it
         tokenizer = Tokenizer.from_file(self._tokenizer_path) if self._tokenizer_path else None
         started = threading.Event()
         failure: list[BaseException] = []
@@ -315,19 +455,56 @@ class HttpIntake:
         started.wait()
         if failure:
             raise failure[0]
-        logging.info("prefill endpoint: http://%s:%d/v1/completions (model %r)", self.host, self.port,
-                     self.model_name)
+        logging.info("prefill endpoint: http://%s:%d/v1/completions (model %r; chat template: %s)", self.host,
+                     self.port, self.model_name, "yes" if self._chat_template else "none")
 
     def get(self, timeout_s: float | None):
-        """The next request line `(raw bytes, arrival)`; raises queue.Empty after `timeout_s` (None: block)."""
-        return self._queue.get(timeout=timeout_s) if timeout_s is None or timeout_s > 0 else self._queue.get_nowait()
+        """The next request line `(raw bytes, arrival)`; raises queue.Empty after `timeout_s` (None: block). A
+        request whose client left while it waited here is dropped (never computed)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            rid, line, arrival = self._queue.get(timeout=left) if left is None or left > 0 else self._queue.get_nowait()
+            with self._lock:
+                if rid not in self._abandoned:
+                    return line, arrival
+                self._abandoned.discard(rid)
+            self.dropped.append(rid)
+            logging.info("request %s: its client left before the prefill started; dropped", rid)
 
     def deliver(self, record: dict) -> None:
-        """Route one emitted record to the HTTP request waiting for its id (others are ignored)."""
+        """Route one emitted record to the HTTP request waiting for its id (others are ignored; the export of one
+        whose client left is reclaimed)."""
+        rid = record.get("id") if isinstance(record.get("id"), str) else None
         with self._lock:
-            waiter = self._waiters.pop(record.get("id"), None) if isinstance(record.get("id"), str) else None
+            waiter = self._waiters.pop(rid, None)
+            abandoned = waiter is None and rid in self._abandoned
+            self._abandoned.discard(rid)
         if waiter is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(_resolve, waiter[0], record)
+        elif abandoned and "kv_path" in record:
+            self._pool.submit(self.reclaim, rid)
+
+    def reclaim(self, rid: str) -> tuple[bool, str]:
+        """Remove the export of `rid` now that nobody will read it (the decode side consumed it, or its client left):
+        (removed, why). An export holding prefix-reuse blocks (`prefix.hashes`) is kept as the prefill's cache for
+        later prompts sharing its prefix; kv_dir retention (--kv_dir_max_gib, --kv_dir_max_age_h) bounds those."""
+        path = os.path.join(self._limits["kv_store"].kv_dir, rid)
+        try:
+            m = kvfmt.read_manifest(path)
+        except (kvfmt.KVFormatError, OSError):
+            return False, "no such export (removed already?)"
+        if (m.get("prefix") or {}).get("hashes"):
+            return False, "kept for prefix reuse (it holds reusable blocks; kv_dir retention bounds such exports)"
+        target = os.path.realpath(path)
+        try:
+            if os.path.islink(path):
+                os.remove(path)  # the pointer first: a reader resolving it now finds no export, never a partial one
+        except FileNotFoundError:
+            pass
+        kvfmt.remove_tree(target)
+        logging.info("request %s: export %s reclaimed", rid, path)
+        return True, "removed"
 
     # ---- the server (its own thread and event loop) ----------------------------------------------------------
     def _run(self, tokenizer, started: threading.Event, failure: list) -> None:
@@ -337,10 +514,14 @@ class HttpIntake:
         asyncio.set_event_loop(loop)
         app = web.Application(client_max_size=64 * 2**20)  # a 128K-token prompt is ~1 MB as JSON ids
         app["tokenizer"] = tokenizer
-        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/completions", functools.partial(self._completions, chat=False))
+        app.router.add_post("/v1/chat/completions", functools.partial(self._completions, chat=True))
+        app.router.add_post("/v1/kv/release", self._release)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
-        runner = web.AppRunner(app, access_log=None)
+        # a client that disconnects cancels its handler (aiohttp's default lets it run on): `_completions` then drops
+        # the request if it is still queued, or reclaims its export when it is done
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         try:
             loop.run_until_complete(runner.setup())
             site = web.TCPSite(runner, self.host, self.port)
@@ -366,24 +547,61 @@ class HttpIntake:
             {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "slope_jax",
              "max_model_len": self._limits["max_tokens"]}]})
 
-    async def _completions(self, request):
+    async def _completions(self, request, chat: bool):
         from aiohttp import web
 
         arrival = time.perf_counter()
         body = await request.read()
-        self._number += 1  # only the event loop thread touches the count, the seen ids and the tokenizer
+        self._number += 1  # only the event loop thread counts
+        check = functools.partial(validate, body, dict(request.headers), self._number,
+                                  tokenizer=request.app["tokenizer"], seen_ids=self._seen, arrival=arrival, chat=chat,
+                                  chat_template=self._chat_template, **self._limits)
         try:
-            v = validate(body, request.headers, self._number, tokenizer=request.app["tokenizer"],
-                         seen_ids=self._seen, arrival=arrival, **self._limits)
+            v = await asyncio.get_running_loop().run_in_executor(self._pool, check)
         except HttpError as e:
             return web.json_response(error_body(e.status, str(e), e.param), status=e.status)
+        if v.ignored:
+            logging.debug("request %s: fields not read by the prefill: %s", v.id, ", ".join(v.ignored))
         future = asyncio.get_running_loop().create_future()
         with self._lock:
             self._waiters[v.id] = (future, v)
-        self._queue.put((v.line.encode(), arrival))
-        record = await future  # a client that disconnects does not stop its prefill: its record still comes
+        self._queue.put((v.id, v.line.encode(), arrival))
+        try:
+            record = await asyncio.shield(future)
+        except asyncio.CancelledError:  # the client left: drop the request if still queued, else reclaim its export
+            self._abandon(v.id, future)
+            raise
         status, out = completion_body(record, v, self.model_name)
+        if status == 200:
+            self._served.add(v.id)
         return web.json_response(out, status=status)
+
+    def _abandon(self, rid: str, future: asyncio.Future) -> None:
+        with self._lock:
+            waiting = self._waiters.pop(rid, None) is not None
+            if waiting:
+                self._abandoned.add(rid)  # `get` drops it, or `deliver` reclaims its export
+        if not waiting:  # its record came just before the client left (it may still be on its way to `future`)
+            future.add_done_callback(lambda f: "kv_path" in f.result() and self._pool.submit(self.reclaim, rid))
+        logging.info("request %s: the client disconnected before its answer", rid)
+
+    async def _release(self, request):
+        """POST /v1/kv/release {"request_id": id}: the decode side is done with the export of `id` (`reclaim`)."""
+        from aiohttp import web
+
+        try:
+            rid = requests.loads_strict((await request.read()).decode("utf-8")).get("request_id")
+        except (ValueError, UnicodeDecodeError, AttributeError, RecursionError):
+            rid = None
+        if not isinstance(rid, str):
+            return web.json_response(error_body(400, "the body must be {\"request_id\": the id of an export this "
+                                                "server answered}", "request_id"), status=400)
+        if rid not in self._served:
+            return web.json_response(error_body(404, f"no export of request {requests._short(rid)} was answered "
+                                                "by this server", "request_id"), status=404)
+        self._served.discard(rid)
+        removed, why = await asyncio.get_running_loop().run_in_executor(self._pool, self.reclaim, rid)
+        return web.json_response({"request_id": rid, "removed": removed, "reason": why})
 
 
 def _resolve(future: asyncio.Future, record: dict) -> None:
