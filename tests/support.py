@@ -32,7 +32,8 @@ CONFIG_B = ModelConfig(
     num_attention_heads=8, num_key_value_heads=2, head_dim=20, sliding_window=7,
     layer_types=tuple(SLIDING if i % 2 == 0 else FULL for i in range(9)), eos_token_ids=(5,), pad_token_id=2)
 CONFIGS = {"A": CONFIG_A, "B": CONFIG_B}
-TILES = dict(q_tile=8, kv_tile=8, moe_tile=8)  # small tiles: every path crosses tile boundaries
+TILES = dict(q_tile=8, kv_tile=8, prefix_q_tile=16, prefix_kv_tile=24, moe_tile=8)  # small tiles: every path (prefix
+# hits: the attention over cached keys has its own tiles) crosses tile boundaries
 
 
 def _sizes_distinct(c: ModelConfig) -> bool:

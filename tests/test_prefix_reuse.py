@@ -268,7 +268,7 @@ from slope_jax.serve.engine import PrefillEngine
 spec = json.load(open(os.path.join(out, "spec.json")))
 eng = PrefillEngine.from_checkpoint(spec["checkpoint"], ParallelConfig(ring=2, ulysses=4), dtype="float32",
                                     progress=False, reuse=ReuseOptions(block_size=16), q_tile=32, kv_tile=32,
-                                    moe_tile=32)
+                                    prefix_q_tile=16, prefix_kv_tile=24, moe_tile=32)
 kv_dir = os.path.join(out, "kv")
 eng.prefill([np.asarray(spec["doc"], np.int32)], kv_dir, ids=["doc"])
 res = eng.prefill([np.asarray(spec["prompt"], np.int32)], kv_dir, ids=["turn"])[0]

@@ -379,7 +379,9 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax.A
             # Pad keys sit at positions >= num_tokens, after every real query: causality hides them.
             if prefix is None:
                 return attn_lib.attention(q, k, v, positions, positions, sinks, window=window, **tiles)
-            st = attn_lib.attend(q, xs[2], xs[3], positions, prefix.positions, window=window, **tiles)
+            st = attn_lib.attend(q, xs[2], xs[3], positions, prefix.positions, window=window,
+                                 q_tile=options.prefix_q_tile, kv_tile=options.prefix_kv_tile,
+                                 impl=options.attention_impl)
             st = attn_lib.attend(q, k, v, positions, positions, window=window, state=st, **tiles)
             return attn_lib.finalize(st, sinks)
 

@@ -341,21 +341,24 @@ def cached_prefix_attention(cfg: ModelConfig, pipeline: int, ring: int, ulysses:
     their own causal work, which `per_device` counts. The cached keys are spread evenly over a stage's g = R·U devices
     and every query of the stage visits every device (`context_parallel.prefix_attention`: queries travel, keys stay),
     so each device scores all t queries against its ⌈cached/g⌉ rows on a full layer; on a sliding layer only the last
-    W − 1 cached keys are visible (one or two key tiles). Tiles are rounded as the engine visits them; a stage runs
+    W − 1 cached keys are visible (one or two key tiles). Tiles are rounded as the engine visits them (the
+    options' prefix_q_tile, prefix_kv_tile on full layers, kv_tile on sliding ones); a stage runs
     its slots (half sliding, half full) for each of the m requests."""
     if cached <= 0:
         return 0.0
     g = ring * ulysses
     rows = -(-cached // g)
     tq = t // g  # local queries per device
-    bq, bk = min(tiles.q_tile, tq), min(tiles.kv_tile, rows)
+    bq = min(tiles.prefix_q_tile, tq)
     q_tiles = g * -(-tq // bq)
-    full = -(-rows // bk)
-    sliding = min(full, -(-(max(cfg.sliding_window - 1, 1)) // bk) + 1)
+    # full layers: prefix_kv_tile tiles over all rows; sliding layers: kv_tile tiles over the last W − 1 rows
+    bk_full, bk_sliding = min(tiles.prefix_kv_tile, rows), min(tiles.kv_tile, rows)
+    full = -(-rows // bk_full) * bk_full
+    sliding = min(-(-rows // bk_sliding), -(-(max(cfg.sliding_window - 1, 1)) // bk_sliding) + 1) * bk_sliding
     if g * pipeline == 1:
         kinds = [cfg.is_sliding(i) for i in range(cfg.num_hidden_layers)]
-        key_tiles = sum(sliding if k else full for k in kinds)
+        key_rows = sum(sliding if k else full for k in kinds)
     else:
         slots, _ = stage_slots(cfg, pipeline)
-        key_tiles = slots // 2 * (sliding + full)
-    return float(m * q_tiles * key_tiles * 4 * bq * bk * cfg.num_attention_heads * cfg.head_dim)
+        key_rows = slots // 2 * (sliding + full)
+    return float(m * q_tiles * key_rows * 4 * bq * cfg.num_attention_heads * cfg.head_dim)
