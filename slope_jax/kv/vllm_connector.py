@@ -130,6 +130,7 @@ class _Decision:
     # "not used: …", "recomputed: …" / "failed: …" (the load failed after validation)
     status: str
     loaded: int = 0  # external tokens of the current load
+    preemptions: int = 0  # vLLM preemptions of the request seen so far (each one loads the KV again)
 
 
 class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
@@ -304,7 +305,8 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
                            request.request_id, e)
             d.export, d.status, d.loaded = None, f"not used: {e}", 0
             return 0, False
-        if d.status == "loaded" and getattr(request, "num_preemptions", 0):
+        if d.status == "loaded" and getattr(request, "num_preemptions", 0) > d.preemptions:
+            d.preemptions = request.num_preemptions  # asked again each step until vLLM finds blocks: log once
             logger.info("SlopeJaxConnector: request %s: preempted after loading %d tokens; loading its KV again",
                         request.request_id, d.loaded)
         num = max(0, d.export.num_tokens - 1 - num_computed_tokens)

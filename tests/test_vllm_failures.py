@@ -1,0 +1,204 @@
+"""The vLLM connector never blocks vLLM and fails closed (issue 31 items 3–5), checked on the real vLLM (CPU, float32,
+in-process engine stepped by tests/vllm_failure_driver.py) with exports of checkpoints/tiny-gpt-oss-hd64.
+
+One engine, vLLM's defaults where they matter: hybrid KV manager, prefix caching on (emptied before each phase, so no
+request hits another's blocks), block size 16; exports with kv_full. `async_min_bytes` is 4 MiB: the BIG export
+(~40 MB) loads in the background thread, the others inline (asynchronous too: with two KV cache groups vLLM can fail
+a load closed only by request id). Phases:
+- plain: every prompt without an export (the references);
+- async: request A decodes 48 tokens; once it has 8, B (BIG export) arrives: B decodes the plain tokens with n−1 tokens
+  loaded while A keeps decoding (A's token times during B's load);
+- edges: prompt lengths 2·B and 2·B+1, one shorter than a block, the same prompt twice at once, max_tokens=1 whose
+  first token is a stop token (as EOS would be);
+- fail (vLLM's default kv_load_failure_policy): the export's file deleted, or one byte flipped, right after the
+  scheduler validated it (the driver's hook in `update_state_after_alloc`), inline and background: that request ends
+  with an error and no token; a healthy request in the same batch loads and decodes the plain tokens;
+- recompute: the same faults (and a truncated file): vLLM prefills those requests, the plain tokens, status
+  "recomputed: the KV load failed: <reason>" with 0 tokens loaded, never "loaded";
+- abort: a BIG load aborted one step after it started; then the same export loads whole for another request; idle,
+  the engine has as many free blocks as before the first request (the aborted load's blocks came back).
+The policy is switched between phases in the one engine (the scheduler's `recompute_kv_load_failures`, which vLLM sets
+from `kv_load_failure_policy` at start-up, and the connector's copy): one engine start for the module.
+Another cache_salt and other weights are tests/test_vllm_identity.py's and tests/test_vllm_connector.py's.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from support import REPO, random_prompt
+from test_vllm_connector import CKPT, CFG, VLLM_PYTHON, _vllm_env
+
+from slope_jax import kv
+from slope_jax.kv import vllm_plan as plan
+from slope_jax.serve.engine import PrefillEngine
+
+B = 16  # vLLM block size here
+N_BIG = 8000  # kv_full float32: ~40 MB, above async_min_bytes
+LENGTHS = {"short": B - 6, "2B": 2 * B, "2B1": 2 * B + 1, "mid": 300, "eos": 77, "dup": 150, "big": N_BIG,
+           "a": 200}
+LOGPROB_TOL = 1e-4
+# (request id, prompt, tampering, policy): each tampered request gets its own copy of the export
+FAULTS = [("fail/delete", "mid", "delete"), ("fail/flip-big", "big", "flip"),
+          ("recompute/delete-big", "big", "delete"), ("recompute/flip", "mid", "flip"),
+          ("recompute/truncate", "2B1", "truncate")]
+REASONS = {"delete": r"does not exist \(deleted after validation\)",
+           "flip": r"checksums\.kv-p0\.safetensors\.sha256: the bytes read differ",
+           "truncate": r"checksums\.kv-p0\.safetensors\.bytes: read \d+ bytes, the manifest records \d+"}
+
+
+def _prompt(name):
+    return random_prompt(CFG, LENGTHS[name], seed=3100 + LENGTHS[name]).tolist()
+
+
+def _req(rid, name, export=None, **kw):
+    return {"id": rid, "prompt": _prompt(name), "params": {plan.PATH_KEY: str(export)} if export else None, **kw}
+
+
+def _phases(exports, tampered, go):
+    e = exports
+    plain = [_req(f"plain/{name}", name, max_tokens=48 if name == "a" else 16) for name in LENGTHS]
+    async_ = [_req("a", "a", max_tokens=48), _req("async/big", "big", e["big"], after={"id": "a", "tokens": 8})]
+    edges = [_req(f"edge/{name}", name, e[name]) for name in ("short", "2B", "2B1")]
+    edges += [_req("dup/1", "dup", e["dup"]), _req("dup/2", "dup", e["dup"]),
+              _req("eos", "eos", e["eos"], max_tokens=1, ignore_eos=False, stop_at_first_token_of="plain/eos")]
+    faults = {p: [_req(rid, name, tampered[rid], tamper=action) for rid, name, action in FAULTS
+                  if rid.startswith(p)] for p in ("fail", "recompute")}
+    return [{"wait_for": str(go), "requests": plain},
+            {"requests": async_}, {"requests": edges},
+            {"policy": "fail", "requests": faults["fail"] + [_req("fail/healthy", "2B", e["2B"])]},
+            {"policy": "recompute", "requests": faults["recompute"] + [_req("recompute/healthy", "2B", e["2B"])]},
+            {"requests": [_req("abort/big", "big", e["big"], abort_after_steps=1)]},
+            {"requests": [_req("after-abort/big", "big", e["big"])]}]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Exports of every prompt (kv_full), the tampered copies, and the vLLM engine over them. Returns (results, out,
+    engine log)."""
+    if not os.path.exists(VLLM_PYTHON):
+        pytest.fail(f"no vLLM venv at {VLLM_PYTHON}: create it with launch/vllm_venv.sh or set SLOPE_VLLM_PYTHON")
+    base = tmp_path_factory.mktemp("vllm_failures")
+    go, exports_dir = base / "exports-ready", base / "kv"
+    exports = {name: exports_dir / name for name in LENGTHS if name != "a"}
+    tampered = {rid: base / "tampered" / rid.replace("/", "-") / name for rid, name, _ in FAULTS}
+    spec, out, log = base / "spec.json", base / "out.json", base / "engine.log"
+    spec.write_text(json.dumps({"model": CKPT, "hybrid": True, "prefix_caching": True, "block_size": B,
+                                "max_model_len": N_BIG + 64, "kv_cache_bytes": 1 << 28,
+                                "extra_config": {"async_min_bytes": 4 << 20},
+                                "phases": _phases(exports, tampered, go)}))
+    proc = subprocess.Popen([VLLM_PYTHON, os.path.join(REPO, "tests", "vllm_failure_driver.py"), str(spec), str(out)],
+                            cwd=str(base), env=_vllm_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        eng = PrefillEngine.from_checkpoint(CKPT, dtype="float32", progress=False)
+        names = list(exports)
+        eng.prefill([np.asarray(_prompt(n)) for n in names], str(exports_dir), ids=names, kv_full=True)
+        del eng
+        for rid, name, _ in FAULTS:  # the directory name is the manifest's request_id: copies keep it
+            shutil.copytree(kv.resolve(str(exports[name])), tampered[rid])
+        go.write_text("go")
+        proc.wait(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert proc.returncode == 0, text[-5000:]
+    data = json.loads(out.read_text())
+    return data["results"], data, text
+
+
+def _same_as_plain(results, rid, name, loaded):
+    got, ref = results[rid], results[f"plain/{name}"]
+    assert got["tokens"] == ref["tokens"][:len(got["tokens"])] and got["tokens"], (rid, got["tokens"], ref["tokens"])
+    err = float(np.max(np.abs(np.asarray(got["logprobs"]) - np.asarray(ref["logprobs"][:len(got["logprobs"])]))))
+    assert err <= LOGPROB_TOL, (rid, err)
+    params = got["kv_transfer_params"]
+    assert params[plan.LOADED_KEY] == loaded, (rid, params)
+    assert params[plan.STATUS_KEY] == ("loaded" if loaded else params[plan.STATUS_KEY]), (rid, params)
+    return params
+
+
+def test_async_load_decodes_like_plain_vllm_while_others_keep_decoding(run):
+    """The BIG export loads in the background (load_async): its request decodes the plain run's tokens with n−1 tokens
+    loaded; request A keeps decoding meanwhile (its tokens equal its plain run's) — several tokens during the load,
+    none of its gaps as long as the load."""
+    results, _, log = run
+    _same_as_plain(results, "async/big", "big", N_BIG - 1)
+    assert results["async/big"]["num_cached_tokens"] == N_BIG - 1
+    assert results["a"]["tokens"] == results["plain/a"]["tokens"]
+    assert re.search(r"request \S+: export \S+/big \(found by kv_transfer_params\S*\) validated, 8000 tokens, "
+                     r"background load", log)
+    load_ms = float(re.findall(r"injected 7999 tokens from \S+ in ([0-9.]+) ms \(background\)", log)[0])
+    big, a = results["async/big"], results["a"]
+    t0, t1 = big["added"], big["token_times"][0]
+    during = [t for t in a["token_times"] if t0 <= t <= t1]
+    gaps = np.diff([t for t in a["token_times"] if t0 - 1 <= t <= t1])
+    before = np.diff([t for t in a["token_times"] if t < t0])
+    print(f"background load of {N_BIG} tokens: {load_ms:.0f} ms; A decoded {len(during)} tokens meanwhile, max gap "
+          f"{gaps.max() * 1e3:.0f} ms (median before {np.median(before) * 1e3:.0f} ms)")
+    assert len(during) >= 3, (len(during), load_ms)
+    assert gaps.max() * 1e3 < 0.8 * load_ms, (gaps.max(), load_ms)
+
+
+@pytest.mark.parametrize("name", ["short", "2B", "2B1"])
+def test_block_edges(run, name):
+    """Prompts of 2·B and 2·B+1 tokens and one shorter than a block: n−1 tokens loaded, the plain run's tokens."""
+    results, _, _ = run
+    _same_as_plain(results, f"edge/{name}", name, LENGTHS[name] - 1)
+    assert results[f"edge/{name}"]["num_cached_tokens"] == LENGTHS[name] - 1
+
+
+def test_same_prompt_twice_at_once(run):
+    """Two requests of one prompt in one batch: both decode the plain tokens; neither reports tokens it did not get
+    (vLLM's count of computed tokens agrees with the connector's)."""
+    results, _, _ = run
+    for rid in ("dup/1", "dup/2"):
+        params = _same_as_plain(results, rid, "dup", results[rid]["kv_transfer_params"][plan.LOADED_KEY])
+        assert params[plan.LOADED_KEY] in (0, LENGTHS["dup"] - 1), params
+    assert results["dup/1"]["kv_transfer_params"][plan.LOADED_KEY] == LENGTHS["dup"] - 1
+
+
+def test_first_token_stops_the_request(run):
+    """max_tokens=1 and the first token a stop token (as EOS would be): that one token, stopped, n−1 loaded."""
+    results, _, _ = run
+    got = results["eos"]
+    assert got["tokens"] == results["plain/eos"]["tokens"][:1] and got["finish_reason"] == "stop", got
+    assert got["kv_transfer_params"] == {plan.LOADED_KEY: LENGTHS["eos"] - 1, plan.STATUS_KEY: "loaded"}
+
+
+def test_failed_load_fails_the_request_under_fail(run):
+    """Policy `fail`: an export deleted (inline load) or corrupted (one byte, background load) after validation ends
+    that request with an error and no token; the worker logs the reason; the healthy request in the batch loads."""
+    results, _, log = run
+    for rid, _, action in FAULTS:
+        if rid.startswith("fail/"):
+            got = results[rid]
+            assert got["finish_reason"] == "error" and got["tokens"] == [], (rid, got)
+            assert re.search(rf"request {rid}-\w+: loading \S+ failed \(.*{REASONS[action]}", log), rid
+    _same_as_plain(results, "fail/healthy", "2B", LENGTHS["2B"] - 1)
+
+
+def test_failed_load_is_recomputed_under_recompute(run):
+    """Policy `recompute`: deleted, corrupted or truncated after validation → vLLM prefills the request (the plain
+    tokens), the status says the load failed and why, 0 tokens loaded; the healthy request loads."""
+    results, _, _ = run
+    for rid, name, action in FAULTS:
+        if rid.startswith("recompute/"):
+            params = _same_as_plain(results, rid, name, 0)
+            assert re.fullmatch(rf"recomputed: the KV load failed: .*{REASONS[action]}.*", params[plan.STATUS_KEY]), \
+                params
+    _same_as_plain(results, "recompute/healthy", "2B", LENGTHS["2B"] - 1)
+
+
+def test_abort_while_loading_frees_its_blocks(run):
+    """A request aborted while its export loads in the background: nothing is written for it, its blocks come back
+    (free blocks idle after the run == before it), and the same export then loads whole for another request."""
+    results, data, log = run
+    assert results["abort/big"]["finish_reason"] == "aborted"
+    assert re.search(r"request abort/big-\w+ finished while its KV was loading; nothing written", log)
+    _same_as_plain(results, "after-abort/big", "big", N_BIG - 1)
+    assert data["free_blocks"]["end"] == data["free_blocks"]["start"], data["free_blocks"]
