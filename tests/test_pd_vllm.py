@@ -2,7 +2,11 @@
 `vllm serve` decoding from the export through SlopeJaxConnector, all started by launch/pd_vllm.sh. vLLM's greedy
 text (float32) must equal the same server's own run of the prompt without an export, vLLM must report n−1 prompt
 tokens loaded from outside, its first token must equal the prefill's, streaming must give the same text, and a
-malformed request must get the prefill's 4xx naming the field. One vLLM engine for the module; vLLM runs from its
+malformed request must get the prefill's 4xx naming the field. The proxy is transparent (issue 31 item 6): fields the
+prefill does not read reach vLLM unchanged (seeded sampling, n, echo, logprobs, prompt_logprobs, structured outputs),
+lists of prompts fan out and merge as vLLM's own list answer, a client's request id passes unchanged and retries
+with it work, a huge body does not stall a small request, a client that disconnects stops vLLM's generation, and
+consumed exports are reclaimed. One vLLM engine for the module; vLLM runs from its
 own venv (`SLOPE_VLLM_PYTHON`, default `.venv-vllm/bin/python` as `.ci/run` creates it)."""
 
 import json
@@ -11,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -36,8 +41,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _post(url, body, stream=False):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def _post(url, body, stream=False, headers=None):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=600) as r:
             raw = r.read().decode()
@@ -106,10 +112,11 @@ def test_pd_over_http_equals_vllm_alone(servers):
         events = [e[len("data: "):] for e in raw.split("\n\n") if e.startswith("data: ")]
         assert events[-1] == "[DONE]"
         assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == ref["text"]
-    # every prefill went through slope_jax: one result record per P/D request, each with its export
+    # every prefill went through slope_jax: one result record per P/D request, each with its export, and each export
+    # was reclaimed once vLLM had consumed it (these prompts are shorter than a prefix-reuse block)
     records = [json.loads(x) for x in (base / "prefill_results.jsonl").read_text().splitlines()]
     assert len([r for r in records if "error" not in r]) == 2 * len(prompts)
-    assert all(os.path.isdir(r["kv_path"]) for r in records)
+    _wait_reclaimed([r["kv_path"] for r in records])
 
 
 def test_malformed_request_gets_the_prefill_4xx(servers):
@@ -119,3 +126,166 @@ def test_malformed_request_gets_the_prefill_4xx(servers):
     assert f"token id {VOCAB} at index 2 is outside the vocabulary [0, {VOCAB})" in body["error"]["message"]
     status, _, body = _post(proxy + "/v1/completions", {"model": MODEL, "prompt": TEXT, "ttft_slo_ms": -1})
     assert status == 400 and body["error"]["param"] == "ttft_slo_ms"
+    # chat: the shipped checkpoint has no chat template; the proxy answers the prefill's 400 that says so (vLLM
+    # would render gpt-oss chats with its Harmony encoder, whose vocabulary this offline machine does not have)
+    status, _, body = _post(proxy + "/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "user", "content": "hi"}], "max_completion_tokens": 4})
+    assert status == 400 and body["error"]["param"] == "messages", body
+    assert "no chat template" in body["error"]["message"]
+
+
+def _wait_reclaimed(paths, timeout_s=10.0):
+    """The proxy releases an export in the background once the decode answer is relayed."""
+    deadline = time.time() + timeout_s
+    while any(os.path.lexists(p) for p in paths):
+        assert time.time() < deadline, [p for p in paths if os.path.lexists(p)]
+        time.sleep(0.1)
+
+
+def _metric(decode, name) -> float:
+    """A Prometheus value of vLLM's /metrics (summed over labels)."""
+    with urllib.request.urlopen(decode + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def test_fields_pass_through_and_lists_fan_out(servers):
+    proxy, decode, base = servers
+    rng = np.random.default_rng(6)  # vLLM takes a list of texts or of token-id lists, not a mix
+    a, b = rng.integers(0, VOCAB - 10, W + 3).tolist(), rng.integers(0, VOCAB - 10, W - 5).tolist()
+    request = {"model": MODEL, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    # a list of prompts: vLLM's own answer for the list, against one prefill + export + decode per prompt
+    status, _, alone = _post(decode + "/v1/completions", {**request, "prompt": [a, b]})
+    assert status == 200, alone
+    status, headers, got = _post(proxy + "/v1/completions", {**request, "prompt": [a, b]})
+    assert status == 200, got
+    assert [c["index"] for c in got["choices"]] == [0, 1]
+    assert [c["token_ids"] for c in got["choices"]] == [c["token_ids"] for c in alone["choices"]]
+    assert [c["text"] for c in got["choices"]] == [c["text"] for c in alone["choices"]]
+    n_total = alone["usage"]["prompt_tokens"]
+    assert got["usage"]["prompt_tokens"] == n_total
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == n_total - 2  # n − 1 loaded for each prompt
+    assert len(headers["X-Slope-Jax-Export"].split(",")) == 2
+    # streamed list: the same texts, each under its prompt's index
+    status, _, raw = _post(proxy + "/v1/completions", {**request, "prompt": [a, b], "stream": True},
+                           stream=True)
+    events = [json.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: ") and e != "data: [DONE]"]
+    texts = ["", ""]
+    for e in events:
+        for c in e["choices"]:
+            texts[c["index"]] += c["text"]
+    assert texts == [c["text"] for c in alone["choices"]] and raw.rstrip().endswith("data: [DONE]")
+    # sampling (seeded), n, echo, logprobs and prompt_logprobs reach vLLM unchanged: the answer equals vLLM's own
+    # (vLLM computes a prompt_logprobs request itself: it skips external KV as it skips its own prefix cache)
+    request = {"model": MODEL, "prompt": TEXT, "max_tokens": 6, "temperature": 1.0, "seed": 11, "n": 2,
+               "echo": True, "logprobs": 1, "prompt_logprobs": 1}
+    status, _, alone = _post(decode + "/v1/completions", request)
+    assert status == 200, alone
+    status, _, got = _post(proxy + "/v1/completions", request)
+    assert status == 200, got
+    assert len(got["choices"]) == 2 and all(c["text"].startswith(TEXT) for c in got["choices"])
+    assert [c["text"] for c in got["choices"]] == [c["text"] for c in alone["choices"]]
+    plp, ref = got["choices"][0]["prompt_logprobs"], alone["choices"][0]["prompt_logprobs"]
+    assert len(plp) == alone["usage"]["prompt_tokens"] and plp[0] is None
+    for a, b in zip(plp[1:], ref[1:]):
+        assert a.keys() == b.keys()
+        assert max(abs(a[k]["logprob"] - b[k]["logprob"]) for k in a) <= LOGPROB_TOL
+
+
+def test_structured_outputs_pass_through(servers):
+    proxy, decode, _ = servers
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+              "additionalProperties": False}
+    for constraint in ({"structured_outputs": {"choice": ["yes", "no"]}},
+                       {"structured_outputs": {"json": schema}},
+                       {"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}}):
+        request = {"model": MODEL, "prompt": TEXT, "max_tokens": 24, "temperature": 0, **constraint}
+        status, _, body = _post(proxy + "/v1/completions", request)
+        assert status == 200, body
+        text = body["choices"][0]["text"]
+        if "choice" in constraint.get("structured_outputs", {}):
+            assert text in ("yes", "no"), text
+        else:  # JSON of the schema, cut at max_tokens: the tiny model spends its tokens on allowed whitespace
+            assert text.startswith('{ "a"') and not text[5:].strip(" \t\r\n"), repr(text)
+        status, _, alone = _post(decode + "/v1/completions", request)
+        assert status == 200 and alone["choices"][0]["text"] == text  # vLLM's own answer
+        assert body["kv_transfer_params"]["slope_jax_loaded_tokens"] == body["usage"]["prompt_tokens"] - 1
+
+
+def test_request_ids_and_retries(servers):
+    proxy, _, base = servers
+    request = {"model": MODEL, "prompt": TEXT, "max_tokens": 4, "temperature": 0}
+    answers = []
+    for _ in range(2):  # a retry with the same id, then two at once
+        answers.append(_post(proxy + "/v1/completions", request, headers={"X-Request-Id": "client-7/retry"}))
+    threads = [threading.Thread(target=lambda: answers.append(
+        _post(proxy + "/v1/completions", request, headers={"X-Request-Id": "client-7/retry"}))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    exports = set()
+    for status, headers, body in answers:
+        assert status == 200, body
+        assert headers["X-Request-Id"] == "client-7/retry" and "client-7/retry" in body["id"]  # vLLM's id is ours
+        assert body["kv_transfer_params"]["slope_jax_loaded_tokens"] == body["usage"]["prompt_tokens"] - 1
+        assert headers["X-Slope-Jax-Export"].startswith("client-7_retry-")
+        exports.add(headers["X-Slope-Jax-Export"])
+    assert len(exports) == 4  # one export per attempt
+    assert len({b["choices"][0]["text"] for _, _, b in answers}) == 1
+    _wait_reclaimed([str(base / "kv" / e) for e in exports])
+
+
+def test_huge_body_does_not_stall_a_small_request(servers):
+    """A 6 MB text body in flight through the proxy (the prefill tokenizes it off its event loop, ~5 s here) while a
+    small P/D request is served: < 3 s (it took ~1 s alone here; the prefill's event loop held by the tokenizer
+    stalled it for the whole tokenization before, 14 s for 12 MB in the issue)."""
+    proxy, _, _ = servers
+    with open(os.path.join(REPO, "checkpoints", "corpus.txt")) as f:
+        corpus = f.read()
+    huge = (corpus * (1 + 6_000_000 // len(corpus)))[:6_000_000]
+    big = {}
+    thread = threading.Thread(target=lambda: big.update(answer=_post(proxy + "/v1/completions", {
+        "model": MODEL, "prompt": huge, "max_tokens": 4})))
+    thread.start()
+    time.sleep(1.0)
+    t = time.perf_counter()
+    status, _, body = _post(proxy + "/v1/completions", {"model": MODEL, "prompt": TEXT, "max_tokens": 4})
+    small_s = time.perf_counter() - t
+    assert status == 200, body
+    assert thread.is_alive()  # the big one is still being tokenized
+    thread.join()
+    print(f"small P/D request {small_s:.2f} s beside a 6 MB body")
+    assert big["answer"][0] == 400 and big["answer"][2]["error"]["param"] == "prompt"
+    assert small_s < 3.0
+
+
+def test_disconnect_aborts_the_decode(servers):
+    """A non-streamed request abandoned by its client after ~1 s of decoding: vLLM stops generating for it (its
+    running count falls to 0 within 5 s and its generated-token counter stops), instead of decoding to max_tokens."""
+    proxy, decode, _ = servers
+    port = int(proxy.rsplit(":", 1)[1])
+    max_tokens = 1900
+    data = json.dumps({"model": MODEL, "prompt": TEXT, "max_tokens": max_tokens, "ignore_eos": True,
+                       "temperature": 0}).encode()
+    gen0 = _metric(decode, "vllm:generation_tokens_total")
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(data) + data)
+    deadline = time.time() + 120
+    while _metric(decode, "vllm:num_requests_running") < 1:
+        assert time.time() < deadline, "the request never reached vLLM"
+        time.sleep(0.1)
+    time.sleep(1.0)
+    sock.close()
+    t = time.time()
+    while _metric(decode, "vllm:num_requests_running") > 0:
+        assert time.time() - t < 5, "vLLM still decodes the abandoned request"
+        time.sleep(0.1)
+    generated = _metric(decode, "vllm:generation_tokens_total") - gen0
+    time.sleep(1.0)
+    assert _metric(decode, "vllm:generation_tokens_total") - gen0 == generated  # nothing more
+    print(f"abandoned after 1 s: vLLM generated {generated:.0f} of {max_tokens} tokens, stopped "
+          f"{time.time() - t - 1:.2f} s after the disconnect")
+    assert 0 < generated < max_tokens
