@@ -170,6 +170,11 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         self._weights, self._weights_unknown = None, "not computed on the worker side"
         if role == KVConnectorRole.SCHEDULER:
             self._weights, self._weights_unknown = self._served_weights(vllm_config, extra)
+            if self._index is not None:  # the first listing of kv_dir at start-up, not in a request's path
+                t0 = time.perf_counter()
+                self._index.refresh()
+                logger.info("SlopeJaxConnector: indexed %s in %.1f ms", self._index.kv_dir,
+                            (time.perf_counter() - t0) * 1e3)
         self._layers, self._groups = self._layer_groups(kv_cache_config)
         self._cache_dtype = self._find_cache_dtype(vllm_config, kv_cache_config)
         # scheduler side
