@@ -1,0 +1,691 @@
+"""KV hand-off over NIXL (UCX) from host memory: no shared filesystem between prefill and decode.
+
+The prefill side keeps each finished request's KV — per layer K, V `[T, K, H]` and int32 positions `[T]`, the tensors
+an export writes (`slope_jax.kv.format`) — in one registered host-memory arena (`KVPool`) and hands the decode side
+`kv_transfer_params` (`{PARAMS_KEY: {...}}`, plain JSON): the pool's NIXL agent name and serialized metadata (base64),
+the entry's address and per-layer offsets, shapes, dtype, the manifest and an XXH3-128 digest per layer. The decode
+side (`KVReader.pull`, or the module-level `pull`) pulls the bytes with one-sided NIXL READs into its own registered
+buffer, checks each layer's digest as its READ completes and returns what `slope_jax.kv.format.load` returns:
+global layer id → `LayerKV(k, v, positions, kind)`.
+
+Lifetime (the pool never frees KV a reader is pulling; a reader never accepts KV that was freed):
+- the pool is bounded in bytes (`capacity_bytes`); a publish that does not fit evicts least recently used entries
+  that no reader holds, and raises `KVPoolFull` if the held ones leave no room;
+- every entry has a lease (`lease_s`): unheld past it, it is freed;
+- read handshake, over NIXL notifications (`sjkv1:` + JSON): the reader asks `hold` (entry, token, seconds; its own
+  agent metadata the first time it talks to that pool), the pool answers `held` (the seconds granted, at most
+  `max_hold_s`) or `gone` (why: released, lease expired, evicted, discarded, unknown); while a hold is live the entry
+  is never freed. The reader posts its READs with the question and uses nothing before the answer `held` (safe:
+  entry keys are never reused and a freed entry never returns, so an entry live at the answer was live since its
+  publication). After the READs it sends `release` (`done`: the decode side has the KV, free it once no other hold
+  is live; a failed pull drops only its hold). A hold that outlives its seconds (a reader that died) lapses; every
+  layer's digest is checked, so even a reader whose hold lapsed mid-pull never accepts reused memory.
+
+Each layer is one contiguous region [K | V | positions] (64-byte aligned) with its own READ, so a connector can write
+layer i into its cache while later layers are in flight (`on_layer`).
+
+Imports numpy, xxhash and ml_dtypes at module level (no JAX, no torch: vLLM's venv imports it); `nixl` on first use.
+UCX picks its transports itself (shared memory / CMA between processes of one host, RDMA or TCP between hosts);
+`UCX_NET_DEVICES=lo` keeps it on loopback (what the tests and `benchmarks/handoff.py` set).
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import dataclasses
+import json
+import os
+import secrets
+import threading
+import time
+from typing import Callable, Mapping
+
+import numpy as np
+import xxhash
+
+from slope_jax.kv.format import DTYPES, LayerKV
+
+PARAMS_KEY = "slope_jax_nixl"  # kv_transfer_params[PARAMS_KEY]: what a reader needs (see `KVPool.publish`)
+PROTOCOL = 1
+_MSG = b"sjkv1:"  # notification prefix: the lease protocol's messages, JSON after it
+_ALIGN = 64  # layer regions start on cache lines
+_ENTRY_ALIGN = 4096  # entries start on pages
+_GONE_KEEP = 4096  # freed entries remembered for a clear "gone" reason
+
+
+class KVTransferError(RuntimeError):
+    """A pull failed; the message names the request and the cause. Attributes: `request_id`, `cause`."""
+
+    def __init__(self, request_id: str, cause: str):
+        self.request_id, self.cause = request_id, cause
+        super().__init__(f"KV pull of request {request_id!r} failed: {cause}")
+
+
+class KVPoolFull(RuntimeError):
+    """A publish does not fit the pool even after evicting every entry no reader holds."""
+
+
+def _nixl():
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    return nixl_agent, nixl_agent_config
+
+
+def _new_agent(name: str):
+    agent_cls, config_cls = _nixl()
+    return agent_cls(name, config_cls(enable_prog_thread=False, backends=["UCX"]))
+
+
+def _descs(rows: list[tuple[int, int]]) -> np.ndarray:
+    """NIXL's Nx3 descriptor array (address, bytes, device id 0) for host memory."""
+    return np.array([(a, n, 0) for a, n in rows], dtype=np.uint64).reshape(-1, 3)
+
+
+def _message(**fields) -> bytes:
+    return _MSG + json.dumps(fields, separators=(",", ":")).encode()
+
+
+def _parse(raw: bytes) -> dict | None:
+    if not raw.startswith(_MSG):
+        return None
+    try:
+        msg = json.loads(raw[len(_MSG):])
+    except ValueError:
+        return None
+    return msg if isinstance(msg, dict) else None
+
+
+def _log(text: str) -> None:
+    import logging
+
+    logging.getLogger(__name__).warning(text)
+
+
+def _digest(buf) -> str:
+    return xxhash.xxh3_128_hexdigest(buf)
+
+
+def _aligned(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def params_of(kv_transfer_params: Mapping | None) -> dict | None:
+    """The NIXL hand-off record of a request's kv_transfer_params (`kv_transfer_params[PARAMS_KEY]`), or None."""
+    if not kv_transfer_params:
+        return None
+    rec = kv_transfer_params.get(PARAMS_KEY)
+    return rec if isinstance(rec, dict) else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prefill side
+@dataclasses.dataclass
+class _Entry:
+    key: str
+    request_id: str
+    offset: int  # in the arena
+    nbytes: int
+    lease: float  # seconds after `last_use` an unheld entry is freed
+    last_use: float  # monotonic: publication, or the last hold or release
+    holds: dict = dataclasses.field(default_factory=dict)  # token -> monotonic end of the hold
+    done: bool = False  # a reader reported it has the KV: free once no hold is live
+
+
+def _layer_layout(kv: Mapping[int, object]) -> tuple[list[dict], str]:
+    """Per-layer region records (offsets relative to the entry) and the common dtype name. Raises ValueError."""
+    layers, off, dtype = [], 0, None
+    for layer in sorted(kv):
+        lkv = kv[layer]
+        k, v, pos = np.asarray(lkv.k), np.asarray(lkv.v), np.asarray(lkv.positions)
+        if k.ndim != 3 or k.shape != v.shape or k.dtype != v.dtype or pos.shape != (k.shape[0],):
+            raise ValueError(f"layer {layer}: k {k.shape} {k.dtype}, v {v.shape} {v.dtype}, positions {pos.shape}: "
+                             "expected k and v [T, K, H] of one dtype and positions [T]")
+        if dtype is None:
+            dtype = k.dtype.name
+        if k.dtype.name != dtype or dtype not in DTYPES:
+            raise ValueError(f"layer {layer}: dtype {k.dtype.name}, expected one of {DTYPES}, the same in every layer")
+        kb = k.nbytes
+        layers.append({"layer": int(layer), "kind": str(lkv.kind), "offset": off, "tokens": int(k.shape[0]),
+                       "kv_heads": int(k.shape[1]), "head_dim": int(k.shape[2]), "nbytes": 2 * kb + 4 * k.shape[0]})
+        off = _aligned(off + layers[-1]["nbytes"], _ALIGN)
+    return layers, dtype or "float32"
+
+
+class KVPool:
+    """The prefill side's registered host-memory pool of finished requests' KV, served to readers over NIXL.
+
+    Args:
+      capacity_bytes: the arena's size; every entry lives in it (one NIXL registration, so the agent metadata a reader
+        loads never changes).
+      lease_s: an entry no reader holds is freed this many seconds after its publication or its last hold or
+        release (a release that reports the KV received frees it at once).
+      max_hold_s: the longest hold granted to one reader's request.
+      name: the NIXL agent name (default: unique per pool).
+      prefault: touch the arena's pages now, so publishing does not pay first-touch page faults.
+      poll_s: the notification thread's sleep when idle (the handshake's added latency is about half of it).
+    The pool serves holds and releases on a daemon thread; `close()` stops it and deregisters the arena.
+    """
+
+    def __init__(self, capacity_bytes: int, *, lease_s: float = 60.0, max_hold_s: float = 120.0,
+                 name: str | None = None, prefault: bool = True, poll_s: float = 0.001):
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes={capacity_bytes}: expected > 0")
+        self.capacity_bytes, self.lease_s, self.max_hold_s, self.poll_s = int(capacity_bytes), lease_s, max_hold_s, \
+            poll_s
+        self.name = name or f"slope-kvpool-{os.getpid()}-{secrets.token_hex(4)}"
+        self._agent = _new_agent(self.name)
+        self._arena = np.empty(self.capacity_bytes, np.uint8)
+        if prefault:
+            self._arena.fill(0)  # np.zeros would map pages lazily: touch them now, not during a publish
+        self._base = self._arena.ctypes.data
+        self._reg = self._agent.register_memory(_descs([(self._base, self.capacity_bytes)]), "DRAM")
+        self._metadata = base64.b64encode(self._agent.get_agent_metadata()).decode()
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._free = [(0, self.capacity_bytes)]  # sorted (offset, size) extents
+        self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._peers: set[str] = set()
+        self._count = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=f"{self.name}-notifs", daemon=True)
+        self._thread.start()
+
+    # -- publishing ---------------------------------------------------------------------------------------------
+    def publish(self, request_id: str, kv: Mapping[int, object], manifest: dict | None = None, *,
+                lease_s: float | None = None) -> dict:
+        """Copy one request's KV into the pool and return the request's `kv_transfer_params` (`{PARAMS_KEY: rec}`).
+
+        `kv`: global layer id → an object with `k`, `v` `[T, K, H]` (one dtype: float32, bfloat16 or float16),
+        `positions` int32 `[T]` and `kind` (`LayerKV`, `PrefillResult.kv`, what `format.load` returns); `manifest`:
+        the export's manifest dict (JSON), handed to the reader unchanged. `rec` holds `agent`, `agent_metadata`
+        (base64), `entry`, `address`, `nbytes`, `dtype`, `layers` (per layer: `layer`, `kind`, `offset` in the entry,
+        `tokens`, `kv_heads`, `head_dim`, `nbytes`, `xxh3_128`), `lease_s`, `manifest`.
+        Raises ValueError for inconsistent tensors, KVPoolFull if it does not fit beside the held entries.
+        """
+        layers, dtype = _layer_layout(kv)
+        total = _aligned(max(1, layers[-1]["offset"] + layers[-1]["nbytes"] if layers else 1), _ENTRY_ALIGN)
+        with self._lock:
+            offset = self._allocate(total, request_id)  # reserved: not in _entries until its bytes are in place
+            self._count += 1
+            key = f"{request_id}#{self._count}"
+        try:
+            for rec in layers:
+                rec["xxh3_128"] = self._fill(offset + rec["offset"], kv[rec["layer"]])
+        except BaseException:
+            with self._lock:
+                self._release_extent(offset, total)
+            raise
+        lease = self.lease_s if lease_s is None else float(lease_s)
+        now = time.monotonic()
+        with self._lock:
+            self._entries[key] = _Entry(key, request_id, offset, total, lease, now)
+        return {PARAMS_KEY: {"protocol": PROTOCOL, "request_id": request_id, "entry": key, "agent": self.name,
+                             "agent_metadata": self._metadata, "address": self._base + offset, "nbytes": total,
+                             "dtype": dtype, "digest": "xxh3_128", "layers": layers, "lease_s": lease,
+                             "manifest": manifest}}
+
+    def publish_export(self, path: str, cfg=None) -> dict:
+        """Publish a file export (`<kv_dir>/<request_id>`, read and verified by `format.load`) with its manifest."""
+        from slope_jax.kv import format as kvfmt
+
+        kv = kvfmt.load(path, cfg)
+        manifest = kvfmt.read_manifest(path)
+        return self.publish(manifest["request_id"], kv, manifest)
+
+    def _fill(self, at: int, lkv) -> str:
+        """Write one layer's [K | V | positions] at arena offset `at`; the region's digest."""
+        k, v = np.ascontiguousarray(lkv.k), np.ascontiguousarray(lkv.v)
+        pos = np.ascontiguousarray(lkv.positions, dtype="<i4")
+        kb = k.nbytes
+        region = self._arena[at: at + 2 * kb + pos.nbytes]
+        region[:kb] = k.reshape(-1).view(np.uint8)
+        region[kb: 2 * kb] = v.reshape(-1).view(np.uint8)
+        region[2 * kb:] = pos.view(np.uint8)
+        return _digest(region)
+
+    # -- the arena ------------------------------------------------------------------------------------------------
+    def _allocate(self, size: int, request_id: str) -> int:
+        """First fit; evicts least recently used unheld entries until `size` fits. Called with the lock held."""
+        now = time.monotonic()
+        held = sum(e.nbytes for e in self._entries.values() if self._live_holds(e, now))
+        if size > self.capacity_bytes - held:  # refused before evicting anything
+            raise KVPoolFull(f"request {request_id!r}: its KV needs {size} bytes; the pool has {self.capacity_bytes} "
+                             f"bytes, {held} of them held by readers")
+        while True:
+            for i, (off, n) in enumerate(self._free):
+                if n >= size:
+                    self._free[i: i + 1] = [(off + size, n - size)] if n > size else []
+                    return off
+            idle = [e for e in self._entries.values() if not self._live_holds(e, now)]
+            if not idle:  # fragmentation: the held entries split the free space
+                raise KVPoolFull(f"request {request_id!r}: no free extent of {size} bytes between the entries "
+                                 "readers hold")
+            self._drop(min(idle, key=lambda e: e.last_use), "evicted (least recently used) to make room")
+
+    def _release_extent(self, offset: int, size: int) -> None:
+        free = sorted(self._free + [(offset, size)])
+        merged = [free[0]]
+        for off, n in free[1:]:
+            last_off, last_n = merged[-1]
+            if last_off + last_n == off:
+                merged[-1] = (last_off, last_n + n)
+            else:
+                merged.append((off, n))
+        self._free = merged
+
+    def _drop(self, e: _Entry, reason: str) -> None:
+        del self._entries[e.key]
+        self._release_extent(e.offset, e.nbytes)
+        self._gone[e.key] = reason
+        while len(self._gone) > _GONE_KEEP:
+            self._gone.popitem(last=False)
+
+    @staticmethod
+    def _live_holds(e: _Entry, now: float) -> bool:
+        for token in [t for t, end in e.holds.items() if end <= now]:
+            del e.holds[token]  # a hold that outlived its seconds (its reader died or is stuck) lapses
+        return bool(e.holds)
+
+    def discard(self, entry: str) -> bool:
+        """Free an entry now (e.g. its request was aborted) unless a reader holds it; True if it was freed."""
+        with self._lock:
+            e = self._entries.get(entry)
+            if e is None or self._live_holds(e, time.monotonic()):
+                return False
+            self._drop(e, "discarded by the prefill side")
+            return True
+
+    def stats(self) -> dict:
+        """{capacity_bytes, used_bytes, entries, held: entries with a live hold, per_entry: {entry: {request_id,
+        nbytes, holds, done, lease_left_s}}}."""
+        now = time.monotonic()
+        with self._lock:
+            for e in self._entries.values():
+                self._live_holds(e, now)  # lapsed holds are not counted
+            per = {e.key: {"request_id": e.request_id, "nbytes": e.nbytes, "holds": len(e.holds), "done": e.done,
+                           "lease_left_s": e.last_use + e.lease - now} for e in self._entries.values()}
+            used = sum(e.nbytes for e in self._entries.values())
+            return {"capacity_bytes": self.capacity_bytes, "used_bytes": used, "entries": len(per),
+                    "held": sum(1 for p in per.values() if p["holds"]), "per_entry": per}
+
+    def gone_reason(self, entry: str) -> str | None:
+        """Why a freed entry was freed (recent ones), None if it is live or unknown."""
+        with self._lock:
+            return self._gone.get(entry)
+
+    # -- the lease protocol -------------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        """The notification thread: the only user of the pool's agent after start-up."""
+        next_expiry = 0.0
+        while not self._stop.is_set():
+            notifs = self._agent.get_new_notifs()
+            for sender, msgs in notifs.items():
+                for raw in msgs:
+                    msg = _parse(raw)
+                    if msg is not None:
+                        try:
+                            self._handle(sender, msg)
+                        except Exception as e:  # noqa: BLE001 - one peer's failure (e.g. gone) must not stop the pool
+                            _log(f"{self.name}: message {msg.get('op')!r} from {sender!r} failed: {e!r}")
+            if time.monotonic() >= next_expiry:
+                self._expire()
+                next_expiry = time.monotonic() + 0.01
+            if not notifs:
+                time.sleep(self.poll_s)
+
+    def _handle(self, sender: str, msg: dict) -> None:
+        if msg.get("md") and sender not in self._peers:
+            try:
+                self._agent.add_remote_agent(base64.b64decode(msg["md"]))
+                self._peers.add(sender)
+            except Exception:  # noqa: BLE001 - a bad peer must not stop the pool; it gets no answer and times out
+                return
+        op, key, token = msg.get("op"), str(msg.get("entry")), str(msg.get("token"))
+        now = time.monotonic()
+        with self._lock:
+            e = self._entries.get(key)
+            if op == "hold":
+                if e is None:
+                    reply = _message(op="gone", token=token, reason=self._gone.get(
+                        key, "unknown entry (never published by this pool, or the pool restarted)"))
+                else:
+                    grant = max(0.0, min(float(msg.get("hold_s", 0)), self.max_hold_s))
+                    e.holds[token] = now + grant
+                    e.last_use = now
+                    reply = _message(op="held", token=token, hold_s=grant)
+            elif op == "release" and e is not None:
+                e.holds.pop(token, None)
+                e.last_use = now
+                e.done = e.done or bool(msg.get("done"))
+                if e.done and not self._live_holds(e, now):
+                    self._drop(e, "released: the decode side has it")
+                return
+            else:
+                return
+        if sender in self._peers:
+            self._agent.send_notif(sender, reply)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for e in list(self._entries.values()):
+                if not self._live_holds(e, now) and (e.done or now >= e.last_use + e.lease):
+                    self._drop(e, "released: the decode side has it" if e.done else
+                               "its lease expired before a reader released it")
+
+    def close(self) -> None:
+        """Stop serving, deregister the arena. Readers pulling now fail (their digests or READs)."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+        try:
+            self._agent.deregister_memory(self._reg)
+        except Exception:  # noqa: BLE001 - closing twice, or an agent already torn down
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decode side
+@dataclasses.dataclass
+class _Pull:
+    """A validated hand-off record."""
+
+    request_id: str
+    entry: str
+    agent: str
+    metadata: bytes
+    address: int
+    nbytes: int
+    dtype: np.dtype
+    layers: list
+
+
+def _spec(params: Mapping) -> _Pull:
+    """Validate a hand-off record (`kv_transfer_params` or its `PARAMS_KEY` part). Raises KVTransferError."""
+    rec = params_of(params) or params
+    rid = str(rec.get("request_id", "?"))
+
+    def bad(field, why):
+        raise KVTransferError(rid, f"kv_transfer_params.{PARAMS_KEY}.{field}: {why}")
+
+    if rec.get("protocol") != PROTOCOL:
+        bad("protocol", f"{rec.get('protocol')!r}, this reader speaks {PROTOCOL}")
+    for field, typ in (("entry", str), ("agent", str), ("agent_metadata", str), ("address", int), ("nbytes", int),
+                       ("dtype", str), ("layers", list)):
+        if not isinstance(rec.get(field), typ):
+            bad(field, f"missing or not a {typ.__name__}")
+    if rec["dtype"] not in DTYPES:
+        bad("dtype", f"{rec['dtype']!r}, expected one of {DTYPES}")
+    dtype = np.dtype(rec["dtype"])
+    end = 0
+    for i, lay in enumerate(rec["layers"]):
+        try:
+            t, kh, hd, off, n = (int(lay[x]) for x in ("tokens", "kv_heads", "head_dim", "offset", "nbytes"))
+            int(lay["layer"]), str(lay["kind"]), bytes.fromhex(lay["xxh3_128"])
+        except (KeyError, TypeError, ValueError) as e:
+            bad(f"layers[{i}]", f"malformed ({e!r})")
+        if n != 2 * t * kh * hd * dtype.itemsize + 4 * t or off < end or off + n > rec["nbytes"] or min(t, kh, hd) < 0:
+            bad(f"layers[{i}]", f"region [{off}, {off + n}) for {t}x{kh}x{hd} {dtype.name} does not fit the entry's "
+                f"{rec['nbytes']} bytes after the previous layer (ends at {end})")
+        end = off + n
+    try:
+        md = base64.b64decode(rec["agent_metadata"], validate=True)
+    except ValueError as e:
+        bad("agent_metadata", f"not base64 ({e})")
+    return _Pull(rid, rec["entry"], rec["agent"], md, rec["address"], rec["nbytes"], dtype, rec["layers"])
+
+
+class KVReader:
+    """The decode side: pulls pool entries over NIXL READ (one NIXL agent per reader; thread-safe).
+
+    Args:
+      name: the NIXL agent name (default: unique).
+      hold_s: the hold asked for each pull (the pool may grant less); a pull must finish within it.
+      timeout_s: the longest wait for the pool's answer and for the READs.
+    """
+
+    def __init__(self, name: str | None = None, *, hold_s: float = 60.0, timeout_s: float = 60.0):
+        self.name = name or f"slope-kvreader-{os.getpid()}-{secrets.token_hex(4)}"
+        self.hold_s, self.timeout_s = hold_s, timeout_s
+        self._agent = _new_agent(self.name)
+        self._metadata = base64.b64encode(self._agent.get_agent_metadata()).decode()
+        self._lock = threading.RLock()  # every agent call (NIXL agents are not thread-safe by default)
+        self._pools: dict[str, bytes] = {}  # pool agent name -> the metadata loaded for it
+        self._introduced: set[str] = set()
+        self._replies: dict[str, dict] = {}
+        self._regs: dict[tuple[int, int], object] = {}  # caller buffers registered once (`out=`)
+
+    def pull(self, params: Mapping, *, out: np.ndarray | None = None, release: bool = True,
+             on_layer: Callable[[int, LayerKV], None] | None = None) -> dict[int, LayerKV]:
+        """Pull a request's KV: global layer id → `LayerKV(k, v, positions, kind)`, as `format.load` returns.
+
+        Args:
+          params: the request's `kv_transfer_params` (or its `PARAMS_KEY` record), from `KVPool.publish`.
+          out: a uint8 buffer of at least the record's `nbytes` to read into (registered with NIXL on first use and
+            kept registered: reuse it to avoid registration and first-touch page faults); the returned arrays are
+            views into it. Default: a fresh buffer per pull.
+          release: tell the pool the KV was received (it frees the entry once no other reader holds it); False
+            only drops this pull's hold.
+          on_layer: called with (layer, LayerKV) as each layer's bytes arrive and pass their digest (in order, once
+            the pool has granted the hold). A pull that fails later may have delivered some layers: discard them.
+        Raises KVTransferError (naming the request and the cause): a malformed record, the entry gone (released,
+        lease expired, evicted, unknown), no answer from the pool, a failed READ, a digest mismatch.
+        """
+        spec = _spec(params)
+        self._connect(spec)
+        token = secrets.token_hex(8)
+        self._ask_hold(spec, token)
+        ok = False
+        try:
+            buf, temp = self._staging(spec, out)
+            try:
+                kv = self._read_layers(spec, buf, on_layer, token)
+            finally:
+                if temp is not None:
+                    with self._lock:
+                        self._agent.deregister_memory(temp)
+            ok = True
+            return kv
+        finally:
+            self._release(spec, token, bool(ok and release))
+
+    def _connect(self, spec: _Pull) -> None:
+        with self._lock:
+            if self._pools.get(spec.agent) == spec.metadata:
+                return
+            try:
+                if spec.agent in self._pools:  # the same name with new metadata: a restarted pool
+                    self._agent.remove_remote_agent(spec.agent)
+                    self._introduced.discard(spec.agent)
+                name = self._agent.add_remote_agent(spec.metadata)
+            except Exception as e:  # noqa: BLE001 - NIXL raises its own error types
+                raise KVTransferError(spec.request_id, f"cannot load the metadata of pool agent {spec.agent!r}: "
+                                      f"{type(e).__name__}: {e}") from e
+            name = name.decode() if isinstance(name, bytes) else name
+            if name != spec.agent:
+                raise KVTransferError(spec.request_id, f"the metadata names agent {name!r}, the record {spec.agent!r}")
+            self._pools[spec.agent] = spec.metadata
+
+    def _release(self, spec: _Pull, token: str, done: bool) -> None:
+        """Tell the pool this pull's hold ends (`done`: the KV arrived). Best effort: an unsent release lets the
+        hold lapse after its seconds, never loses KV."""
+        try:
+            with self._lock:
+                self._agent.send_notif(spec.agent, _message(op="release", entry=spec.entry, token=token, done=done))
+        except Exception as e:  # noqa: BLE001 - the pool is gone; nothing to release
+            _log(f"request {spec.request_id!r}: release of entry {spec.entry!r} not sent: {e!r}")
+
+    def _ask_hold(self, spec: _Pull, token: str) -> None:
+        """Ask the pool to hold the entry (its answer: `_await_hold`). Raises KVTransferError if it is unreachable."""
+        with self._lock:
+            md = None if spec.agent in self._introduced else self._metadata
+            try:
+                self._agent.send_notif(spec.agent, _message(op="hold", entry=spec.entry, token=token,
+                                                            hold_s=self.hold_s, **({"md": md} if md else {})))
+            except Exception as e:  # noqa: BLE001 - NIXL raises its own error types
+                raise KVTransferError(spec.request_id, f"cannot reach pool agent {spec.agent!r}: "
+                                      f"{type(e).__name__}: {e}") from e
+            self._introduced.add(spec.agent)
+
+    def _await_hold(self, spec: _Pull, token: str) -> float:
+        """The pool's answer to `_ask_hold`: the seconds granted. Raises KVTransferError if the entry is gone or the
+        pool does not answer."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            with self._lock:
+                for msgs in self._agent.get_new_notifs().values():
+                    for raw in msgs:
+                        msg = _parse(raw)
+                        if msg is not None and "token" in msg:
+                            self._replies[str(msg["token"])] = msg
+                reply = self._replies.pop(token, None)
+            if reply is not None:
+                break
+            if time.monotonic() > deadline:
+                raise KVTransferError(spec.request_id, f"pool agent {spec.agent!r} did not answer the hold of entry "
+                                      f"{spec.entry!r} within {self.timeout_s:g} s (is the prefill side running?)")
+            time.sleep(0.0002)
+        if reply.get("op") != "held":
+            raise KVTransferError(spec.request_id, f"entry {spec.entry!r} is gone from pool {spec.agent!r}: "
+                                  f"{reply.get('reason', reply)}")
+        return float(reply.get("hold_s", 0.0))
+
+    def _staging(self, spec: _Pull, out: np.ndarray | None):
+        """(buffer, registration to drop after the pull or None)."""
+        if out is None:
+            buf = np.empty(max(1, spec.nbytes), np.uint8)
+            with self._lock:
+                return buf, self._agent.register_memory(_descs([(buf.ctypes.data, buf.nbytes)]), "DRAM")
+        if out.dtype != np.uint8 or out.ndim != 1 or not out.flags.c_contiguous or out.nbytes < spec.nbytes:
+            raise KVTransferError(spec.request_id, f"out: a contiguous uint8 buffer of >= {spec.nbytes} bytes is "
+                                  f"needed, got {out.dtype} {out.shape}")
+        key = (out.ctypes.data, out.nbytes)
+        with self._lock:
+            if key not in self._regs:
+                self._regs[key] = self._agent.register_memory(_descs([key]), "DRAM")
+        return out, None
+
+    def _read_layers(self, spec: _Pull, buf: np.ndarray, on_layer, token: str) -> dict[int, LayerKV]:
+        """One READ per layer, posted in order by a helper thread (over shared memory / CMA a READ copies while it
+        is posted), while this thread takes the layers as they complete and checks each digest: hashing layer i
+        overlaps reading layer i+1.
+
+        The READs start before the pool's answer to the hold: nothing is used before the answer says `held`. That is
+        safe because an entry's key is never reused and a freed entry never comes back, so an entry live when the
+        pool granted the hold was live since its publication, before any of these READs; from then on the hold
+        keeps it. An answer `gone` fails the pull whatever the bytes."""
+        t0 = time.monotonic()
+        posted: list = [None] * len(spec.layers)
+        failed: list = []
+        cond, stop = threading.Condition(), threading.Event()
+        poster = threading.Thread(target=self._post_all, args=(spec, buf, posted, failed, cond, stop), daemon=True)
+        poster.start()
+        try:
+            granted = self._await_hold(spec, token)
+            out = {}
+            for i, lay in enumerate(spec.layers):
+                with cond:
+                    if not cond.wait_for(lambda: posted[i] is not None or failed, timeout=self.timeout_s):
+                        raise KVTransferError(spec.request_id, f"the READ of layer {lay['layer']} was not posted "
+                                              f"within {self.timeout_s:g} s")
+                if posted[i] is None:
+                    raise KVTransferError(spec.request_id, f"posting the READ of layer {lay['layer']} failed: "
+                                          f"{failed[0]}")
+                if posted[i][1] != "DONE":  # done while posted (shared memory / CMA): no state call, no lock
+                    self._wait(spec, posted[i][0], lay, t0)
+                region = buf[lay["offset"]: lay["offset"] + lay["nbytes"]]
+                if _digest(region) != lay["xxh3_128"]:
+                    late = f"; the hold of {granted:g} s had lapsed" if time.monotonic() - t0 > granted else ""
+                    raise KVTransferError(spec.request_id, f"layer {lay['layer']}: XXH3-128 digest mismatch (the bytes "
+                                          f"read from pool {spec.agent!r} differ from the published ones{late})")
+                out[lay["layer"]] = _layer_views(region, lay, spec.dtype)
+                if on_layer is not None:
+                    on_layer(lay["layer"], out[lay["layer"]])
+            return out
+        finally:
+            stop.set()
+            poster.join()
+            self._finish([p[0] for p in posted if p is not None])
+
+    def _post_all(self, spec: _Pull, buf: np.ndarray, posted: list, failed: list, cond, stop) -> None:
+        for i, lay in enumerate(spec.layers):
+            if stop.is_set():
+                return
+            try:
+                with self._lock:
+                    local = self._agent.get_xfer_descs(_descs([(buf.ctypes.data + lay["offset"], lay["nbytes"])]),
+                                                       "DRAM")
+                    remote = self._agent.get_xfer_descs(_descs([(spec.address + lay["offset"], lay["nbytes"])]),
+                                                        "DRAM")
+                    h = self._agent.initialize_xfer("READ", local, remote, spec.agent)
+                    state = self._agent.transfer(h)
+                    if state == "ERR":
+                        h.release()
+                        raise RuntimeError("NIXL returned ERR")
+            except Exception as e:  # noqa: BLE001 - handed to the reading thread, which raises it with the request
+                with cond:
+                    failed.append(f"{type(e).__name__}: {e}")
+                    cond.notify_all()
+                return
+            with cond:
+                posted[i] = (h, state)
+                cond.notify_all()
+
+    def _wait(self, spec: _Pull, h, lay: dict, t0: float) -> None:
+        while True:
+            with self._lock:
+                state = self._agent.check_xfer_state(h)
+            if state == "DONE":
+                return
+            if state == "ERR":
+                raise KVTransferError(spec.request_id, f"the NIXL READ of layer {lay['layer']} failed (pool agent "
+                                      f"{spec.agent!r} gone or the memory deregistered)")
+            if time.monotonic() - t0 > self.timeout_s:
+                raise KVTransferError(spec.request_id, f"the READ of layer {lay['layer']} did not finish within "
+                                      f"{self.timeout_s:g} s")
+            time.sleep(0.0001)
+
+    def _finish(self, handles: list) -> None:
+        """Release transfer handles; one still in flight (an error path) is waited for first."""
+        for h in handles:
+            deadline = time.monotonic() + self.timeout_s
+            with self._lock:
+                while self._agent.check_xfer_state(h) == "PROC" and time.monotonic() < deadline:
+                    time.sleep(0.0001)
+                try:
+                    h.release()
+                except Exception:  # noqa: BLE001 - a handle NIXL could not abort is kept in its leak list
+                    pass
+
+    def close(self) -> None:
+        """Deregister the caller buffers registered through `out=`."""
+        with self._lock:
+            for reg in self._regs.values():
+                self._agent.deregister_memory(reg)
+            self._regs.clear()
+
+
+def _layer_views(region: np.ndarray, lay: dict, dtype: np.dtype) -> LayerKV:
+    t, kh, hd = lay["tokens"], lay["kv_heads"], lay["head_dim"]
+    kb = t * kh * hd * dtype.itemsize
+    return LayerKV(region[:kb].view(dtype).reshape(t, kh, hd), region[kb: 2 * kb].view(dtype).reshape(t, kh, hd),
+                   region[2 * kb: 2 * kb + 4 * t].view("<i4"), lay["kind"])
+
+
+_default: KVReader | None = None
+_default_lock = threading.Lock()
+
+
+def pull(params: Mapping, **kwargs) -> dict[int, LayerKV]:
+    """`KVReader.pull` on this process's default reader (created on first use)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = KVReader()
+    return _default.pull(params, **kwargs)

@@ -1,0 +1,334 @@
+"""KV hand-off over NIXL (`slope_jax.kv.nixl_transport`): a prefill-side pool in one process, readers in others.
+
+The pool runs in a child process (`_SERVER`, driven over JSON lines); this process (and, in one test, vLLM's venv)
+pulls. Checked: the pulled KV is bit-identical to `format.load` of the same export (layers, kinds, positions, dtype,
+manifest); a tampered byte is caught by the layer's digest; an entry a reader is pulling is never evicted, is freed
+once released, and the pool stays within its bytes; the lease frees unread entries, but not while held; a pull of
+a freed, unknown or unreachable entry raises a KVTransferError naming the request and the cause.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback only (inherited by the pool process)
+pytest.importorskip("nixl._api", reason="nixl is not installed: pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1")
+
+import ml_dtypes  # noqa: E402
+
+from slope_jax import kv as kvfmt  # noqa: E402
+from slope_jax.kv import nixl_transport as nt  # noqa: E402
+from support import CONFIG_A, REPO  # noqa: E402
+
+KH, HD = 4, 12  # synthetic entries: CONFIG_A's KV heads and head_dim
+
+
+def _synthetic(seed: int, layers: int, tokens: int, kh: int, hd: int):
+    """Deterministic bf16 KV for `layers` layers (the pool process and the test build the same arrays)."""
+    import ml_dtypes
+    import numpy as np
+
+    from slope_jax.kv.format import LayerKV
+
+    rng = np.random.default_rng(seed)
+    return {layer: LayerKV(rng.standard_normal((tokens, kh, hd), np.float32).astype(ml_dtypes.bfloat16),
+                           rng.standard_normal((tokens, kh, hd), np.float32).astype(ml_dtypes.bfloat16),
+                           np.arange(tokens, dtype=np.int32), "full_attention" if layer % 2 else "sliding_attention")
+            for layer in range(layers)}
+
+
+_SERVER = inspect.getsource(_synthetic) + r'''
+import json, sys
+from slope_jax.kv import nixl_transport as nt
+
+pools = {}
+for line in sys.stdin:
+    cmd = json.loads(line)
+    op = cmd.pop("op")
+    try:
+        if op == "pool":
+            pools[len(pools)] = nt.KVPool(**cmd)
+            out = {"pool": len(pools) - 1}
+        else:
+            pool = pools[cmd.pop("pool")]
+            if op == "publish":
+                out = pool.publish(cmd["rid"], _synthetic(cmd["seed"], cmd["layers"], cmd["tokens"], cmd["kh"],
+                                                          cmd["hd"]), {"request_id": cmd["rid"]})
+            elif op == "publish_export":
+                out = pool.publish_export(cmd["path"])
+            elif op == "tamper":
+                pool._arena[cmd["address"] - pool._base] ^= 0xFF
+                out = {}
+            elif op == "stats":
+                out = pool.stats()
+            elif op == "gone":
+                out = {"reason": pool.gone_reason(cmd["entry"])}
+            elif op == "discard":
+                out = {"freed": pool.discard(cmd["entry"])}
+            elif op == "close":
+                pool.close()
+                out = {}
+    except Exception as e:
+        out = {"error": f"{type(e).__name__}: {e}"}
+    sys.stdout.write("@@" + json.dumps(out) + "\n")
+    sys.stdout.flush()
+'''
+
+
+class PoolProcess:
+    """The prefill side: a child process holding KVPools, driven one JSON command at a time."""
+
+    def __init__(self, log_path):
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
+
+    def __call__(self, op: str, **kw) -> dict:
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+        while True:
+            line = self.proc.stdout.readline()
+            assert line, f"the pool process died (log: {self.log.name})"
+            if line.startswith("@@"):
+                return json.loads(line[2:])
+
+    def pool(self, **kw) -> int:
+        return self("pool", **kw)["pool"]
+
+    def publish(self, pool: int, rid: str, tokens: int, layers: int = 4, seed: int = 0) -> dict:
+        return self("publish", pool=pool, rid=rid, seed=seed, layers=layers, tokens=tokens, kh=KH, hd=HD)
+
+    def wait_stats(self, pool: int, pred, timeout: float = 5.0) -> dict:
+        """Poll the pool's stats until `pred(stats)` (the pool handles releases on its own thread)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self("stats", pool=pool)
+            if pred(st) or time.monotonic() > deadline:
+                return st
+            time.sleep(0.02)
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = PoolProcess(tmp_path_factory.mktemp("nixl") / "pool.log")
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def reader():
+    r = nt.KVReader(timeout_s=20)
+    yield r
+    r.close()
+
+
+def _export(tmp_path, rid: str, n: int) -> str:
+    """A real bf16 export of CONFIG_A (default sliding policy: sliding layers keep the last W rows)."""
+    rng = np.random.default_rng(5)
+    staging = kvfmt.staging_dir(str(tmp_path), rid, kvfmt.new_run_nonce(), 0)
+    segs = []
+    for layer in range(CONFIG_A.num_hidden_layers):
+        start, end = kvfmt.kept_range(n, CONFIG_A.layer_types[layer], CONFIG_A.sliding_window, False)
+        k, v = (rng.standard_normal((end - start, KH, HD), np.float32).astype(ml_dtypes.bfloat16) for _ in range(2))
+        mid = (start + end) // 2
+        segs += [(layer, start, mid, k[: mid - start], v[: mid - start]), (layer, mid, end, k[mid - start:],
+                                                                          v[mid - start:])]
+    name, records = kvfmt.write_shard_file(staging, 0, segs)
+    kvfmt.write_manifest(staging, request_id=rid, token_ids=np.arange(n), cfg=CONFIG_A, dtype="bfloat16", full=False,
+                         segments=records, files=[name], first_token=17)
+    return kvfmt.publish(str(tmp_path), rid, staging, overwrite=False)
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for layer, w in want.items():
+        g = got[layer]
+        assert g.kind == w.kind and g.k.dtype == w.k.dtype == ml_dtypes.bfloat16
+        assert g.k.shape == w.k.shape and g.v.shape == w.v.shape, layer
+        assert g.k.tobytes() == w.k.tobytes() and g.v.tobytes() == w.v.tobytes(), layer
+        assert g.positions.dtype == np.int32 and np.array_equal(g.positions, w.positions), layer
+
+
+def test_pull_equals_the_export_then_the_entry_is_freed(server, reader, tmp_path):
+    path = _export(tmp_path, "doc-1", 23)
+    want = kvfmt.load(path)
+    assert want[0].k.shape == (CONFIG_A.sliding_window, KH, HD) and want[1].k.shape == (23, KH, HD)
+    pool = server.pool(capacity_bytes=1 << 20)
+    params = server("publish_export", pool=pool, path=path)
+    assert params[nt.PARAMS_KEY]["manifest"] == kvfmt.read_manifest(path)
+    json.dumps(params)  # kv_transfer_params travel as JSON
+    seen = []
+    got = reader.pull(params, on_layer=lambda layer, lkv: seen.append((layer, lkv.k.shape[0])))
+    _assert_same(got, want)
+    assert seen == [(layer, want[layer].k.shape[0]) for layer in range(CONFIG_A.num_hidden_layers)]
+    # released as received: the pool frees it, and a second pull is told why
+    st = server.wait_stats(pool, lambda s: s["entries"] == 0)
+    assert st["entries"] == 0 and st["used_bytes"] == 0
+    with pytest.raises(nt.KVTransferError, match=r"request 'doc-1'.*gone.*released: the decode side has it"):
+        reader.pull(params)
+
+
+def test_reused_buffer_and_many_pulls(server, reader):
+    """`out=`: one registered buffer reused; each pull returns views of the bytes just read."""
+    pool = server.pool(capacity_bytes=1 << 20)
+    out = np.zeros(1 << 18, np.uint8)
+    for seed in (1, 2, 3):
+        params = server.publish(pool, f"r{seed}", tokens=50 + seed, seed=seed)
+        got = reader.pull(params, out=out)
+        _assert_same(got, _synthetic(seed, 4, 50 + seed, KH, HD))
+        assert np.shares_memory(got[0].k, out)
+
+
+def test_tampered_byte_is_caught_by_the_layer_digest(server, reader):
+    pool = server.pool(capacity_bytes=1 << 20)
+    params = server.publish(pool, "tamper", tokens=40)
+    rec = params[nt.PARAMS_KEY]
+    lay = rec["layers"][2]
+    v_byte = rec["address"] + lay["offset"] + lay["nbytes"] // 2 + 3  # inside layer 2's V
+    assert server("tamper", pool=pool, address=v_byte) == {}
+    with pytest.raises(nt.KVTransferError, match=r"request 'tamper'.*layer 2: XXH3-128 digest mismatch"):
+        reader.pull(params)
+    # a failed pull drops its hold but does not report the KV received: the entry stays (for a retry or its lease)
+    st = server.wait_stats(pool, lambda s: s["held"] == 0)
+    assert st["entries"] == 1 and st["held"] == 0
+
+
+def test_held_entry_is_never_evicted_and_the_pool_stays_bounded(server, reader):
+    size = 120  # tokens: ~46 KB per entry (4 layers x 2 x 120 x 4 x 12 x 2 bytes + positions)
+    probe = server.pool(capacity_bytes=1 << 20)
+    entry_bytes = server.publish(probe, "probe", tokens=size)[nt.PARAMS_KEY]["nbytes"]
+    cap = 2 * entry_bytes + 100  # room for two entries
+    pool = server.pool(capacity_bytes=cap, lease_s=60)
+    a = server.publish(pool, "A", tokens=size, seed=1)
+    b = server.publish(pool, "B", tokens=size, seed=2)
+    during = {}
+
+    def while_pulling(layer, lkv):
+        if layer == 0:  # A is held now: publishing C must evict B (A is older, but held)
+            during["c"] = server.publish(pool, "C", tokens=size, seed=3)
+            during["stats"] = server("stats", pool=pool)
+            during["b_gone"] = server("gone", pool=pool, entry=b[nt.PARAMS_KEY]["entry"])["reason"]
+            during["d"] = server.publish(pool, "D", tokens=2 * size, seed=4)  # cannot fit beside held A
+
+    got = reader.pull(a, on_layer=while_pulling)
+    _assert_same(got, _synthetic(1, 4, size, KH, HD))
+    assert nt.PARAMS_KEY in during["c"]
+    assert sorted(p["request_id"] for p in during["stats"]["per_entry"].values()) == ["A", "C"]
+    assert during["stats"]["held"] == 1 and during["stats"]["used_bytes"] <= cap
+    assert during["b_gone"] == "evicted (least recently used) to make room"
+    assert "KVPoolFull" in during["d"]["error"] and "held by readers" in during["d"]["error"]
+    st = server.wait_stats(pool, lambda s: s["entries"] == 1)  # A released -> freed; C stays
+    assert [p["request_id"] for p in st["per_entry"].values()] == ["C"]
+    with pytest.raises(nt.KVTransferError, match=r"request 'B'.*evicted"):
+        reader.pull(b)
+    _assert_same(reader.pull(during["c"]), _synthetic(3, 4, size, KH, HD))
+
+
+def test_lease_frees_unread_entries_but_not_held_ones(server, reader):
+    pool = server.pool(capacity_bytes=1 << 20, lease_s=0.3)
+    stale = server.publish(pool, "stale", tokens=30)
+    time.sleep(0.8)
+    with pytest.raises(nt.KVTransferError, match=r"request 'stale'.*its lease expired before a reader released it"):
+        reader.pull(stale)
+    slow = server.publish(pool, "slow", tokens=30, seed=9)
+    got = reader.pull(slow, on_layer=lambda layer, lkv: time.sleep(0.4) if layer == 0 else None)  # > the lease
+    _assert_same(got, _synthetic(9, 4, 30, KH, HD))
+    # the hold kept it past its lease: the reader's release was the first thing to free it
+    assert server.wait_stats(pool, lambda s: s["entries"] == 0)["entries"] == 0
+    assert server("gone", pool=pool, entry=slow[nt.PARAMS_KEY]["entry"])["reason"] == "released: the decode side has it"
+
+
+def test_pull_of_a_freed_or_unknown_entry_fails_cleanly(server, reader):
+    pool = server.pool(capacity_bytes=1 << 20)
+    params = server.publish(pool, "gone-1", tokens=20)
+    assert server("discard", pool=pool, entry=params[nt.PARAMS_KEY]["entry"]) == {"freed": True}
+    with pytest.raises(nt.KVTransferError, match=r"request 'gone-1'.*discarded by the prefill side"):
+        reader.pull(params)
+    unknown = json.loads(json.dumps(params))
+    unknown[nt.PARAMS_KEY]["entry"] = "never#99"
+    with pytest.raises(nt.KVTransferError, match=r"request 'gone-1'.*unknown entry"):
+        reader.pull(unknown)
+
+
+def test_pull_from_a_dead_prefill_process_fails_cleanly(tmp_path):
+    reader = nt.KVReader(timeout_s=3)
+    dead = PoolProcess(tmp_path / "dead.log")
+    pool = dead.pool(capacity_bytes=1 << 20)
+    _assert_same(reader.pull(dead.publish(pool, "alive", tokens=20)), _synthetic(0, 4, 20, KH, HD))
+    params = dead.publish(pool, "orphan", tokens=20)
+    dead.proc.kill()
+    dead.proc.wait(timeout=30)
+    dead.log.close()
+    t0 = time.monotonic()
+    with pytest.raises(nt.KVTransferError, match=r"request 'orphan'.*pool agent 'slope-kvpool-.*'") as err:
+        reader.pull(params)
+    # UCX reports the disconnect at once, or the hold times out
+    assert time.monotonic() - t0 < 10, err.value
+    assert "REMOTE_DISCONNECT" in str(err.value) or "did not answer" in str(err.value), err.value
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("protocol", 99, "protocol: 99"),
+    ("dtype", "int8", "dtype: 'int8'"),
+    ("agent_metadata", "not base64!", "agent_metadata: not base64"),
+    ("layers", [{"layer": 0}], r"layers\[0\]: malformed"),
+])
+def test_malformed_params_name_the_field(field, value, match):
+    rec = {"protocol": nt.PROTOCOL, "request_id": "bad", "entry": "bad#1", "agent": "x", "agent_metadata": "",
+           "address": 4096, "nbytes": 4096, "dtype": "bfloat16", "layers": []}
+    rec[field] = value
+    with pytest.raises(nt.KVTransferError, match=rf"request 'bad'.*{match}"):
+        nt._spec({nt.PARAMS_KEY: rec})
+    rec = dict(rec, layers=[{"layer": 0, "kind": "full_attention", "offset": 0, "tokens": 100, "kv_heads": KH,
+                             "head_dim": HD, "nbytes": 2 * 100 * KH * HD * 2 + 400, "xxh3_128": "00" * 16}],
+               protocol=nt.PROTOCOL, dtype="bfloat16", agent_metadata="")
+    with pytest.raises(nt.KVTransferError, match=r"layers\[0\]: region \[0, 19600\) .* does not fit"):
+        nt._spec({nt.PARAMS_KEY: rec})
+
+
+_VLLM_READER = r"""
+import importlib.abc, json, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("jax", "jaxlib", "torch"):
+            raise ImportError(f"blocked for this test: {name}")
+sys.meta_path.insert(0, Block())
+import xxhash
+from slope_jax.kv import nixl_transport as nt
+kv = nt.pull(json.loads(sys.stdin.read()))
+print(json.dumps({str(l): xxhash.xxh3_64_hexdigest(x.k.tobytes() + x.v.tobytes() + x.positions.tobytes()) + x.kind
+                  for l, x in kv.items()}))
+"""
+
+
+def test_reader_in_vllm_venv_without_jax_or_torch(server, tmp_path):
+    """The connector's side: vLLM's venv (no JAX; torch blocked) pulls the same bytes."""
+    python = os.path.join(REPO, ".venv-vllm", "bin", "python")
+    if not os.path.exists(python):
+        pytest.skip("no .venv-vllm (launch/vllm_venv.sh builds it)")
+    path = _export(tmp_path, "cross", 31)
+    pool = server.pool(capacity_bytes=1 << 20)
+    params = server("publish_export", pool=pool, path=path)
+    out = subprocess.run([python, "-c", _VLLM_READER], input=json.dumps(params), capture_output=True, text=True,
+                         timeout=120, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
+    if "No module named 'nixl'" in out.stderr:
+        pytest.skip("nixl is not installed in .venv-vllm")
+    assert out.returncode == 0, out.stderr[-3000:]
+    import xxhash
+
+    want = {str(layer): xxhash.xxh3_64_hexdigest(x.k.tobytes() + x.v.tobytes() + x.positions.tobytes()) + x.kind
+            for layer, x in kvfmt.load(path).items()}
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == want
