@@ -277,6 +277,7 @@ def test_pull_from_a_dead_prefill_process_fails_cleanly(tmp_path):
         reader.pull(params)
     # UCX reports the disconnect at once, or the hold times out
     assert time.monotonic() - t0 < 10, err.value
+    assert err.value.unreachable, err.value
     assert "REMOTE_DISCONNECT" in str(err.value) or "did not answer" in str(err.value), err.value
 
 

@@ -55,10 +55,11 @@ _GONE_KEEP = 4096  # freed entries remembered for a clear "gone" reason
 
 
 class KVTransferError(RuntimeError):
-    """A pull failed; the message names the request and the cause. Attributes: `request_id`, `cause`."""
+    """A pull failed; the message names the request and the cause. Attributes: `request_id`, `cause`, `unreachable`
+    (the pool's agent could not be reached or a READ failed, as opposed to a refused, gone or corrupt entry)."""
 
-    def __init__(self, request_id: str, cause: str):
-        self.request_id, self.cause = request_id, cause
+    def __init__(self, request_id: str, cause: str, *, unreachable: bool = False):
+        self.request_id, self.cause, self.unreachable = request_id, cause, unreachable
         super().__init__(f"KV pull of request {request_id!r} failed: {cause}")
 
 
@@ -480,9 +481,9 @@ class KVReader:
         spec = _spec(params)
         self._connect(spec)
         token = secrets.token_hex(8)
-        self._ask_hold(spec, token)
         ok = False
         try:
+            self._ask_hold(spec, token)
             buf, temp = self._staging(spec, out)
             try:
                 kv = self._read_layers(spec, buf, on_layer, token)
@@ -492,8 +493,27 @@ class KVReader:
                         self._agent.deregister_memory(temp)
             ok = True
             return kv
+        except KVTransferError as e:
+            if e.unreachable:  # the pool's process is gone (or its transport failed): drop its endpoint
+                self._forget(spec.agent)
+            raise
         finally:
-            self._release(spec, token, bool(ok and release))
+            if ok or spec.agent in self._pools:
+                self._release(spec, token, bool(ok and release))
+
+    def _forget(self, agent: str) -> None:
+        """Drop a pool agent whose process is gone. The worker is progressed first, so that operations still queued
+        to it (the hold notification) fail and leave UCX's queues: destroying an agent with them queued aborts."""
+        with self._lock:
+            for _ in range(50):
+                self._agent.get_new_notifs()
+                time.sleep(0.001)
+            try:
+                self._agent.remove_remote_agent(agent)
+            except Exception as e:  # noqa: BLE001 - already disconnected
+                _log(f"{self.name}: removing pool agent {agent!r}: {e!r}")
+            self._pools.pop(agent, None)
+            self._introduced.discard(agent)
 
     def _connect(self, spec: _Pull) -> None:
         with self._lock:
@@ -530,26 +550,34 @@ class KVReader:
                                                             hold_s=self.hold_s, **({"md": md} if md else {})))
             except Exception as e:  # noqa: BLE001 - NIXL raises its own error types
                 raise KVTransferError(spec.request_id, f"cannot reach pool agent {spec.agent!r}: "
-                                      f"{type(e).__name__}: {e}") from e
+                                      f"{type(e).__name__}: {e}", unreachable=True) from e
             self._introduced.add(spec.agent)
 
-    def _await_hold(self, spec: _Pull, token: str) -> float:
-        """The pool's answer to `_ask_hold`: the seconds granted. Raises KVTransferError if the entry is gone or the
-        pool does not answer."""
+    def _hold_answer(self, spec: _Pull, token: str, wait: bool) -> float | None:
+        """The pool's answer to `_ask_hold`: the seconds granted, or None if it has not come (only when not `wait`:
+        then the agent is not waited for either). Raises KVTransferError if the entry is gone or the pool does not
+        answer within the timeout."""
         deadline = time.monotonic() + self.timeout_s
         while True:
-            with self._lock:
-                for msgs in self._agent.get_new_notifs().values():
-                    for raw in msgs:
-                        msg = _parse(raw)
-                        if msg is not None and "token" in msg:
-                            self._replies[str(msg["token"])] = msg
-                reply = self._replies.pop(token, None)
+            reply = None
+            if self._lock.acquire(blocking=wait):
+                try:
+                    for msgs in self._agent.get_new_notifs().values():
+                        for raw in msgs:
+                            msg = _parse(raw)
+                            if msg is not None and "token" in msg:
+                                self._replies[str(msg["token"])] = msg
+                    reply = self._replies.pop(token, None)
+                finally:
+                    self._lock.release()
             if reply is not None:
                 break
+            if not wait:
+                return None
             if time.monotonic() > deadline:
                 raise KVTransferError(spec.request_id, f"pool agent {spec.agent!r} did not answer the hold of entry "
-                                      f"{spec.entry!r} within {self.timeout_s:g} s (is the prefill side running?)")
+                                      f"{spec.entry!r} within {self.timeout_s:g} s (is the prefill side running?)",
+                                      unreachable=True)
             time.sleep(0.0002)
         if reply.get("op") != "held":
             raise KVTransferError(spec.request_id, f"entry {spec.entry!r} is gone from pool {spec.agent!r}: "
@@ -576,42 +604,52 @@ class KVReader:
         is posted), while this thread takes the layers as they complete and checks each digest: hashing layer i
         overlaps reading layer i+1.
 
-        The READs start before the pool's answer to the hold: nothing is used before the answer says `held`. That is
-        safe because an entry's key is never reused and a freed entry never comes back, so an entry live when the
-        pool granted the hold was live since its publication, before any of these READs; from then on the hold
-        keeps it. An answer `gone` fails the pull whatever the bytes."""
+        The READs start before the pool's answer to the hold; no layer is handed out (`on_layer`, the result) before
+        the answer says `held`. That is safe because an entry's key is never reused and a freed entry never comes
+        back, so an entry live when the pool granted the hold was live since its publication, before any of these
+        READs; from then on the hold keeps it. An answer `gone` fails the pull whatever the bytes."""
         t0 = time.monotonic()
         posted: list = [None] * len(spec.layers)
         failed: list = []
         cond, stop = threading.Condition(), threading.Event()
         poster = threading.Thread(target=self._post_all, args=(spec, buf, posted, failed, cond, stop), daemon=True)
         poster.start()
+        granted, out, pending = None, {}, []
         try:
-            granted = self._await_hold(spec, token)
-            out = {}
             for i, lay in enumerate(spec.layers):
-                with cond:
-                    if not cond.wait_for(lambda: posted[i] is not None or failed, timeout=self.timeout_s):
-                        raise KVTransferError(spec.request_id, f"the READ of layer {lay['layer']} was not posted "
-                                              f"within {self.timeout_s:g} s")
-                if posted[i] is None:
-                    raise KVTransferError(spec.request_id, f"posting the READ of layer {lay['layer']} failed: "
-                                          f"{failed[0]}")
-                if posted[i][1] != "DONE":  # done while posted (shared memory / CMA): no state call, no lock
-                    self._wait(spec, posted[i][0], lay, t0)
+                self._await_read(spec, i, posted, failed, cond, t0)
                 region = buf[lay["offset"]: lay["offset"] + lay["nbytes"]]
                 if _digest(region) != lay["xxh3_128"]:
+                    granted = self._hold_answer(spec, token, True) if granted is None else granted  # gone: say so
                     late = f"; the hold of {granted:g} s had lapsed" if time.monotonic() - t0 > granted else ""
                     raise KVTransferError(spec.request_id, f"layer {lay['layer']}: XXH3-128 digest mismatch (the bytes "
                                           f"read from pool {spec.agent!r} differ from the published ones{late})")
                 out[lay["layer"]] = _layer_views(region, lay, spec.dtype)
-                if on_layer is not None:
-                    on_layer(lay["layer"], out[lay["layer"]])
+                pending.append(lay["layer"])
+                granted = self._hold_answer(spec, token, False) if granted is None else granted
+                if granted is not None:
+                    _deliver(pending, out, on_layer)
+            if granted is None:
+                granted = self._hold_answer(spec, token, True)
+            _deliver(pending, out, on_layer)
             return out
         finally:
             stop.set()
             poster.join()
             self._finish([p[0] for p in posted if p is not None])
+
+    def _await_read(self, spec: _Pull, i: int, posted: list, failed: list, cond, t0: float) -> None:
+        """Until layer i's READ is posted and complete. Raises KVTransferError."""
+        lay = spec.layers[i]
+        with cond:
+            if not cond.wait_for(lambda: posted[i] is not None or failed, timeout=self.timeout_s):
+                raise KVTransferError(spec.request_id, f"the READ of layer {lay['layer']} was not posted within "
+                                      f"{self.timeout_s:g} s", unreachable=True)
+        if posted[i] is None:
+            raise KVTransferError(spec.request_id, f"posting the READ of layer {lay['layer']} from pool agent "
+                                  f"{spec.agent!r} failed: {failed[0]}", unreachable=True)
+        if posted[i][1] != "DONE":  # done while posted (shared memory / CMA): no state call, no lock
+            self._wait(spec, posted[i][0], lay, t0)
 
     def _post_all(self, spec: _Pull, buf: np.ndarray, posted: list, failed: list, cond, stop) -> None:
         for i, lay in enumerate(spec.layers):
@@ -645,10 +683,10 @@ class KVReader:
                 return
             if state == "ERR":
                 raise KVTransferError(spec.request_id, f"the NIXL READ of layer {lay['layer']} failed (pool agent "
-                                      f"{spec.agent!r} gone or the memory deregistered)")
+                                      f"{spec.agent!r} gone or the memory deregistered)", unreachable=True)
             if time.monotonic() - t0 > self.timeout_s:
                 raise KVTransferError(spec.request_id, f"the READ of layer {lay['layer']} did not finish within "
-                                      f"{self.timeout_s:g} s")
+                                      f"{self.timeout_s:g} s", unreachable=True)
             time.sleep(0.0001)
 
     def _finish(self, handles: list) -> None:
@@ -669,6 +707,14 @@ class KVReader:
             for reg in self._regs.values():
                 self._agent.deregister_memory(reg)
             self._regs.clear()
+
+
+def _deliver(pending: list, out: dict, on_layer) -> None:
+    """Hand the verified layers in `pending` to `on_layer` (in order) and clear it."""
+    if on_layer is not None:
+        for layer in pending:
+            on_layer(layer, out[layer])
+    pending.clear()
 
 
 def _layer_views(region: np.ndarray, lay: dict, dtype: np.dtype) -> LayerKV:

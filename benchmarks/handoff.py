@@ -1,0 +1,340 @@
+"""KV hand-off prefill → decode: NIXL (UCX, host memory) against files, and against a bare NIXL READ of the same bytes.
+
+    .venv/bin/python benchmarks/handoff.py --sizes_mb=64,256,1024,2048 --repeats=5 \
+        --out=benchmarks/measured/cpu/handoff.json
+
+Synthetic KV in the gpt-oss-20b shape (24 layers, 8 KV heads, head_dim 64, bf16, every layer n tokens: 48 KiB per
+token), n chosen per size. Each path runs in fresh process pairs (spawned, UCX on loopback: `UCX_NET_DEVICES=lo`):
+
+- **bare**: two processes with nothing but NIXL: the target registers a filled buffer, the initiator registers a
+  pre-touched one and times one READ of all bytes (after one untimed READ that sets up the connection). The
+  machine's limit. Run before and after the slope_jax path; both runs count.
+- **nixl**: `slope_jax.kv.nixl_transport`: the prefill process publishes the KV into its `KVPool` (copy into the
+  registered arena + XXH3-128 per layer: `publish_s`); the decode process pulls it (`KVReader.pull` into a
+  reused registered buffer: hold handshake, one READ per layer, each layer's digest checked, release:
+  `pull_s`). After one untimed warm-up pull into a fresh buffer (reported as `cold_pull_s`: connection set-up,
+  NIXL registration, first-touch page faults).
+- **files**: the export format (`slope_jax.kv.format`: safetensors + SHA-256 in the manifest, fsync, atomic
+  publication; `write_s`) written by one process, then `format.load(verify=True)` (read + SHA-256 of every file:
+  `read_s`) in another. The files sit in the local page cache (just written): the best case of a shared filesystem.
+
+Reported per size (medians over the repeats): GB/s (10^9 bytes/s) of each step, `ratio` = nixl pull GB/s / bare
+GB/s (issue 31's goal: ≥ 0.7), and end-to-end hand-off GB/s (publish + pull; write + read). Prints a table, writes
+JSON with provenance (`common.write_result`).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback only; inherited by the spawned processes
+
+from absl import app, flags  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from common import start_load, write_result  # noqa: E402  (benchmarks/common.py)
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("sizes_mb", ["64", "256", "1024", "2048"], "KV sizes in MiB (n tokens = size / 48 KiB).")
+flags.DEFINE_integer("repeats", 5, "Timed transfers per size and path (medians reported).")
+flags.DEFINE_list("paths", ["bare", "nixl", "files"], "Which paths to measure.")
+flags.DEFINE_string("workdir", None, "Directory for the file exports (default: a temporary one under /tmp).")
+flags.DEFINE_string("out", None, "Write the JSON here.")
+
+LAYERS, KV_HEADS, HEAD_DIM, ITEM = 24, 8, 64, 2  # gpt-oss-20b, bf16
+BYTES_PER_TOKEN = LAYERS * 2 * KV_HEADS * HEAD_DIM * ITEM  # 49152
+
+
+def synthetic_kv(n: int) -> dict:
+    """24 layers of bf16 K/V [n, 8, 64] with a cheap per-layer bit pattern (transfer speed does not depend on it)."""
+    import ml_dtypes
+    import numpy as np
+
+    from slope_jax.kv.format import LayerKV
+
+    count = n * KV_HEADS * HEAD_DIM
+    base = (np.arange(count, dtype=np.uint32) * np.uint32(2654435761)) >> np.uint32(16)
+    out = {}
+    for layer in range(LAYERS):
+        k = (base ^ np.uint32(layer)).astype(np.uint16).view(ml_dtypes.bfloat16).reshape(n, KV_HEADS, HEAD_DIM)
+        v = (base ^ np.uint32(layer + 1000)).astype(np.uint16).view(ml_dtypes.bfloat16).reshape(n, KV_HEADS, HEAD_DIM)
+        out[layer] = LayerKV(k, v, np.arange(n, dtype=np.int32),
+                             "sliding_attention" if layer % 2 == 0 else "full_attention")
+    return out
+
+
+# --- bare NIXL -----------------------------------------------------------------------------------------------------
+
+def _agent(name: str):
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))  # as nixl_transport
+
+
+def _bare_target(conn, nbytes: int) -> None:
+    import numpy as np
+
+    agent = _agent(f"bare-target-{os.getpid()}")
+    buf = np.empty(nbytes, np.uint8)
+    buf.fill(7)
+    agent.register_memory(np.array([[buf.ctypes.data, nbytes, 0]], np.uint64), "DRAM")
+    conn.send((agent.get_agent_metadata(), buf.ctypes.data))
+    while not conn.poll(0.001):  # until the initiator is done; progresses the UCX worker (connection set-up) as
+        agent.get_new_notifs()  # the pool's notification thread does, every millisecond
+
+
+def _bare_initiator(conn, nbytes: int, repeats: int) -> None:
+    import numpy as np
+
+    agent = _agent(f"bare-initiator-{os.getpid()}")
+    md, addr = conn.recv()
+    remote = agent.add_remote_agent(md)
+    remote = remote.decode() if isinstance(remote, bytes) else remote
+    dst = np.empty(nbytes, np.uint8)
+    dst.fill(0)  # pre-touched, as the reader's reused buffer
+    agent.register_memory(np.array([[dst.ctypes.data, nbytes, 0]], np.uint64), "DRAM")
+    local = agent.get_xfer_descs(np.array([[dst.ctypes.data, nbytes, 0]], np.uint64), "DRAM")
+    far = agent.get_xfer_descs(np.array([[addr, nbytes, 0]], np.uint64), "DRAM")
+    times = []
+    for r in range(repeats + 1):  # the first READ sets up the connection: not timed
+        dst[:: 1 << 16] = 0
+        t0 = time.perf_counter()
+        h = agent.initialize_xfer("READ", local, far, remote)
+        state = agent.transfer(h)
+        while state == "PROC":
+            state = agent.check_xfer_state(h)
+        dt = time.perf_counter() - t0
+        h.release()
+        if state != "DONE" or not (dst[:: 1 << 16] == 7).all():
+            raise RuntimeError(f"bare READ ended {state}, or the bytes did not arrive")
+        if r:
+            times.append(dt)
+    conn.send(times)
+
+
+def measure_bare(nbytes: int, repeats: int) -> list[float]:
+    """Seconds of each timed READ of `nbytes` between two bare NIXL processes."""
+    ctx = mp.get_context("spawn")
+    t_conn, t_child = ctx.Pipe()
+    i_conn, i_child = ctx.Pipe()
+    target = ctx.Process(target=_bare_target, args=(t_child, nbytes))
+    initiator = ctx.Process(target=_bare_initiator, args=(i_child, nbytes, repeats))
+    target.start(), initiator.start()
+    i_conn.send(t_conn.recv())  # the target's metadata and address, out of band
+    times = i_conn.recv()
+    t_conn.send("done")
+    target.join(60), initiator.join(60)
+    if target.exitcode or initiator.exitcode:
+        raise RuntimeError(f"bare NIXL processes exited {target.exitcode}, {initiator.exitcode}")
+    return times
+
+
+# --- slope_jax NIXL ------------------------------------------------------------------------------------------------
+
+def _prefill(conn, n: int, repeats: int) -> None:
+    from slope_jax.kv import nixl_transport as nt
+
+    kv = synthetic_kv(n)
+    nbytes = sum(x.k.nbytes + x.v.nbytes + x.positions.nbytes for x in kv.values())
+    pool = nt.KVPool(nbytes + (1 << 20), lease_s=600)
+    for r in range(repeats + 1):
+        t0 = time.perf_counter()
+        params = pool.publish(f"req-{r}", kv, {"request_id": f"req-{r}", "num_tokens": n})
+        conn.send((params, time.perf_counter() - t0))
+        conn.recv()  # pulled
+        deadline = time.monotonic() + 30
+        while pool.stats()["entries"] and time.monotonic() < deadline:  # the release frees it
+            time.sleep(0.001)
+    conn.send(pool.stats())
+    pool.close()
+
+
+def _reader(conn, repeats: int) -> None:
+    import numpy as np
+
+    from slope_jax.kv import nixl_transport as nt
+
+    reader = nt.KVReader(timeout_s=300)
+    out, rows = None, []
+    for r in range(repeats + 1):
+        params, publish_s = conn.recv()
+        rec = params[nt.PARAMS_KEY]
+        if r and out is None:
+            out = np.empty(rec["nbytes"], np.uint8)
+            out.fill(0)
+        t0 = time.perf_counter()
+        kv = reader.pull(params, out=out)  # r == 0: a fresh buffer (cold)
+        pull_s = time.perf_counter() - t0
+        assert len(kv) == LAYERS and kv[LAYERS - 1].k.shape[0] == rec["manifest"]["num_tokens"]
+        rows.append({"publish_s": publish_s, "pull_s": pull_s, "bytes": rec["nbytes"]})
+        del kv
+        conn.send("pulled")
+    conn.send(rows)
+    reader.close()
+
+
+def measure_nixl(n: int, repeats: int) -> dict:
+    ctx = mp.get_context("spawn")
+    p_conn, p_child = ctx.Pipe()
+    r_conn, r_child = ctx.Pipe()
+    prefill = ctx.Process(target=_prefill, args=(p_child, n, repeats))
+    reader = ctx.Process(target=_reader, args=(r_child, repeats))
+    prefill.start(), reader.start()
+    for _ in range(repeats + 1):
+        r_conn.send(p_conn.recv())
+        p_conn.send(r_conn.recv())
+    rows, pool_stats = r_conn.recv(), p_conn.recv()
+    prefill.join(60), reader.join(60)
+    return {"cold": rows[0], "warm": rows[1:], "pool_after": {k: pool_stats[k] for k in ("entries", "used_bytes")}}
+
+
+# --- files ---------------------------------------------------------------------------------------------------------
+
+def _writer(conn, n: int, repeats: int, workdir: str) -> None:
+    import numpy as np
+
+    from slope_jax.kv import format as kvfmt
+    from slope_jax.model.config import ModelConfig
+
+    cfg = ModelConfig.from_json(os.path.join(REPO, "configs", "gpt-oss-20b.json"))
+    kv = synthetic_kv(n)
+    tokens = np.arange(n, dtype=np.int32)
+    for r in range(repeats):
+        kv_dir = os.path.join(workdir, f"kv-{n}-{r}")
+        os.makedirs(kv_dir)
+        t0 = time.perf_counter()
+        staging = kvfmt.staging_dir(kv_dir, "req", kvfmt.new_run_nonce(), 0)
+        name, recs = kvfmt.write_shard_file(staging, 0, [(layer, 0, n, x.k, x.v) for layer, x in kv.items()])
+        kvfmt.write_manifest(staging, request_id="req", token_ids=tokens, cfg=cfg, dtype="bfloat16", full=True,
+                             segments=recs, files=[name])
+        path = kvfmt.publish(kv_dir, "req", staging, overwrite=False)
+        write_s = time.perf_counter() - t0
+        conn.send((path, write_s, os.path.getsize(os.path.join(path, name))))
+        conn.recv()  # read
+        shutil.rmtree(kv_dir)
+    conn.send(None)
+
+
+def _file_reader(conn) -> None:
+    from slope_jax.kv import format as kvfmt
+
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        path = msg
+        t0 = time.perf_counter()
+        kv = kvfmt.load(path, verify=True)
+        read_s = time.perf_counter() - t0
+        assert len(kv) == LAYERS
+        del kv
+        conn.send(read_s)
+
+
+def measure_files(n: int, repeats: int, workdir: str) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    w_conn, w_child = ctx.Pipe()
+    r_conn, r_child = ctx.Pipe()
+    writer = ctx.Process(target=_writer, args=(w_child, n, repeats, workdir))
+    reader = ctx.Process(target=_file_reader, args=(r_child,))
+    writer.start(), reader.start()
+    rows = []
+    while (msg := w_conn.recv()) is not None:
+        path, write_s, file_bytes = msg
+        r_conn.send(path)
+        rows.append({"write_s": write_s, "read_s": r_conn.recv(), "file_bytes": file_bytes})
+        w_conn.send("read")
+    r_conn.send(None)
+    writer.join(60), reader.join(60)
+    return rows
+
+
+# --- the run -------------------------------------------------------------------------------------------------------
+
+def _med(xs):
+    return statistics.median(xs)
+
+
+def summarize(nbytes: int, bare: list[float], nixl: dict | None, files: list[dict] | None) -> dict:
+    gbs = lambda s: nbytes / s / 1e9  # noqa: E731
+    row = {"bytes": nbytes}
+    if bare:
+        row["bare"] = {"read_s": bare, "gbs": gbs(_med(bare))}
+    if nixl:
+        pub, pull = [w["publish_s"] for w in nixl["warm"]], [w["pull_s"] for w in nixl["warm"]]
+        row["nixl"] = {"publish_s": pub, "pull_s": pull, "publish_gbs": gbs(_med(pub)), "pull_gbs": gbs(_med(pull)),
+                       "handoff_gbs": gbs(_med([a + b for a, b in zip(pub, pull)])),
+                       "cold_pull_s": nixl["cold"]["pull_s"],
+                       "entry_bytes": nixl["warm"][0]["bytes"], "pool_after": nixl["pool_after"]}
+        if bare:
+            row["ratio_pull_vs_bare"] = row["nixl"]["pull_gbs"] / row["bare"]["gbs"]
+            row["ratio_handoff_vs_bare"] = row["nixl"]["handoff_gbs"] / row["bare"]["gbs"]
+    if files:
+        w, r = [f["write_s"] for f in files], [f["read_s"] for f in files]
+        row["files"] = {"write_s": w, "read_s": r, "write_gbs": gbs(_med(w)), "read_gbs": gbs(_med(r)),
+                        "handoff_gbs": gbs(_med([a + b for a, b in zip(w, r)])), "file_bytes": files[0]["file_bytes"]}
+    return row
+
+
+def _get(row: dict, *keys):
+    for k in keys:
+        if not isinstance(row, dict) or k not in row:
+            return None
+        row = row[k]
+    return row
+
+
+COLUMNS = (("bare READ GB/s", ("bare", "gbs")), ("nixl pull GB/s", ("nixl", "pull_gbs")),
+           ("pull / bare", ("ratio_pull_vs_bare",)), ("nixl publish GB/s", ("nixl", "publish_gbs")),
+           ("nixl publish+pull GB/s", ("nixl", "handoff_gbs")), ("files write GB/s", ("files", "write_gbs")),
+           ("files read GB/s", ("files", "read_gbs")), ("files write+read GB/s", ("files", "handoff_gbs")))
+
+
+def _table(rows: list[dict]) -> str:
+    lines = ["| KV | " + " | ".join(c for c, _ in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    for r in rows:
+        cells = [f"{r['bytes'] / 2**20:.0f} MiB"] + [
+            "–" if _get(r, *k) is None else f"{_get(r, *k):.2f}" for _, k in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv):
+    del argv
+    load = start_load()
+    workdir = FLAGS.workdir or tempfile.mkdtemp(prefix="handoff-")
+    rows = []
+    for mb in (int(x) for x in FLAGS.sizes_mb):
+        n = round(mb * 2**20 / BYTES_PER_TOKEN)
+        nbytes = n * BYTES_PER_TOKEN  # K and V of every layer (positions add 96 bytes per token on the NIXL path)
+        print(f"{mb} MiB: {n} tokens, {nbytes} bytes", flush=True)
+        bare = nixl = files = None
+        if "bare" in FLAGS.paths:
+            bare = measure_bare(nbytes, FLAGS.repeats)
+        if "nixl" in FLAGS.paths:
+            nixl = measure_nixl(n, FLAGS.repeats)
+        if "bare" in FLAGS.paths:
+            bare = bare + measure_bare(nbytes, FLAGS.repeats)  # after as well: the machine's load drifts
+        if "files" in FLAGS.paths:
+            files = measure_files(n, FLAGS.repeats, workdir)
+        rows.append(dict(summarize(nbytes, bare, nixl, files), tokens=n))
+        print(_table(rows[-1:]), flush=True)
+    if not FLAGS.workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(_table(rows))
+    if FLAGS.out:
+        write_result(FLAGS.out, {"benchmark": "handoff", "model_shape": {"layers": LAYERS, "kv_heads": KV_HEADS,
+                                                                         "head_dim": HEAD_DIM, "dtype": "bfloat16"},
+                                 "repeats": FLAGS.repeats, "ucx_net_devices": os.environ.get("UCX_NET_DEVICES"),
+                                 "rows": rows}, load_start=load)
+
+
+if __name__ == "__main__":
+    app.run(main)
