@@ -25,6 +25,7 @@ JSON with provenance (`common.write_result`).
 
 from __future__ import annotations
 
+import importlib.metadata
 import multiprocessing as mp
 import os
 import shutil
@@ -330,9 +331,10 @@ def main(argv):
         shutil.rmtree(workdir, ignore_errors=True)
     print(_table(rows))
     if FLAGS.out:
-        write_result(FLAGS.out, {"benchmark": "handoff", "model_shape": {"layers": LAYERS, "kv_heads": KV_HEADS,
-                                                                         "head_dim": HEAD_DIM, "dtype": "bfloat16"},
-                                 "repeats": FLAGS.repeats, "ucx_net_devices": os.environ.get("UCX_NET_DEVICES"),
+        shape = {"layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16"}
+        packages = {p: importlib.metadata.version(p) for p in ("nixl", "nixl-cu12", "xxhash")}
+        write_result(FLAGS.out, {"benchmark": "handoff", "model_shape": shape, "repeats": FLAGS.repeats,
+                                 "ucx_net_devices": os.environ.get("UCX_NET_DEVICES"), "packages": packages,
                                  "rows": rows}, load_start=load)
 
 
