@@ -164,7 +164,7 @@ class KVPool:
       max_hold_s: the longest hold granted to one reader's request.
       name: the NIXL agent name (default: unique per pool).
       prefault: touch the arena's pages now, so publishing does not pay first-touch page faults.
-      poll_s: the notification thread's sleep when idle (the handshake's added latency is about half of it).
+      poll_s: the notification thread's sleep when idle (a reader's READs do not wait for it: see `KVReader`).
     The pool serves holds and releases on a daemon thread; `close()` stops it and deregisters the arena.
     """
 
@@ -172,8 +172,8 @@ class KVPool:
                  name: str | None = None, prefault: bool = True, poll_s: float = 0.001):
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes={capacity_bytes}: expected > 0")
-        self.capacity_bytes, self.lease_s, self.max_hold_s, self.poll_s = int(capacity_bytes), lease_s, max_hold_s, \
-            poll_s
+        self.capacity_bytes, self.lease_s, self.max_hold_s = int(capacity_bytes), lease_s, max_hold_s
+        self.poll_s = poll_s
         self.name = name or f"slope-kvpool-{os.getpid()}-{secrets.token_hex(4)}"
         self._agent = _new_agent(self.name)
         self._arena = np.empty(self.capacity_bytes, np.uint8)
