@@ -152,7 +152,7 @@ JAX_FREE = ["slope_jax", "slope_jax.kv", "slope_jax.kv.format", "slope_jax.kv.ex
             "slope_jax.plan", "slope_jax.plan.flops", "slope_jax.plan.traffic", "slope_jax.parallel.config",
             "slope_jax.parallel.stages", "slope_jax.model.config", "slope_jax.model.options", "slope_jax.atomic",
             "slope_jax.xla_env", "slope_jax.serve.http", "slope_jax.serve.pd_proxy", "slope_jax.serve.distributed",
-            "slope_jax.serve.launcher"]
+            "slope_jax.serve.launcher", "slope_jax.kv.nixl_transport"]
 
 
 def test_jax_free_modules_import_without_jax():
