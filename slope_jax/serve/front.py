@@ -51,6 +51,9 @@ def result_record(req, res, engine, tokenizer, default_slo_ms: float | None, ite
                 "export_ms": round(res.export_ms, 3), "kv_path": res.kv_path})
     if item is not None and item.predicted_ttft_ms is not None:  # the cost model's TTFT beside the measured one
         rec["predicted_ttft_ms"] = round(item.predicted_ttft_ms, 3)
+        note = prediction_note(res, item)
+        if note:
+            rec["prediction_note"] = note
     slo = slo_ms(req, default_slo_ms)
     if slo is not None:
         rec["ttft_slo_ms"] = round(slo, 3)
@@ -58,6 +61,35 @@ def result_record(req, res, engine, tokenizer, default_slo_ms: float | None, ite
         if not rec["slo_met"]:
             rec["late"] = True
     return rec
+
+
+PREDICTION_TOLERANCE = 0.25  # a record says why its TTFT is further than this from the prediction (issue 32)
+
+
+def prediction_note(res, item) -> str | None:
+    """Why a served request's TTFT is more than PREDICTION_TOLERANCE from the scheduler's prediction, in words: the
+    part of the TTFT that differs most — waiting for work ahead, compiling step programs (a program that is not in
+    the persistent compilation cache compiles in seconds, one that is loads in a fraction of that), or computing —
+    with measured and predicted ms, and a prefix-cache hit other than expected. None when within the tolerance.
+
+    `res`: the PrefillResult (queue_ms includes compile_ms); `item`: the scheduler's Pending (predicted_ttft_ms,
+    predicted_compute_ms (compiling included), predicted_compile_ms, cached_tokens)."""
+    pred = item.predicted_ttft_ms
+    if not pred or abs(res.ttft_ms / pred - 1) <= PREDICTION_TOLERANCE:
+        return None
+    p_compile = item.predicted_compile_ms or 0.0
+    p_compute = (item.predicted_compute_ms or 0.0) - p_compile
+    parts = {"waiting for work ahead": (res.queue_ms - res.compile_ms, pred - (item.predicted_compute_ms or 0.0)),
+             "compiling step programs": (res.compile_ms, p_compile),
+             "computing": (res.compute_ms, p_compute)}
+    name, (got, want) = max(parts.items(), key=lambda kv: abs(kv[1][0] - kv[1][1]))
+    note = (f"TTFT {res.ttft_ms:.0f} ms vs {pred:.0f} ms predicted ({res.ttft_ms / pred - 1:+.0%}): mostly "
+            f"{name}, {got:.0f} ms vs {want:.0f} ms predicted")
+    if name == "compiling step programs" and got > want:
+        note += " (a step program compiled that the estimate expected compiled already or in the persistent cache)"
+    if res.cached_tokens != item.cached_tokens:
+        note += f"; the prefix cache gave {res.cached_tokens} tokens, {item.cached_tokens} expected"
+    return note
 
 
 # ---- the results file -------------------------------------------------------------------------------------------

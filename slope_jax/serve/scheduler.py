@@ -91,8 +91,8 @@ class Pending:
     `Scheduler.add` fills it from `default_slo_ms`).
     Set by the scheduler: late (serve_late: predicted to miss its deadline, served behind on-time requests);
     dropped (rejected after admission because work ahead overran its prediction);
-    predicted_ttft_ms / predicted_compute_ms (when released: the model's TTFT from arrival, and its batch's compute),
-    to write next to the measured TTFT.
+    predicted_ttft_ms / predicted_compute_ms / predicted_compile_ms (when released: the model's TTFT from arrival,
+    its batch's compute and the compiling inside it), to write next to the measured TTFT.
     """
 
     request: Any
@@ -103,6 +103,7 @@ class Pending:
     late: bool = False
     predicted_ttft_ms: float | None = None
     predicted_compute_ms: float | None = None
+    predicted_compile_ms: float | None = None  # the part of predicted_compute_ms expected compiling step programs
     dropped: bool = False  # rejected after having been admitted (work ahead overran its prediction)
     seq: int = -1  # arrival order, set by `add` (FCFS tie-break)
     cached_tokens: int = 0  # prompt tokens expected from the prefix cache (prefix reuse): the step computes the rest
@@ -221,7 +222,7 @@ class Scheduler:
                 return [], rejected, None
             start = now
             plan = self._plan(self._sorted(self._queue), start, head_only=self.slo_policy == "none")
-            head, head_compute_ms = plan[0][0], plan[0][2]
+            head, head_compute_ms, head_compile_ms = plan[0][0], plan[0][2], plan[0][3]
             oldest = min(p.arrival_s for p in head)
             wait_until = oldest + self.batch_wait_s
             slack = _slack(plan)
@@ -231,7 +232,7 @@ class Scheduler:
             taken = {id(p) for p in head}
             self._queue = [p for p in self._queue if id(p) not in taken]
             for p in head:
-                p.predicted_compute_ms = head_compute_ms
+                p.predicted_compute_ms, p.predicted_compile_ms = head_compute_ms, head_compile_ms
                 p.predicted_ttft_ms = (now + head_compute_ms / 1e3 - p.arrival_s) * 1e3
             self._busy_until = now + head_compute_ms / 1e3
             return head, rejected, None
