@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 from support import REPO, launcher_env
 
@@ -112,6 +113,7 @@ def test_persistent_cache_warm_reads_jax_config(tmp_path):
         (tmp_path / "absent").mkdir()
         assert not slo.persistent_cache_warm()  # empty: cold
         (tmp_path / "absent" / "entry").write_bytes(b"x")
-        assert slo.persistent_cache_warm()
+        assert not slo.persistent_cache_warm(since=0.0)  # written by this run (after `since`): still cold
+        assert slo.persistent_cache_warm(since=time.time() + 1)  # an earlier run's entry: warm
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
