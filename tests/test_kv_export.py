@@ -9,6 +9,7 @@ from support import CONFIG_A, TILES, random_prompt
 
 from slope_jax import kv
 from slope_jax.kv import decode
+from slope_jax.kv import format as kvfmt
 from slope_jax.parallel.config import ParallelConfig
 from slope_jax.serve import requests as req_lib
 from slope_jax.serve.engine import PrefillEngine
@@ -79,16 +80,53 @@ def test_decode_continuation_equals_full_forward(exported, reference_engines, ch
 
 
 def test_without_prefix_reuse_sliding_layers_keep_the_last_window(reference_engines, tmp_path):
-    w = CONFIG_A.sliding_window
-    p = random_prompt(CONFIG_A, 3 * w + 2, seed=2)
-    res = reference_engines["A"].prefill([p], str(tmp_path), ids=["x"], prefix_reuse=False, return_kv=True)[0]
-    m = kv.read_manifest(res.kv_path)
-    # not indexed for reuse (no block hashes), but the identity the decode side checks cache_salt and weights against
-    assert m["sliding_policy"] == "last_window" and m["prefix"]["hashes"] == [] and len(m["prefix"]["identity"]) == 32
+    """`last_window` (the default with prefix reuse off): sliding layers keep the last W tokens and the rows back to
+    the block boundary at or before n−W for every block size ≤ VLLM_BLOCK_MAX (128): [max(0, n−W−127), n)."""
+    w, cover = CONFIG_A.sliding_window, kvfmt.VLLM_BLOCK_MAX
+    prompts = [random_prompt(CONFIG_A, n, seed=2) for n in (3 * w + 2, 200)]
+    out = reference_engines["A"].prefill(prompts, str(tmp_path), ids=["x", "y"], prefix_reuse=False, return_kv=True)
+    for p, res in zip(prompts, out):
+        n = len(p)
+        m = kv.read_manifest(res.kv_path)
+        # not indexed for reuse (no block hashes), but the identity the decode side checks cache_salt and weights
+        assert m["sliding_policy"] == "last_window" and m["prefix"]["hashes"] == []
+        assert len(m["prefix"]["identity"]) == 32
+        sf = max(0, n - w - (cover - 1))
+        assert m["sliding_from"] == sf == (0 if n == 3 * w + 2 else 200 - w - 127)
+        # every block size's boundary at or before n−W is kept: vLLM with prefix caching on fills that block whole
+        assert all((n - w) // b * b >= sf for b in range(1, cover + 1))
+        for layer, lk in kv.load(res.kv_path).items():
+            start = sf if CONFIG_A.is_sliding(layer) else 0
+            np.testing.assert_array_equal(lk.positions, np.arange(start, n))
+            np.testing.assert_array_equal(lk.k, res.kv[layer].k[start:])
+
+
+def test_last_window_export_of_a_prefix_hit(reference_engines, tmp_path):
+    """A prefix hit exported with kv_full=False: its sliding layers' rows [n−W−127, p) come from the reused prefix
+    (host tier) and equal a cold prefill's; the exporter raises `sliding_from` to the first row a reused prefix
+    holds when that prefix came from a `last_window` export that kept fewer rows."""
+    from slope_jax.kv.exporter import KVExporter
+    from slope_jax.kv.prefix import PrefixKV
+
+    eng, w = reference_engines["A"], CONFIG_A.sliding_window
+    base = random_prompt(CONFIG_A, 300, seed=41)
+    prompt = np.concatenate([base[:256], random_prompt(CONFIG_A, 50, seed=42)])
+    eng.prefill([base], str(tmp_path / "first"), ids=["base"])
+    res = eng.prefill([prompt], str(tmp_path / "hit"), ids=["hit"], kv_full=False)[0]
+    assert res.cached_tokens == 256
+    cold = eng.prefill([prompt], prefix_reuse=False, return_kv=True)[0]
+    sf = len(prompt) - w - (kvfmt.VLLM_BLOCK_MAX - 1)
+    assert kv.read_manifest(res.kv_path)["sliding_from"] == sf
     for layer, lk in kv.load(res.kv_path).items():
-        start = max(0, len(p) - w) if CONFIG_A.is_sliding(layer) else 0  # sliding layers keep the last W
-        np.testing.assert_array_equal(lk.positions, np.arange(start, len(p)))
-        np.testing.assert_array_equal(lk.k, res.kv[layer].k[start:])
+        start = sf if CONFIG_A.is_sliding(layer) else 0
+        np.testing.assert_array_equal(lk.positions, np.arange(start, len(prompt)))
+        assert np.abs(lk.k - cold.kv[layer].k[start:]).max() < 1e-5
+    exporter = KVExporter(CONFIG_A, [], "float32", kv.new_run_nonce())
+    sliding = [i for i in range(CONFIG_A.num_hidden_layers) if CONFIG_A.is_sliding(i)]
+    held = PrefixKV(256, {}, {}, source="x", start={i: 240 for i in sliding})
+    assert exporter.sliding_from(306, False, held) == 240 and exporter.sliding_from(306, True, held) == 0
+    assert exporter.sliding_from(306, False, PrefixKV(256, {}, {}, source="host")) == sf
+    assert exporter.sliding_from(600, False, held) == 600 - w - 127  # the reused rows lie before what is kept
 
 
 def test_full_kv_export(reference_engines, tmp_path):
@@ -156,8 +194,17 @@ TAMPERS = {
     "first_token": (lambda m: m.update(first_token=-1), "first_token: -1"),
     "dtype": (lambda m: m.update(dtype="bfloat16"), "dtype: layer 0 k tensor .* is float32, the manifest declares"),
     "dtype_unknown": (lambda m: m.update(dtype="int8"), "dtype: 'int8'"),
-    "sliding_policy": (lambda m: m.update(sliding_policy="full"), r"layers\[0\]\.token_range: .*sliding_policy='full'"),
-    "model.sliding_window": (lambda m: m["model"].update(sliding_window=11), r"token_range: .*sliding_window=11"),
+    "sliding_policy": (lambda m: m.update(sliding_policy="full"), r"sliding_from: 0: .*'last_window' only"),
+    "sliding_policy_alone": (lambda m: (m.update(sliding_policy="full"), m.pop("sliding_from"), m["layers"][0].update(
+        token_range=[22, 32])), r"layers\[0\]\.token_range: .*sliding_policy='full'"),
+    "sliding_from": (lambda m: m.update(sliding_from=23), r"sliding_from: 23: .*max\(0, n−W\) = 22"),
+    "sliding_from_type": (lambda m: m.update(sliding_from="0"), r"sliding_from: '0': expected"),
+    "sliding_from_range": (lambda m: m.update(sliding_from=5),
+                           r"token_range: \[0, 32\], .*sliding_from=5 keeps \[5, 32\]"),
+    # (the window decides no token range of this 32-token export: sliding layers keep all of it; the model check
+    # catches it)
+    "model.sliding_window": (lambda m: m["model"].update(sliding_window=11), r"model\.sliding_window: the export says "
+                             "11, the model has 10"),
     "model.layer_types": (_swap_layer_types, r"layers\[0\]\.kind: 'sliding_attention', but model.layer_types"),
     "model.num_hidden_layers": (lambda m: m["model"].update(num_hidden_layers=5), "model.num_hidden_layers: 5"),
     "model.num_key_value_heads": (lambda m: m["model"].update(num_key_value_heads=2),
@@ -167,7 +214,7 @@ TAMPERS = {
     "layers.kind": (_flip_kind, r"layers\[1\]\.kind: 'sliding_attention', but model.layer_types\[1\]"),
     "layers.missing": (lambda m: m.update(layers=[r for r in m["layers"] if r["layer"] != 2]),
                        r"layers: layer\(s\) \[2\] missing"),
-    "layers.token_range": (lambda m: m["layers"][0].update(token_range=[0, 32]), r"layers\[0\]\.token_range"),
+    "layers.token_range": (lambda m: m["layers"][0].update(token_range=[22, 32]), r"layers\[0\]\.token_range"),
     "segments.gap": (lambda m: m["layers"][3].update(segments=m["layers"][3]["segments"][1:]),
                      r"layers\[3\]\.segments: layer 3 tokens \[0, …\) are not covered"),
     "segments.end": (lambda m: m["layers"][1]["segments"][-1].update(end=33),
@@ -195,7 +242,7 @@ def test_reader_rejects_tampered_manifest(field, exported, tmp_path):
         tamper(m)
         _write(dst, m)
     with pytest.raises(kv.KVFormatError, match=match):  # self-consistency alone; the model only for its fingerprint
-        kv.load(str(dst), CONFIG_A if field == "model.fingerprint" else None)
+        kv.load(str(dst), CONFIG_A if field in ("model.fingerprint", "model.sliding_window") else None)
 
 
 def test_reader_rejects_missing_files(exported, tmp_path):

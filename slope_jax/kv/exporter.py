@@ -75,6 +75,7 @@ class KVExporter:
         for j, (rid, res) in enumerate(zip(ids, results)):
             req = _Req(batch[j], positions + (0 if offsets is None else int(offsets[j])),
                        None if prefixes is None else prefixes[j], None if reuse is None else reuse[j])
+            req.sliding_from = self.sliding_from(int(req.tokens.size), full, req.prefix)
             staging, code, err = self._write_own_pieces(kv_dir, rid, host, j, req, full, me, multi)
             if me == 0 and code == OK:
                 try:
@@ -117,9 +118,10 @@ class KVExporter:
         n = int(req.tokens.size)
         err = None
         try:
-            local = [seg for index, hk, hv in host for seg in self.segments(index, hk, hv, j, n, full, req.positions)]
+            sf = req.sliding_from
+            local = [seg for index, hk, hv in host for seg in self.segments(index, hk, hv, j, n, sf, req.positions)]
             if me == 0:
-                local += list(self.prefix_segments(req.prefix, n, full))
+                local += list(self.prefix_segments(req.prefix, n, sf))
             if local or me == 0:
                 kvfmt.write_shard_file(staging, me, local, token_ids=req.tokens if me == 0 else None)
         except OSError as e:
@@ -142,30 +144,51 @@ class KVExporter:
     def _publish(self, kv_dir, rid, staging, k, j, req: _Req, full, first_token, overwrite) -> None:
         """Process 0: the manifest of every process's pieces, then the atomic publish."""
         n = int(req.tokens.size)
-        records = self.segment_records(k, j, n, full, req.positions)
-        records += [_record(0, layer, a, b) for layer, a, b, _, _ in self.prefix_segments(req.prefix, n, full,
+        sf = req.sliding_from
+        records = self.segment_records(k, j, n, sf, req.positions)
+        records += [_record(0, layer, a, b) for layer, a, b, _, _ in self.prefix_segments(req.prefix, n, sf,
                                                                                             shapes_only=True)]
         files = sorted({r["file"] for r in records} | {kvfmt.shard_file_name(0)})
         kvfmt.write_manifest(staging, request_id=rid, token_ids=req.tokens, cfg=self.cfg, dtype=self.dtype,
                              full=full, segments=records, files=files, first_token=first_token,
-                             run_nonce=self.run_nonce, weights_digest=self.weights_digest, prefix=req.reuse)
+                             run_nonce=self.run_nonce, weights_digest=self.weights_digest, prefix=req.reuse,
+                             sliding_from=None if full else sf)
         kvfmt.publish(kv_dir, rid, staging, overwrite=overwrite)
 
-    def prefix_segments(self, prefix, n: int, full: bool, shapes_only: bool = False):
-        """(layer, start, end, k, v) of a prefix hit's reused tokens [0, p) that the export keeps (process 0)."""
+    def sliding_from(self, n: int, full: bool, prefix) -> int:
+        """The first position sliding layers keep in an export of `n` tokens: 0 with `full`, else `kvfmt.kept_range`'s
+        (the last W tokens and the rows back to every vLLM block boundary at or before n−W), raised to the first row a
+        prefix hit's reused KV holds in a sliding layer (`prefix.start`, when it was read from a `last_window`
+        export): rows that were never kept cannot be exported; vLLM then refuses the export with prefix caching on
+        (with that reason) and prefills the prompt itself."""
+        if full:
+            return 0
+        sf = kvfmt.kept_range(n, kvfmt.SLIDING, self.cfg.sliding_window, False)[0]
+        if prefix is not None and sf < prefix.num_tokens:
+            held = [prefix.start.get(i, 0) for i, kind in enumerate(self.cfg.layer_types) if kind == kvfmt.SLIDING]
+            sf = max([sf] + held)
+        return sf
+
+    def _kept(self, layer: int, n: int, sliding_from: int) -> tuple[int, int]:
+        return (sliding_from if self.cfg.layer_types[layer] == kvfmt.SLIDING else 0), n
+
+    def prefix_segments(self, prefix, n: int, sliding_from: int, shapes_only: bool = False):
+        """(layer, start, end, k, v) of a prefix hit's reused tokens [0, p) that the export keeps (process 0;
+        sliding layers from `sliding_from`)."""
         if prefix is None:
             return
         for layer in range(self.cfg.num_hidden_layers):
-            start, end = kvfmt.kept_range(n, self.cfg.layer_types[layer], self.cfg.sliding_window, full)
+            start, end = self._kept(layer, n, sliding_from)
             a, b = start, min(end, prefix.num_tokens)
             if b > a:
                 k, v = (None, None) if shapes_only else prefix.rows(layer, a, b)
                 yield layer, a, b, k, v
 
-    def segments(self, index, rows_k, rows_v, j: int, n: int, full: bool, positions: np.ndarray):
+    def segments(self, index, rows_k, rows_v, j: int, n: int, sliding_from: int, positions: np.ndarray):
         """K/V pieces of request j in one shard (`index` into the global `[M, stack, T, K, H]`, data `rows_k/v`):
-        (layer, start, end, k, v) in natural token order, limited to the tokens an export keeps. `positions`: the
-        natural position of each layout row of the step (pads at positions ≥ n)."""
+        (layer, start, end, k, v) in natural token order, limited to the tokens an export keeps (sliding layers from
+        `sliding_from`). `positions`: the natural position of each layout row of the step (pads at
+        positions ≥ n)."""
         stack_lo = index[1].indices(len(self.stack_layers))[0]
         tok_lo = index[2].indices(len(positions))[0]
         pos_local = positions[tok_lo:tok_lo + rows_k.shape[2]]
@@ -173,14 +196,14 @@ class KVExporter:
             layer = self.stack_layers[stack_lo + e]
             if layer < 0:
                 continue
-            start, end = kvfmt.kept_range(n, self.cfg.layer_types[layer], self.cfg.sliding_window, full)
+            start, end = self._kept(layer, n, sliding_from)
             sel = np.nonzero((pos_local >= start) & (pos_local < end))[0]
             sel = sel[np.argsort(pos_local[sel], kind="stable")]
             for row0, a, b in kvfmt.runs(pos_local[sel]):
                 rows = sel[row0:row0 + (b - a)]
                 yield layer, a, b, rows_k[j, e, rows], rows_v[j, e, rows]
 
-    def segment_records(self, k, j: int, n: int, full: bool, positions: np.ndarray) -> list[dict]:
+    def segment_records(self, k, j: int, n: int, sliding_from: int, positions: np.ndarray) -> list[dict]:
         """Manifest records of every process's pieces, derived from the global sharding (no communication)."""
         records, seen = [], set()
         for device, index in k.sharding.devices_indices_map(k.shape).items():
@@ -190,7 +213,7 @@ class KVExporter:
             seen.add(key)
             shape = [len(range(*sl)) for sl in key]
             empty = np.zeros((shape[0], shape[1], shape[2], 0, 0), np.float32)  # shapes only: names, not data
-            for layer, a, b, _, _ in self.segments(index, empty, empty, j, n, full, positions):
+            for layer, a, b, _, _ in self.segments(index, empty, empty, j, n, sliding_from, positions):
                 records.append(_record(device.process_index, layer, a, b))
         return records
 
@@ -201,6 +224,7 @@ class _Req:
 
     def __init__(self, tokens, positions, prefix, reuse):
         self.tokens, self.positions, self.prefix, self.reuse = tokens, positions, prefix, reuse
+        self.sliding_from = 0  # the first position sliding layers keep (`KVExporter.sliding_from`)
 
 
 def _record(process: int, layer: int, a: int, b: int) -> dict:

