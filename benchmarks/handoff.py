@@ -1,7 +1,7 @@
 """KV hand-off prefill → decode: NIXL (UCX, host memory) against files, and against a bare NIXL READ of the same bytes.
 
     .venv/bin/python benchmarks/handoff.py --sizes_mb=64,256,1024,2048 --repeats=5 \
-        --out=benchmarks/measured/cpu/handoff.json
+        --e2e_sizes_mb=64,256,1024,2048 --itl_mb=1024 --out=benchmarks/measured/cpu/handoff.json
 
 Synthetic KV in the gpt-oss-20b shape (24 layers, 8 KV heads, head_dim 64, bf16, every layer n tokens: 48 KiB per
 token), n chosen per size. Each path runs in fresh process pairs (spawned, UCX on loopback: `UCX_NET_DEVICES=lo`):
@@ -19,8 +19,19 @@ token), n chosen per size. Each path runs in fresh process pairs (spawned, UCX o
   `read_s`) in another. The files sit in the local page cache (just written): the best case of a shared filesystem.
 
 Reported per size (medians over the repeats): GB/s (10^9 bytes/s) of each step, `ratio` = nixl pull GB/s / bare
-GB/s (issue 31's goal: ≥ 0.7), and end-to-end hand-off GB/s (publish + pull; write + read). Prints a table, writes
-JSON with provenance (`common.write_result`).
+GB/s, and hand-off GB/s (publish + pull; write + read).
+
+**End to end** (`--e2e_sizes_mb`, first; benchmarks/handoff_e2e.py and benchmarks/handoff_vllm.py): for each size
+and transport (files, NIXL) the time from the prefill's first token (its KV in host memory) to vLLM's first decoded
+token through the real connector and a real vLLM engine with its defaults (a gpt-oss-20b KV cut: the same 48 KiB of
+bf16 KV per token), split into `export_s` (files written and published / `KVPool.publish`), `transfer_s` (the
+connector's file read with SHA-256 / NIXL pull with XXH3 per layer), `load_s` (rows cut, cast and written into
+vLLM's cache) and `vllm_s` (the rest: scheduling, validation, the last prompt token's forward); the first hand-off
+of each size is reported apart (`cold`). `handoff_gbs` = bytes / (export + transfer + load) against a bare NIXL READ
+of the same bytes between two processes measured in the same run right after (`ratio_vs_bare`, issue 31's goal
+≥ 0.7; `ratio_total_vs_bare` uses the whole first token → first token time). Then `--neighbours` requests decode
+while an `--itl_mb` export loads: their inter-token gaps during the load vs before it (goal: median ≤ 1.5×).
+Prints tables, writes JSON with provenance (`common.write_result`).
 """
 
 from __future__ import annotations
@@ -48,6 +59,17 @@ flags.DEFINE_integer("repeats", 5, "Timed transfers per size and path (medians r
 flags.DEFINE_list("paths", ["bare", "nixl", "files"], "Which paths to measure.")
 flags.DEFINE_string("workdir", None, "Directory for the file exports (default: a temporary one under /tmp).")
 flags.DEFINE_string("out", None, "Write the JSON here.")
+flags.DEFINE_list("e2e_sizes_mb", ["64", "256", "1024", "2048"],
+                  "End to end (prefill's first token → vLLM's first token): KV sizes in MiB; empty: skip.")
+flags.DEFINE_list("e2e_transports", ["files", "nixl"], "End-to-end transports.")
+flags.DEFINE_integer("e2e_repeats", 3, "End-to-end hand-offs per size and transport: the first is reported as "
+                     "`cold` (the connector's first read or pull of that size: buffers, registration, page faults), "
+                     "medians over the others.")
+flags.DEFINE_integer("itl_mb", 1024, "KV size (MiB) loaded while other requests decode (0: skip).")
+flags.DEFINE_integer("neighbours", 4, "Requests decoding while the itl_mb export loads.")
+flags.DEFINE_string("vllm_python", os.environ.get("SLOPE_VLLM_PYTHON", os.path.join(REPO, ".venv-vllm", "bin",
+                                                                                       "python")),
+                    "python of the vLLM venv (end to end).")
 
 LAYERS, KV_HEADS, HEAD_DIM, ITEM = 24, 8, 64, 2  # gpt-oss-20b, bf16
 BYTES_PER_TOKEN = LAYERS * 2 * KV_HEADS * HEAD_DIM * ITEM  # 49152
@@ -257,6 +279,151 @@ def measure_files(n: int, repeats: int, workdir: str) -> list[dict]:
     return rows
 
 
+# --- end to end: the prefill's first token → vLLM's first token (benchmarks/handoff_e2e.py) -----------------------
+
+def _tokens_of(mb: int) -> int:
+    return round(mb * 2**20 / BYTES_PER_TOKEN)
+
+
+def _handoff(dec, transport: str, kv: dict, tokens, ctx: dict, rid: str, **cmd) -> dict:
+    """One hand-off of `kv` (prompt `tokens`) over `transport` ("files": a published export; "nixl": a `KVPool`
+    entry carrying the manifest of the files run of the same request id, `ctx["manifests"]`, so the files run goes
+    first); returns its parts (`handoff_e2e.split`) and, with neighbours in `cmd`, their inter-token gaps
+    (`handoff_e2e.itl`). `ctx`: cfg, weights, kv_dir, pool, manifests."""
+    import handoff_e2e as e2e
+    from slope_jax.kv import format as kvfmt
+
+    t_first = time.monotonic()  # the prefill's first token: its KV is in host memory
+    if transport == "files":
+        path = e2e.export_files(kv, tokens, ctx["cfg"], ctx["kv_dir"], rid, ctx["weights"])
+        params = {"slope_jax_kv_path": path}
+    else:
+        from slope_jax.kv import nixl_transport as nt
+
+        manifest = getattr(nt, "handoff_manifest", dict)(ctx["manifests"][rid])
+        params = ctx["pool"].publish(rid, kv, manifest)
+    export_s = time.monotonic() - t_first
+    ans = dec.request(id=f"{rid}/{transport}", prompt=[int(t) for t in tokens], params=params, **cmd)
+    out = e2e.split(t_first, export_s, ans)
+    if cmd.get("neighbours"):
+        out["itl"] = e2e.itl(ans)
+    if transport == "files":
+        ctx["manifests"][rid] = kvfmt.read_manifest(path)
+        for name in os.listdir(ctx["kv_dir"]):
+            p = os.path.join(ctx["kv_dir"], name)
+            os.remove(p) if os.path.islink(p) else shutil.rmtree(p, ignore_errors=True)
+    else:
+        ctx["pool"].discard(params["slope_jax_nixl"]["entry"])
+    return out
+
+
+def run_e2e(workdir: str) -> dict:
+    """Every end-to-end size × transport (`--e2e_repeats` each) and the inter-token latency run at `--itl_mb`."""
+    import numpy as np
+
+    import handoff_e2e as e2e
+    from slope_jax.checkpoints.digest import weights_digest
+    from slope_jax.model.config import ModelConfig
+
+    model = e2e.make_cut(os.path.join(workdir, "gpt-oss-20b-kvcut"))
+    cfg, weights = ModelConfig.from_json(os.path.join(model, "config.json")), weights_digest(model)
+    sizes = [int(x) for x in FLAGS.e2e_sizes_mb]
+    biggest = _tokens_of(max(sizes + [FLAGS.itl_mb]))
+    dec = e2e.Decoder(FLAGS.vllm_python, model, biggest, biggest * BYTES_PER_TOKEN + (256 << 20), weights,
+                      os.path.join(workdir, "vllm.log"))
+    pool = None
+    if "nixl" in FLAGS.e2e_transports:
+        from slope_jax.kv import nixl_transport as nt
+
+        pool = nt.KVPool(biggest * (BYTES_PER_TOKEN + 8) + (64 << 20), lease_s=600)
+    ctx = {"cfg": cfg, "weights": weights, "kv_dir": os.path.join(workdir, "kv"), "pool": pool, "manifests": {}}
+    os.makedirs(ctx["kv_dir"], exist_ok=True)
+    rows = []
+    try:
+        for mb in sizes:
+            n = _tokens_of(mb)
+            kv, tokens = synthetic_kv(n), np.random.default_rng(n).integers(0, 900, n).astype(np.int32)
+            row = {"mib": mb, "tokens": n, "bytes": n * BYTES_PER_TOKEN}
+            runs = {t: [] for t in FLAGS.e2e_transports}
+            for r in range(FLAGS.e2e_repeats):
+                tokens[0] = r  # the prompt of repeat r (vLLM's prefix cache is emptied before each request)
+                for transport in sorted(FLAGS.e2e_transports):  # files first: NIXL carries its manifest
+                    runs[transport].append(_handoff(dec, transport, kv, tokens, ctx, f"e2e-{mb}-{r}"))
+                    print(f"  {mb} MiB {transport}: {runs[transport][-1]}", flush=True)
+            for transport in FLAGS.e2e_transports:
+                row[transport] = _median_parts(runs[transport], row["bytes"])
+            if "bare" in FLAGS.paths:
+                bare = measure_bare(row["bytes"], FLAGS.repeats)
+                row["bare"] = {"read_s": bare, "gbs": row["bytes"] / _med(bare) / 1e9}
+                for transport in FLAGS.e2e_transports:
+                    t = row[transport]
+                    t["ratio_vs_bare"] = t["handoff_gbs"] / row["bare"]["gbs"]
+                    t["ratio_total_vs_bare"] = t["total_gbs"] / row["bare"]["gbs"]
+            rows.append(row)
+            del kv
+        itl_row = _itl_run(dec, ctx) if FLAGS.itl_mb else None
+    finally:
+        dec.close()
+        if pool is not None:
+            pool.close()
+    return {"model": "gpt-oss-20b KV cut (handoff_e2e.make_cut)", "vllm_init_s": dec.init_s, "rows": rows,
+            "itl": itl_row}
+
+
+def _median_parts(runs: list[dict], nbytes: int) -> dict:
+    """Medians of the parts over the runs after the first (`cold`); `handoff_gbs`: bytes / (export + transfer +
+    load), the hand-off's own throughput; `total_gbs`: bytes / the whole first token → first token time (vLLM's
+    scheduling and the last prompt token's forward included)."""
+    keys = ("export_s", "send_s", "transfer_s", "load_s", "vllm_s", "total_s")
+    warm = runs[1:] or runs
+    out = {k: _med([r[k] for r in warm]) for k in keys}
+    out["handoff_gbs"] = nbytes / _med([r["export_s"] + r["transfer_s"] + r["load_s"] for r in warm]) / 1e9
+    out["total_gbs"] = nbytes / out["total_s"] / 1e9
+    out["cold"], out["runs"] = runs[0], warm
+    return out
+
+
+def _itl_run(dec, ctx: dict) -> dict:
+    """`--neighbours` requests decode; an `--itl_mb` export arrives and loads: their inter-token gaps during its
+    load vs before it, per transport."""
+    import numpy as np
+
+    n = _tokens_of(FLAGS.itl_mb)
+    kv, tokens = synthetic_kv(n), np.random.default_rng(7).integers(0, 900, n).astype(np.int32)
+    out = {"mib": FLAGS.itl_mb, "tokens": n, "neighbours": FLAGS.neighbours}
+    for transport in sorted(FLAGS.e2e_transports):  # files first: NIXL carries its manifest
+        got = _handoff(dec, transport, kv, tokens, ctx, "itl", neighbours=FLAGS.neighbours, neighbour_len=64,
+                       warm_tokens=24)
+        print(f"  ITL {FLAGS.itl_mb} MiB {transport}: {got['itl']}", flush=True)
+        out[transport] = got
+    return out
+
+
+E2E_COLUMNS = ("export_s", "transfer_s", "load_s", "vllm_s", "total_s")
+
+
+def _e2e_table(e2e: dict) -> str:
+    lines = ["| KV | transport | export s | transfer s | load s | vLLM s | first token → first token s | "
+             "hand-off GB/s (export+transfer+load) | bare NIXL GB/s | hand-off / bare | total / bare | cold total s |",
+             "|---" * 12 + "|"]
+    for r in e2e["rows"]:
+        for t in FLAGS.e2e_transports:
+            p = r[t]
+            f = lambda key: "–" if key not in p else f"{p[key]:.2f}"  # noqa: E731
+            cells = [f"{r['mib']} MiB", t] + [f"{p[k]:.3f}" for k in E2E_COLUMNS] + [
+                f"{p['handoff_gbs']:.2f}", "–" if "bare" not in r else f"{r['bare']['gbs']:.2f}",
+                f("ratio_vs_bare"), f("ratio_total_vs_bare"), f"{p['cold']['total_s']:.2f}"]
+            lines.append("| " + " | ".join(cells) + " |")
+    it = e2e.get("itl")
+    for t in FLAGS.e2e_transports if it else ():
+        x = it[t]["itl"]
+        lines.append(f"\nITL of {it['neighbours']} decoding requests while a {it['mib']} MiB export loads over {t}: "
+                     f"median {x['during']['median_s'] * 1e3:.0f} ms vs {x['without']['median_s'] * 1e3:.0f} ms "
+                     f"without ({x['ratio_median']:.2f}x), max {x['during']['max_s'] * 1e3:.0f} ms "
+                     f"({x['ratio_max']:.2f}x); load {it[t]['transfer_s'] + it[t]['load_s']:.2f} s")
+    return "\n".join(lines)
+
+
 # --- the run -------------------------------------------------------------------------------------------------------
 
 def _med(xs):
@@ -311,6 +478,9 @@ def main(argv):
     del argv
     load = start_load()
     workdir = FLAGS.workdir or tempfile.mkdtemp(prefix="handoff-")
+    e2e = run_e2e(workdir) if FLAGS.e2e_sizes_mb else None
+    if e2e:
+        print(_e2e_table(e2e), flush=True)
     rows = []
     for mb in (int(x) for x in FLAGS.sizes_mb):
         n = round(mb * 2**20 / BYTES_PER_TOKEN)
@@ -330,12 +500,14 @@ def main(argv):
     if not FLAGS.workdir:
         shutil.rmtree(workdir, ignore_errors=True)
     print(_table(rows))
+    if e2e:
+        print(_e2e_table(e2e))
     if FLAGS.out:
         shape = {"layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16"}
         packages = {p: importlib.metadata.version(p) for p in ("nixl", "nixl-cu12", "xxhash")}
         write_result(FLAGS.out, {"benchmark": "handoff", "model_shape": shape, "repeats": FLAGS.repeats,
                                  "ucx_net_devices": os.environ.get("UCX_NET_DEVICES"), "packages": packages,
-                                 "rows": rows}, load_start=load)
+                                 "rows": rows, "end_to_end": e2e}, load_start=load)
 
 
 if __name__ == "__main__":
