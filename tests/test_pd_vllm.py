@@ -6,9 +6,12 @@ malformed request must get the prefill's 4xx naming the field. The proxy is tran
 prefill does not read reach vLLM unchanged (seeded sampling, n, echo, logprobs, prompt_logprobs, structured outputs),
 lists of prompts fan out and merge as vLLM's own list answer, a client's request id passes unchanged and retries
 with it work, a huge body does not stall a small request, a client that disconnects stops vLLM's generation, and
-consumed exports are reclaimed. One vLLM engine for the module; vLLM runs from its
+consumed exports are reclaimed. Both transports: the script's proxy hands the KV over NIXL (the default: vLLM pulls
+it from the prefill's pool, whose entries are freed once consumed), a second proxy on the same servers with
+--kv_transport=files (vLLM reads the export files). One vLLM engine for the module; vLLM runs from its
 own venv (`SLOPE_VLLM_PYTHON`, default `.venv-vllm/bin/python` as `.ci/run` creates it)."""
 
+import itertools
 import json
 import os
 import signal
@@ -52,6 +55,9 @@ def _post(url, body, stream=False, headers=None):
         return e.code, dict(e.headers), json.loads(e.read())
 
 
+SERVERS: dict[str, str] = {}  # the files proxy's and the prefill's URLs (set by `servers`)
+
+
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     if not os.path.exists(VLLM_PYTHON):
@@ -64,13 +70,22 @@ def servers(tmp_path_factory):
     proc = subprocess.Popen(["bash", os.path.join(REPO, "launch", "pd_vllm.sh"), CKPT], cwd=REPO, env=env,
                             stdout=open(base / "pd_vllm.out", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     proxy = f"http://127.0.0.1:{ports['PROXY_PORT']}"
+    files_port = _free_port()  # a second proxy on the same servers, handing the KV over by files
+    files_proxy = subprocess.Popen(
+        [sys.executable, "-m", "slope_jax.serve.pd_proxy", f"--port={files_port}", "--kv_transport=files",
+         f"--prefill_url=http://127.0.0.1:{ports['PREFILL_PORT']}",
+         f"--decode_url=http://127.0.0.1:{ports['DECODE_PORT']}"], cwd=REPO, env=launcher_env(),
+        stdout=open(base / "proxy_files.log", "w"), stderr=subprocess.STDOUT)
     while "ready" not in (base / "pd_vllm.out").read_text():
         if proc.poll() is not None:
             pytest.fail("launch/pd_vllm.sh stopped before it was ready:\n" + (base / "pd_vllm.out").read_text()
                         + "".join(f"\n--- {n}\n" + (base / n).read_text()[-3000:] for n in
                                   ("prefill.log", "decode.log", "proxy.log") if (base / n).exists()))
         time.sleep(1)
+    SERVERS.update(files=f"http://127.0.0.1:{files_port}", prefill=f"http://127.0.0.1:{ports['PREFILL_PORT']}")
     yield proxy, f"http://127.0.0.1:{ports['DECODE_PORT']}", base
+    files_proxy.terminate()
+    files_proxy.wait(timeout=30)
     proc.send_signal(signal.SIGTERM)  # the script stops all three servers on its way out
     proc.wait(timeout=120)
     for name in ("PREFILL_PORT", "DECODE_PORT", "PROXY_PORT"):
@@ -79,7 +94,8 @@ def servers(tmp_path_factory):
 
 
 def test_pd_over_http_equals_vllm_alone(servers):
-    proxy, decode, base = servers
+    """Through both proxies: NIXL (the script's, the default) and files."""
+    nixl_proxy, decode, base = servers
     # token ids below the special tokens (the last ten of the vocabulary), W + 1 of them: crossing the window
     prompts = {"text": TEXT, "ids": np.random.default_rng(5).integers(0, VOCAB - 10, W + 1).tolist()}
     request = {"model": MODEL, "max_tokens": 16, "temperature": 0, "logprobs": 1, "return_token_ids": True}
@@ -90,7 +106,8 @@ def test_pd_over_http_equals_vllm_alone(servers):
         assert status == 200, body
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         alone[name] = body
-    for name, prompt in prompts.items():
+    for (transport, proxy), (name, prompt) in itertools.product(
+            [("nixl", nixl_proxy), ("file", SERVERS["files"])], prompts.items()):
         status, headers, body = _post(proxy + "/v1/completions", {**request, "prompt": prompt})
         assert status == 200, body
         n = body["usage"]["prompt_tokens"]
@@ -99,12 +116,13 @@ def test_pd_over_http_equals_vllm_alone(servers):
         assert got["text"] == ref["text"] and got["token_ids"] == ref["token_ids"]
         assert len(got["token_ids"]) == 16
         delta = np.abs(np.array(got["logprobs"]["token_logprobs"]) - np.array(ref["logprobs"]["token_logprobs"]))
-        print(f"{name}: {n} tokens, max |Δ logprob| {delta.max():.2e}, prefill TTFT {headers['X-Slope-Jax-TTFT-ms']}"
-              " ms")
+        print(f"{transport}, {name}: {n} tokens, max |Δ logprob| {delta.max():.2e}, prefill TTFT "
+              f"{headers['X-Slope-Jax-TTFT-ms']} ms")
         assert delta.max() <= LOGPROB_TOL
         assert int(headers["X-Slope-Jax-First-Token"]) == got["token_ids"][0]  # vLLM re-derives the prefill's token
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1  # n − 1 tokens came from the export
         assert body["kv_transfer_params"]["slope_jax_loaded_tokens"] == n - 1, body["kv_transfer_params"]
+        assert body["kv_transfer_params"]["slope_jax_transport"] == transport, body["kv_transfer_params"]
         # streamed: the same text, as server-sent events through the proxy
         status, headers, raw = _post(proxy + "/v1/completions", {**request, "prompt": prompt, "stream": True},
                                      stream=True)
@@ -115,8 +133,13 @@ def test_pd_over_http_equals_vllm_alone(servers):
     # every prefill went through slope_jax: one result record per P/D request, each with its export, and each export
     # was reclaimed once vLLM had consumed it (these prompts are shorter than a prefix-reuse block)
     records = [json.loads(x) for x in (base / "prefill_results.jsonl").read_text().splitlines()]
-    assert len([r for r in records if "error" not in r]) == 2 * len(prompts)
+    assert len([r for r in records if "error" not in r]) == 2 * 2 * len(prompts)
     _wait_reclaimed([r["kv_path"] for r in records])
+    # the NIXL pool: every entry freed (by its reader once its request finished, or by the proxy's release)
+    with urllib.request.urlopen(SERVERS["prefill"] + "/v1/kv/pool", timeout=30) as r:
+        pool = json.loads(r.read())
+    print(f"NIXL pool after the run: {pool}")
+    assert pool["pool"] and pool["entries"] == 0 and pool["used_bytes"] == 0, pool
 
 
 def test_malformed_request_gets_the_prefill_4xx(servers):
@@ -203,9 +226,9 @@ def test_structured_outputs_pass_through(servers):
         request = {"model": MODEL, "prompt": TEXT, "max_tokens": 24, "temperature": 0, **constraint}
         status, headers, body = _post(proxy + "/v1/completions", request)
         assert status == 200, body
-        # vLLM alone below finds exports of this prompt by token hash under kv_dir: let the proxy's background
-        # release of this one finish first (a release racing a load that validated it fails that load: known gap)
-        _wait_reclaimed([str(base / "kv" / headers["X-Slope-Jax-Export"])])
+        # vLLM alone below may find this export by token hash under kv_dir while the proxy's background release
+        # removes it: a load that validated it reads the files the connector holds open (the race that failed it
+        # with a 500 under kv_load_failure_policy=fail is closed; tests/test_vllm_failures.py forces it)
         text = body["choices"][0]["text"]
         if "choice" in constraint.get("structured_outputs", {}):
             assert text in ("yes", "no"), text

@@ -10,11 +10,16 @@ a load closed only by request id). Phases:
   loaded while A keeps decoding (A's token times during B's load);
 - edges: prompt lengths 2·B and 2·B+1, one shorter than a block, the same prompt twice at once, max_tokens=1 whose
   first token is a stop token (as EOS would be);
-- fail (vLLM's default kv_load_failure_policy): the export's file deleted, or one byte flipped, right after the
-  scheduler validated it (the driver's hook in `update_state_after_alloc`), inline and background: that request ends
-  with an error and no token; a healthy request in the same batch loads and decodes the plain tokens;
-- recompute: the same faults (and a truncated file): vLLM prefills those requests, the plain tokens, status
-  "recomputed: the KV load failed: <reason>" with 0 tokens loaded, never "loaded";
+- nixl: the BIG export and a 2·B+1 one published in the driver's NIXL pool and pulled by the connector (XXH3 per
+  layer, background); one whose pull starts after its lease expired, with the file export beside the record: read
+  from the file instead (the status says so);
+- fail (vLLM's default kv_load_failure_policy): the export's file truncated, or one byte flipped, right after the
+  scheduler validated it (the driver's hook in `update_state_after_alloc`), inline and background, a NIXL pull after
+  the lease expired (no file) and a pool entry with a flipped byte: that request ends with an error and no token; a
+  file or the whole export removed right after validation (the /v1/kv/release race): those load; a healthy request
+  in the same batch loads and decodes the plain tokens;
+- recompute: flipped and truncated files and an expired lease: vLLM prefills those requests, the plain tokens,
+  status "recomputed: the KV load failed: <reason>" with 0 tokens loaded, never "loaded";
 - abort: a BIG load aborted one step after it started; then the same export loads whole for another request; idle,
   the engine has as many free blocks as before the first request (the aborted load's blocks came back).
 The policy is switched between phases in the one engine (the scheduler's `recompute_kv_load_failures`, which vLLM sets
@@ -34,6 +39,7 @@ from support import REPO, random_prompt
 from test_vllm_connector import CKPT, CFG, VLLM_PYTHON, _vllm_env
 
 from slope_jax import kv
+from slope_jax.kv import vllm_handoff as handoff
 from slope_jax.kv import vllm_plan as plan
 from slope_jax.serve.engine import PrefillEngine
 
@@ -42,13 +48,17 @@ N_BIG = 8000  # kv_full float32: ~40 MB, above async_min_bytes
 LENGTHS = {"short": B - 6, "2B": 2 * B, "2B1": 2 * B + 1, "mid": 300, "eos": 77, "dup": 150, "big": N_BIG,
            "a": 200}
 LOGPROB_TOL = 1e-4
-# (request id, prompt, tampering, policy): each tampered request gets its own copy of the export
-FAULTS = [("fail/delete", "mid", "delete"), ("fail/flip-big", "big", "flip"),
-          ("recompute/delete-big", "big", "delete"), ("recompute/flip", "mid", "flip"),
+# (request id, prompt, tampering): each tampered request gets its own copy of the export
+FAULTS = [("fail/truncate", "mid", "truncate"), ("fail/flip-big", "big", "flip"),
+          ("recompute/flip-big", "big", "flip"), ("recompute/flip", "mid", "flip"),
           ("recompute/truncate", "2B1", "truncate")]
-REASONS = {"delete": r"does not exist \(deleted after validation\)",
-           "flip": r"checksums\.kv-p0\.safetensors\.sha256: the bytes read differ",
+# removed after validation (a file, or the whole export as /v1/kv/release does): the connector's pin keeps the
+# validated files readable, so these load (policy fail)
+RACES = [("race/delete", "mid", "delete"), ("race/reclaim-big", "big", "reclaim"), ("race/reclaim", "2B1", "reclaim")]
+REASONS = {"flip": r"checksums\.kv-p0\.safetensors\.sha256: the bytes read differ",
            "truncate": r"checksums\.kv-p0\.safetensors\.bytes: read \d+ bytes, the manifest records \d+"}
+LEASE = {"lease_s": 0.3, "delay_s": 0.8}  # a decode queue longer than the lease: the pull starts after it expired
+LEASE_GONE = r"entry '\S+' is gone from pool 'driver-pool': its lease expired before a reader released it"
 
 
 def _prompt(name):
@@ -66,11 +76,16 @@ def _phases(exports, tampered, go):
     edges = [_req(f"edge/{name}", name, e[name]) for name in ("short", "2B", "2B1")]
     edges += [_req("dup/1", "dup", e["dup"]), _req("dup/2", "dup", e["dup"]),
               _req("eos", "eos", e["eos"], max_tokens=1, ignore_eos=False, stop_at_first_token_of="plain/eos")]
-    faults = {p: [_req(rid, name, tampered[rid], tamper=action) for rid, name, action in FAULTS
-                  if rid.startswith(p)] for p in ("fail", "recompute")}
+    faults = {p: [_req(rid, name, tampered[rid], tamper=action) for rid, name, action in FAULTS + RACES
+                  if rid.startswith(p)] for p in ("fail", "recompute", "race")}
+    nixl = [_req("nixl/big", "big", e["big"], nixl={}), _req("nixl/2B1", "2B1", e["2B1"], nixl={}),
+            _req("nixl/fallback", "mid", e["mid"], nixl={**LEASE, "file": True})]
+    faults["fail"] += [_req("fail/nixl-lease", "mid", e["mid"], nixl=LEASE),
+                       _req("fail/nixl-flip", "short", e["short"], nixl={"flip": True})]
+    faults["recompute"] += [_req("recompute/nixl-lease", "2B", e["2B"], nixl=LEASE)]
     return [{"wait_for": str(go), "requests": plain},
-            {"requests": async_}, {"requests": edges},
-            {"policy": "fail", "requests": faults["fail"] + [_req("fail/healthy", "2B", e["2B"])]},
+            {"requests": async_}, {"requests": edges}, {"requests": nixl},
+            {"policy": "fail", "requests": faults["fail"] + faults["race"] + [_req("fail/healthy", "2B", e["2B"])]},
             {"policy": "recompute", "requests": faults["recompute"] + [_req("recompute/healthy", "2B", e["2B"])]},
             {"requests": [_req("abort/big", "big", e["big"], abort_after_steps=1)]},
             {"requests": [_req("after-abort/big", "big", e["big"])]}]
@@ -85,7 +100,7 @@ def run(tmp_path_factory):
     base = tmp_path_factory.mktemp("vllm_failures")
     go, exports_dir = base / "exports-ready", base / "kv"
     exports = {name: exports_dir / name for name in LENGTHS if name != "a"}
-    tampered = {rid: base / "tampered" / rid.replace("/", "-") / name for rid, name, _ in FAULTS}
+    tampered = {rid: base / "tampered" / rid.replace("/", "-") / name for rid, name, _ in FAULTS + RACES}
     spec, out, log = base / "spec.json", base / "out.json", base / "engine.log"
     spec.write_text(json.dumps({"model": CKPT, "hybrid": True, "prefix_caching": True, "block_size": B,
                                 "max_model_len": N_BIG + 64, "kv_cache_bytes": 1 << 28,
@@ -98,7 +113,7 @@ def run(tmp_path_factory):
         names = list(exports)
         eng.prefill([np.asarray(_prompt(n)) for n in names], str(exports_dir), ids=names, kv_full=True)
         del eng
-        for rid, name, _ in FAULTS:  # the directory name is the manifest's request_id: copies keep it
+        for rid, name, _ in FAULTS + RACES:  # the directory name is the manifest's request_id: copies keep it
             shutil.copytree(kv.resolve(str(exports[name])), tampered[rid])
         go.write_text("go")
         proc.wait(timeout=900)
@@ -167,30 +182,62 @@ def test_first_token_stops_the_request(run):
     results, _, _ = run
     got = results["eos"]
     assert got["tokens"] == results["plain/eos"]["tokens"][:1] and got["finish_reason"] == "stop", got
-    assert got["kv_transfer_params"] == {plan.LOADED_KEY: LENGTHS["eos"] - 1, plan.STATUS_KEY: "loaded"}
+    assert got["kv_transfer_params"] == {plan.LOADED_KEY: LENGTHS["eos"] - 1, plan.STATUS_KEY: "loaded",
+                                         handoff.TRANSPORT_KEY: handoff.FILE}
 
 
 def test_failed_load_fails_the_request_under_fail(run):
-    """Policy `fail`: an export deleted (inline load) or corrupted (one byte, background load) after validation ends
-    that request with an error and no token; the worker logs the reason; the healthy request in the batch loads."""
+    """Policy `fail`: an export truncated (inline load) or corrupted (one byte, background load) after validation
+    ends that request with an error and no token; so does a NIXL pull that starts after the entry's lease expired
+    (no file to fall back to) or whose bytes fail their XXH3 digest; the worker logs the reason; the healthy request
+    in the batch loads."""
     results, _, log = run
-    for rid, _, action in FAULTS:
+    reasons = {rid: REASONS[action] for rid, _, action in FAULTS}
+    reasons.update({"fail/nixl-lease": LEASE_GONE, "fail/nixl-flip": r"XXH3-128 digest mismatch"})
+    for rid, why in reasons.items():
         if rid.startswith("fail/"):
             got = results[rid]
             assert got["finish_reason"] == "error" and got["tokens"] == [], (rid, got)
-            assert re.search(rf"request {rid}-\w+: loading \S+ failed \(.*{REASONS[action]}", log), rid
+            assert re.search(rf"request {rid}-\w+: loading \S+ failed \(.*{why}", log), rid
     _same_as_plain(results, "fail/healthy", "2B", LENGTHS["2B"] - 1)
 
 
-def test_failed_load_is_recomputed_under_recompute(run):
-    """Policy `recompute`: deleted, corrupted or truncated after validation → vLLM prefills the request (the plain
-    tokens), the status says the load failed and why, 0 tokens loaded; the healthy request loads."""
+@pytest.mark.parametrize("rid,name,action", RACES)
+def test_export_removed_after_validation_still_loads(run, rid, name, action):
+    """The /v1/kv/release race (policy fail): the export's file, or the whole export, removed right after the
+    scheduler validated it (found by its path here; by token hash in tests/test_pd_vllm.py) — the load reads the
+    validated bytes the connector holds open: n−1 loaded, the plain tokens, never an error."""
     results, _, _ = run
-    for rid, name, action in FAULTS:
+    params = _same_as_plain(results, rid, name, LENGTHS[name] - 1)
+    assert params[handoff.TRANSPORT_KEY] == handoff.FILE
+
+
+def test_nixl_pull_loads_like_a_file(run):
+    """KV pulled over NIXL from the pool (background, XXH3 per layer): n−1 loaded, the plain tokens, transport nixl;
+    a pull after the lease expired falls back to the file export when the record has one (status loaded, transport
+    says why); every entry a reader pulled is freed once its request finished (only the corrupted one, never
+    pulled whole, waits for its lease)."""
+    results, data, log = run
+    for rid, name in (("nixl/big", "big"), ("nixl/2B1", "2B1")):
+        params = _same_as_plain(results, rid, name, LENGTHS[name] - 1)
+        assert params[handoff.TRANSPORT_KEY] == handoff.NIXL, params
+    params = _same_as_plain(results, "nixl/fallback", "mid", LENGTHS["mid"] - 1)
+    assert re.fullmatch(rf"file \(the NIXL pull failed: {LEASE_GONE}\)", params[handoff.TRANSPORT_KEY]), params
+    load_ms = float(re.findall(r"injected 7999 tokens from nixl:\S+ in ([0-9.]+) ms \(background\)", log)[0])
+    print(f"NIXL background load of {N_BIG} tokens (~40 MB): {load_ms:.0f} ms")
+    assert {e["request_id"] for e in data["pool"]["per_entry"].values()} == {"short"}, data["pool"]
+
+
+def test_failed_load_is_recomputed_under_recompute(run):
+    """Policy `recompute`: corrupted or truncated after validation, or a NIXL pull after the lease expired → vLLM
+    prefills the request (the plain tokens), the status says the load failed and why, 0 tokens loaded; the healthy
+    request loads."""
+    results, _, _ = run
+    for rid, name, why in [(r, n, REASONS[a]) for r, n, a in FAULTS] + [("recompute/nixl-lease", "2B", LEASE_GONE)]:
         if rid.startswith("recompute/"):
             params = _same_as_plain(results, rid, name, 0)
-            assert re.fullmatch(rf"recomputed: the KV load failed: .*{REASONS[action]}.*", params[plan.STATUS_KEY]), \
-                params
+            assert re.fullmatch(rf"recomputed: the KV load failed: .*{why}.*", params[plan.STATUS_KEY]), params
+            assert handoff.TRANSPORT_KEY not in params
     _same_as_plain(results, "recompute/healthy", "2B", LENGTHS["2B"] - 1)
 
 

@@ -15,9 +15,15 @@ request: {"id", "prompt": [ids], "params": {...} or null, "cache_salt", "max_tok
           "after": {"id": other request, "tokens": k} (added once that one has k tokens; default: at the phase's
           start), "abort_after_steps": k (aborted k engine steps after it was added),
           "tamper": "delete" | "flip" | "truncate" (done to the export's kv-p0.safetensors right after the scheduler
-          validated it and allocated its blocks: `update_state_after_alloc`)}
+          validated it and allocated its blocks: `update_state_after_alloc`) | "reclaim" (the whole export removed
+          then, as the prefill's /v1/kv/release does),
+          "nixl": {"lease_s", "delay_s", "file": bool, "flip": bool} (the export at params' path is published in the
+          driver's NIXL pool with that lease just before the request is added, after a sleep of delay_s — a decode
+          queue longer than the lease —; params then carry the hand-off record, and the path only with "file";
+          "flip": one byte of the pool entry flipped after publication)}
 Greedy, float32. out: {"results": {id: {"tokens", "logprobs", "finish_reason", "num_cached_tokens",
-"kv_transfer_params", "added", "token_times"}}, "free_blocks": {"start", "end"}, "preemptions": {id: count}}
+"kv_transfer_params", "added", "token_times"}}, "free_blocks": {"start", "end"}, "preemptions": {id: count},
+"pool": the NIXL pool's stats at the end (`KVPool.stats`) or null}
 (times: time.perf_counter seconds; free blocks of every KV cache group's pool, idle, before the first and after the last
 phase).
 """
@@ -33,7 +39,11 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the tamper hook and the bl
 
 def _tamper(path: str, action: str) -> None:
     f = os.path.join(path, "kv-p0.safetensors")
-    if action == "delete":
+    if action == "reclaim":
+        from slope_jax.kv import format as kvfmt
+
+        kvfmt.remove_tree(path)
+    elif action == "delete":
         os.remove(f)
     elif action == "flip":  # one byte in the middle of the tensor data: same size, other SHA-256
         with open(f, "r+b") as fh:
@@ -59,7 +69,8 @@ def _hook_tampering(tamper: dict) -> None:
         rid = next((r for r in tamper if request.request_id.startswith(r + "-")), None)
         action = tamper.pop(rid, None)
         if action and num_external_tokens > 0:
-            _tamper(self._decisions[request.request_id].export.path, action)
+            d = self._decisions[request.request_id]
+            _tamper(d.source or d.export.path, action)  # the export itself, not the connector's pin of it
             print(f"driver: tampered ({action}) with the export of {request.request_id} after validation",
                   flush=True)
 
@@ -91,6 +102,25 @@ def _free_blocks(engine) -> int:
     return _scheduler(engine).kv_cache_manager.block_pool.get_num_free_blocks()
 
 
+_POOL = []
+
+
+def _publish(r: dict) -> dict:
+    """The request's kv_transfer_params with its export published in the driver's NIXL pool (module doc)."""
+    from slope_jax.kv import nixl_transport as nt
+    from slope_jax.kv import vllm_plan as plan
+
+    if not _POOL:
+        _POOL.append(nt.KVPool(256 << 20, name="driver-pool"))
+    pool, spec, path = _POOL[0], r["nixl"], r["params"][plan.PATH_KEY]
+    params = pool.publish_export(path, lease_s=spec.get("lease_s"))
+    if spec.get("flip"):
+        rec = params[nt.PARAMS_KEY]
+        pool._arena[rec["address"] - pool._base + rec["layers"][-1]["offset"] + 1] ^= 0xFF
+    time.sleep(spec.get("delay_s", 0.0))
+    return {**params, **({plan.PATH_KEY: path} if spec.get("file") else {})}
+
+
 def _params(r: dict, results: dict):
     from vllm import SamplingParams
 
@@ -114,6 +144,8 @@ def _run_phase(engine, phase: dict, results: dict, preemptions: dict) -> None:
             todo.remove(r)
             prompt = {"prompt_token_ids": r["prompt"], **({"cache_salt": r["cache_salt"]} if r.get("cache_salt")
                                                           else {})}
+            if r.get("nixl") is not None:
+                r = {**r, "params": _publish(r)}
             results[r["id"]] = {"tokens": [], "logprobs": [], "token_times": [], "added": time.perf_counter(),
                                 "finish_reason": None}
             engine.add_request(r["id"], prompt, _params(r, results))
@@ -180,6 +212,10 @@ def main(spec_path: str, out_path: str) -> None:
         _run_phase(engine, phase, out["results"], out["preemptions"])
         _settle(engine)
     out["free_blocks"]["end"] = _free_blocks(engine)
+    time.sleep(0.5)  # the connector's "done" notifications reach the pool
+    out["pool"] = _POOL[0].stats() if _POOL else None
+    if _POOL:
+        _POOL[0].close()  # its notification thread stopped before the interpreter tears the agent down
     tmp = out_path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(out, f)

@@ -111,6 +111,15 @@ def _aligned(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+def handoff_manifest(manifest: dict) -> dict:
+    """The manifest a hand-off record carries: the export's, less `prefix.hashes` (one hash per prefix-reuse block,
+    ~6,000 at 100K tokens: only the prefill's own cache reads them)."""
+    out = dict(manifest)
+    if isinstance(out.get("prefix"), dict):
+        out["prefix"] = {k: v for k, v in out["prefix"].items() if k != "hashes"}
+    return out
+
+
 def params_of(kv_transfer_params: Mapping | None) -> dict | None:
     """The NIXL hand-off record of a request's kv_transfer_params (`kv_transfer_params[PARAMS_KEY]`), or None."""
     if not kv_transfer_params:
@@ -226,13 +235,15 @@ class KVPool:
                              "dtype": dtype, "digest": "xxh3_128", "layers": layers, "lease_s": lease,
                              "manifest": manifest}}
 
-    def publish_export(self, path: str, cfg=None) -> dict:
-        """Publish a file export (`<kv_dir>/<request_id>`, read and verified by `format.load`) with its manifest."""
+    def publish_export(self, path: str, cfg=None, *, verify: bool = True, lease_s: float | None = None) -> dict:
+        """Publish a file export (`<kv_dir>/<request_id>`, read by `format.load`, its SHA-256 checked with `verify`)
+        with its manifest (`handoff_manifest`: less the prefix-reuse block hashes, which no reader uses)."""
         from slope_jax.kv import format as kvfmt
 
-        kv = kvfmt.load(path, cfg)
-        manifest = kvfmt.read_manifest(path)
-        return self.publish(manifest["request_id"], kv, manifest)
+        target = kvfmt.resolve(path)  # one version: the manifest and the tensors of the same export
+        manifest = kvfmt.read_manifest(target)
+        kv = kvfmt.load(target, cfg, verify=verify)
+        return self.publish(manifest["request_id"], kv, handoff_manifest(manifest), lease_s=lease_s)
 
     def _fill(self, at: int, lkv) -> str:
         """Write one layer's [K | V | positions] at arena offset `at`; the region's digest."""
@@ -442,6 +453,12 @@ def _spec(params: Mapping) -> _Pull:
     return _Pull(rid, rec["entry"], rec["agent"], md, rec["address"], rec["nbytes"], dtype, rec["layers"])
 
 
+def check_record(params: Mapping) -> None:
+    """Raise KVTransferError naming the field unless `params` (kv_transfer_params or its `PARAMS_KEY` record) is a
+    well-formed hand-off record this reader can pull."""
+    _spec(params)
+
+
 class KVReader:
     """The decode side: pulls pool entries over NIXL READ (one NIXL agent per reader; thread-safe).
 
@@ -500,6 +517,21 @@ class KVReader:
         finally:
             if ok or spec.agent in self._pools:
                 self._release(spec, token, bool(ok and release))
+
+    def done(self, params: Mapping) -> None:
+        """Tell the pool the decode side is done with this record's entry (after one or more `pull(...,
+        release=False)`): it is freed once no reader holds it. Best effort, like `pull`'s release; a malformed
+        record raises KVTransferError."""
+        spec = _spec(params)
+        self._connect(spec)  # a release needs no answer: the pool need not know this reader
+        self._release(spec, secrets.token_hex(8), True)
+
+    def drop_buffer(self, out: np.ndarray) -> None:
+        """Deregister a buffer registered by `pull(out=...)` (before freeing or replacing it)."""
+        with self._lock:
+            reg = self._regs.pop((out.ctypes.data, out.nbytes), None)
+            if reg is not None:
+                self._agent.deregister_memory(reg)
 
     def _forget(self, agent: str) -> None:
         """Drop a pool agent whose process is gone. The worker is progressed first, so that operations still queued

@@ -67,6 +67,8 @@ from vllm.logger import init_logger
 
 from slope_jax.kv import compat
 from slope_jax.kv import format as kvfmt
+from slope_jax.kv import nixl_transport as nt
+from slope_jax.kv import vllm_handoff as handoff
 from slope_jax.kv import vllm_plan as plan
 
 if TYPE_CHECKING:
@@ -81,7 +83,8 @@ logger = init_logger("vllm.slope_jax_connector")
 
 ASYNC_MIN_BYTES = 4 << 20  # default kv_connector_extra_config.async_min_bytes
 _READ_CHUNK = 8 << 20  # bytes per read(2) while hashing a file
-_EXTRA_KEYS = ("kv_dir", "verify_checksums", "check_fingerprint", "weights_digest", "async_min_bytes")
+_EXTRA_KEYS = ("kv_dir", "verify_checksums", "check_fingerprint", "weights_digest", "async_min_bytes",
+               "nixl_timeout_s")
 # how a load runs (`_Load.how`)
 SYNC, INLINE, BACKGROUND = "sync", "inline", "background"
 _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I32": torch.int32,
@@ -101,6 +104,7 @@ class _Load:
     # the blocks this load writes: reported through get_block_ids_with_load_errors if a SYNC load fails
     block_ids: set[int]
     how: str = SYNC
+    fallback: plan.Validated | None = None  # a NIXL load's file export, read if the pull fails
 
 
 @dataclasses.dataclass
@@ -115,11 +119,13 @@ class SlopeJaxWorkerMetadata(KVConnectorWorkerMetadata):
 
     loaded: set[str] = dataclasses.field(default_factory=set)
     failures: dict[str, str] = dataclasses.field(default_factory=dict)
+    transports: dict[str, str] = dataclasses.field(default_factory=dict)  # how each loaded request's KV arrived
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, SlopeJaxWorkerMetadata):
             self.loaded |= other.loaded
             self.failures.update(other.failures)
+            self.transports.update(other.transports)
         return self
 
 
@@ -131,6 +137,15 @@ class _Decision:
     status: str
     loaded: int = 0  # external tokens of the current load
     preemptions: int = 0  # vLLM preemptions of the request seen so far (each one loads the KV again)
+    fallback: plan.Validated | None = None  # a NIXL hand-off's file export (read if the pull fails)
+    pin: handoff.Pin | None = None  # the file export held open (closed when the request finishes)
+    transport: str = handoff.FILE  # how the KV arrived (the worker's word once loaded)
+    source: str | None = None  # the export directory behind a pin (messages, tests)
+
+    def close(self) -> None:
+        if self.pin is not None:
+            self.pin.close()
+            self.pin = None
 
 
 class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
@@ -163,6 +178,7 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError(f"kv_connector_extra_config.async_min_bytes={self._async_min_bytes!r}: expected a "
                              "non-negative integer (bytes)")
         self._recompute = getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail") == "recompute"
+        self._nixl_timeout_s = float(extra.get("nixl_timeout_s", 30.0))
         self._index = plan.ExportIndex(extra["kv_dir"]) if extra.get("kv_dir") else None
         self._cfg = compat.model_config(vllm_config.model_config.hf_config)
         self._prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
@@ -191,6 +207,13 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._static_layers: dict[str, Any] = {}
         self.load_seconds: list[float] = []
+        # worker side, NIXL: one reader, one registered staging buffer (reused: the BACKGROUND thread is the only
+        # puller), request id → the record of a pulled entry (told `done` when the request finishes), and how each
+        # load's KV arrived
+        self._reader: nt.KVReader | None = None
+        self._staging: np.ndarray | None = None
+        self._pulled: dict[str, dict] = {}
+        self._via: dict[str, str] = {}
         logger.info("SlopeJaxConnector (%s): kv_dir=%s, %d KV cache group(s) (kind, block size) %s, prefix caching "
                     "%s, cache dtype %s, async loads from %d bytes, kv_load_failure_policy %s", role.name,
                     self._index.kv_dir if self._index else None, len(self._groups),
@@ -258,7 +281,10 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
     def _how(self, export: plan.Validated) -> str:
         """How `export` is loaded (`_Load.how`): BACKGROUND from async_min_bytes on; below, SYNC when vLLM has one KV
         cache group, else INLINE (vLLM 0.32 fails a synchronous load only by block ids, which are ambiguous — and
-        refused — with several groups; a request id reported as failed_recving is not)."""
+        refused — with several groups; a request id reported as failed_recving is not). A NIXL pull is always
+        BACKGROUND: a peer's round trip never runs inside vLLM's step."""
+        if isinstance(export, handoff.NixlExport):
+            return BACKGROUND
         size = sum(int(d["bytes"]) for d in export.checksums.values())
         if size >= self._async_min_bytes:
             return BACKGROUND
@@ -272,18 +298,14 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _decide(self, request: "Request") -> _Decision:
         prompt = np.asarray(request.prompt_token_ids or [], dtype=np.int64)
-        params = request.kv_transfer_params
         if len(prompt) <= 1:
             return _Decision(None, "not used: a 1-token prompt has nothing to load (vLLM computes the last token)")
         t0 = time.perf_counter()
         try:
             # the manifest and file sizes only: the worker hashes the bytes it reads (no SHA-256 in this loop)
-            export, how = plan.choose(params, prompt, self._index, cfg=self._cfg, cache_dtype=self._cache_dtype,
-                                      weights=self._weights, weights_unknown=self._weights_unknown,
-                                      cache_salt=getattr(request, "cache_salt", None), verify_checksums=False,
-                                      check_fingerprint=self._check_fp)
-            if export is None:
-                return _Decision(None, f"not used: {how}")
+            d, how = self._choose(request, prompt)
+            if d.export is None:
+                return d
         except plan.ExportRefused as e:
             logger.warning("SlopeJaxConnector: request %s: export not used, vLLM prefills it itself: %s",
                            request.request_id, e)
@@ -292,10 +314,43 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
             logger.exception("SlopeJaxConnector: request %s: unexpected error validating its export; vLLM prefills "
                              "it itself", request.request_id)
             return _Decision(None, f"not used: {type(e).__name__}: {e}")
-        logger.info("SlopeJaxConnector: request %s: export %s (found by %s) validated, %d tokens, %s load (manifest "
-                    "checked in %.1f ms)", request.request_id, export.path, how, export.num_tokens,
-                    self._how(export), (time.perf_counter() - t0) * 1e3)
-        return _Decision(export, "validated")
+        logger.info("SlopeJaxConnector: request %s: export %s (found by %s%s) validated, %d tokens, %s load (manifest "
+                    "checked in %.1f ms)", request.request_id, d.source or d.export.path, how,
+                    f"; file fallback {d.fallback.path}" if d.fallback else "", d.export.num_tokens,
+                    self._how(d.export), (time.perf_counter() - t0) * 1e3)
+        return d
+
+    def _choose(self, request: "Request", prompt: np.ndarray) -> tuple[_Decision, str]:
+        """(decision, how its export was found). A NIXL record wins; the file export (pinned: `vllm_handoff.Pin`) is
+        its fallback, or the export when there is no usable record. Raises ExportRefused if every one was refused."""
+        params = request.kv_transfer_params
+        kw = dict(cfg=self._cfg, cache_dtype=self._cache_dtype, weights=self._weights,
+                  weights_unknown=self._weights_unknown, cache_salt=getattr(request, "cache_salt", None),
+                  check_fingerprint=self._check_fp)
+        nixl, nixl_refused = None, None
+        if nt.params_of(params) is not None:
+            try:
+                nixl = handoff.validate_record(params, prompt, **kw)
+            except plan.ExportRefused as e:
+                nixl_refused = e
+        try:
+            export, how, pin = handoff.choose_pinned(params, prompt, self._index, verify_checksums=False, **kw)
+        except plan.ExportRefused:
+            if nixl is None and nixl_refused is None:
+                raise
+            export, how, pin = None, "", None  # the file export was refused: the record decides
+        source = pin.source if pin is not None else None
+        if nixl is not None:
+            return _Decision(nixl, "validated", fallback=export, pin=pin, transport=handoff.NIXL,
+                             source=nixl.path), f"kv_transfer_params.{nt.PARAMS_KEY}"
+        if nixl_refused is not None:
+            if export is None:
+                raise nixl_refused
+            logger.warning("SlopeJaxConnector: request %s: NIXL record refused (%s); loading the file export",
+                           request.request_id, nixl_refused)
+            return _Decision(export, "validated", pin=pin, source=source,
+                             transport=f"{handoff.FILE} (the NIXL record was refused: {nixl_refused})"), how
+        return _Decision(export, "validated" if export else f"not used: {how}", pin=pin, source=source), how
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         d = self._decisions.get(request.request_id)
@@ -339,7 +394,7 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
             written = {int(b) for group in block_ids for b in group}
         written.discard(self._null_block)
         how = self._how(d.export)
-        self._pending.append(_Load(request.request_id, d.export, rows, written, how))
+        self._pending.append(_Load(request.request_id, d.export, rows, written, how, d.fallback))
         # A SYNC load is in this step's forward pass: a failure comes back with the step's output (and vLLM then
         # recomputes or fails the request) before the request can finish. An asynchronous one is "loading" until the
         # worker confirms it (update_connector_output, before vLLM schedules the request again).
@@ -360,6 +415,8 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
             d = self._decisions.get(req_id)
             if d is not None and d.status == "loading":
                 d.status = "loaded"
+            if d is not None and req_id in meta.transports:
+                d.transport = meta.transports[req_id]
         for req_id, why in meta.failures.items():
             d = self._decisions.get(req_id)
             if d is None:
@@ -372,10 +429,12 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         d = self._decisions.pop(request.request_id, None)
         if d is None:
             return False, None
+        d.close()
         if d.status == "loading":
             d.status = "not loaded: the request finished while its KV was loading"
-        loaded = d.loaded if d.status == "loaded" else 0
-        return False, {plan.LOADED_KEY: loaded, plan.STATUS_KEY: d.status}
+        if d.status != "loaded":
+            return False, {plan.LOADED_KEY: 0, plan.STATUS_KEY: d.status}
+        return False, {plan.LOADED_KEY: d.loaded, plan.STATUS_KEY: d.status, handoff.TRANSPORT_KEY: d.transport}
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._finished(request)
@@ -420,7 +479,7 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         for BACKGROUND loads (it writes nothing). Raises ExportRefused / KVFormatError / OSError."""
         if load.rows is None:
             raise plan.ExportRefused("the scheduler could not place the KV")
-        kv = _read_export(load.export, self._verify)
+        kv, owned = self._fetch(load)
         tp_rank, tp_size = _tp()
         out = []
         for name, (idx, kind, g) in self._layers.items():
@@ -443,9 +502,54 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
                                          "vLLM")
             if not hasattr(layer.impl, "do_kv_cache_update"):
                 raise plan.ExportRefused(f"attention backend {type(layer.impl).__name__} has no do_kv_cache_update")
-            dt = layer.kv_cache.dtype
-            out.append((layer, k.to(dtype=dt).contiguous(), v.to(dtype=dt).contiguous(), torch.from_numpy(slot)))
+            dt = layer.kv_cache.dtype  # pulled rows are views into the staging buffer, which the next pull reuses
+            k, v = (x.to(dtype=dt, copy=not owned).contiguous() for x in (k, v))
+            out.append((layer, k, v, torch.from_numpy(slot)))
         return out
+
+    def _fetch(self, load: _Load) -> tuple[dict, bool]:
+        """(`_read_export`'s layers, whether the tensors own their memory): pulled over NIXL for a NixlExport (views
+        into the staging buffer), else read from the file export; a failed pull falls back to the file export the
+        scheduler validated with it, if any. Raises ExportRefused / KVFormatError / OSError / KVTransferError."""
+        if not isinstance(load.export, handoff.NixlExport):
+            self._via[load.req_id] = handoff.FILE
+            return _read_export(load.export, self._verify), True
+        try:
+            kv = self._pull(load.req_id, load.export.record)
+            self._via[load.req_id] = handoff.NIXL
+            return kv, False
+        except nt.KVTransferError as e:
+            if load.fallback is None:
+                raise
+            logger.warning("SlopeJaxConnector: request %s: %s; reading the file export %s instead", load.req_id, e,
+                           load.fallback.path)
+            self._via[load.req_id] = f"{handoff.FILE} (the NIXL pull failed: {e.cause})"
+            return _read_export(load.fallback, self._verify), True
+
+    def _pull(self, req_id: str, record: dict) -> dict:
+        """Pull a NIXL entry into the staging buffer (grown as needed; each layer's XXH3-128 checked as it arrives):
+        global layer id → (kind, K, V, int32 positions), torch views into the buffer. The pool is told `done` when
+        the request finishes (a preempted request pulls again meanwhile). Raises KVTransferError."""
+        if self._reader is None:
+            self._reader = nt.KVReader(hold_s=self._nixl_timeout_s, timeout_s=self._nixl_timeout_s)
+        need = int(record["nbytes"])
+        if self._staging is None or self._staging.nbytes < need:
+            if self._staging is not None:
+                self._reader.drop_buffer(self._staging)
+            self._staging = np.empty(need, np.uint8)
+        layers = self._reader.pull(record, out=self._staging, release=False)
+        self._pulled[req_id] = record
+        return {i: (lkv.kind, _torch(lkv.k), _torch(lkv.v), torch.from_numpy(lkv.positions))
+                for i, lkv in layers.items()}
+
+    def _done_with(self, req_ids) -> None:
+        """Tell the pools the KV of these finished requests is no longer needed (they free it)."""
+        for req_id in set(req_ids) & set(self._pulled):
+            record = self._pulled.pop(req_id)
+            try:
+                self._reader.done(record)
+            except Exception as e:  # noqa: BLE001 - best effort: the entry's lease frees it otherwise
+                logger.warning("SlopeJaxConnector: request %s: telling the pool it is done failed: %r", req_id, e)
 
     def _write(self, load: _Load, rows: list, t0: float) -> None:
         """Write prepared rows through each layer's cache-update op (on the worker's thread, at a safe point)."""
@@ -456,6 +560,7 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         dt = time.perf_counter() - t0
         self.load_seconds.append(dt)
         self._worker_meta.loaded.add(load.req_id)
+        self._worker_meta.transports[load.req_id] = self._via.pop(load.req_id, handoff.FILE)
         logger.info("SlopeJaxConnector: request %s: injected %d tokens from %s in %.1f ms (%s)", load.req_id,
                     load.export.num_tokens - 1, load.export.path, dt * 1e3, load.how)
 
@@ -464,6 +569,7 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         logger.error("SlopeJaxConnector: request %s: loading %s failed (%s); reported as a failed load, "
                      "kv_load_failure_policy decides", load.req_id, load.export.path, why)
         self._worker_meta.failures[load.req_id] = why
+        self._via.pop(load.req_id, None)
         if load.how == SYNC:
             self._failed_blocks.update(load.block_ids)
         else:
@@ -481,6 +587,7 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
             self._finished_recving.add(req_id)
             if req_id in self._aborted:
                 self._aborted.discard(req_id)
+                self._done_with([req_id])
                 logger.info("SlopeJaxConnector: request %s finished while its KV was loading; nothing written",
                             req_id)
                 continue
@@ -488,6 +595,7 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
                 self._write(load, future.result(), t0)
             except Exception as e:  # noqa: BLE001 - reported as a failed load, never a crash
                 self._failed(load, e)
+        self._done_with(finished_req_ids or ())
         done, self._finished_recving = self._finished_recving, set()
         return None, (done or None)
 
@@ -519,6 +627,17 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self):
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        for d in self._decisions.values():
+            d.close()
+        if self._reader is not None:
+            self._reader.close()
+
+
+def _torch(a: np.ndarray) -> torch.Tensor:
+    """A numpy array as a torch tensor sharing its memory (bfloat16 from ml_dtypes through its bits)."""
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
 
 
 def _read_file(path: str, want: dict, verify: bool) -> bytearray:

@@ -7,8 +7,14 @@ r"""The prefill endpoint of a prefill/decode (P/D) deployment: an OpenAI-style c
            ttft_ms / queue_ms / compute_ms / compile_ms / export_ms / predicted_ttft_ms (the scheduler's cost model)
            and `kv_transfer_params` for the decode side's connector (`slope_jax.kv.vllm_connector`):
            {"slope_jax_kv_path": absolute export directory, "slope_jax_first_token": int, "num_tokens": int,
-            "token_ids_sha256": `slope_jax.kv.format.token_hash(ids)`}. The path is process 0's: the decode
-           server must see the same filesystem (one machine, or --kv_dir on a shared one).
+            "token_ids_sha256": `slope_jax.kv.format.token_hash(ids)`, "slope_jax_nixl": {...}}. The path is
+           process 0's (a decode server that sees the same filesystem may read it); "slope_jax_nixl" is the NIXL
+           hand-off record (`slope_jax.kv.nixl_transport.KVPool.publish`: agent, metadata, address, per-layer
+           offsets and XXH3-128 digests, manifest): the same KV, copied into process 0's registered pool
+           ($SLOPE_JAX_KV_POOL_GIB, default 1 GiB; lease $SLOPE_JAX_KV_LEASE_S, default 60 s) and pulled by the
+           decode side over NIXL (UCX) without a shared filesystem; `publish_ms` says what the copy took. Absent if
+           NIXL is not installed, the pool is off (0 GiB) or full of held entries, or the request's
+           kv_transfer_params say {"slope_jax_transport": "files"}.
       400: the request breaks a rule; `error.param` names the field and `error.message` the rule (the launcher's
            request boundary, `slope_jax.serve.requests`, unchanged: same checks, same messages).
       404: `model` is not the served model.  409: the request id's export exists (the launcher's --overwrite).
@@ -19,9 +25,11 @@ r"""The prefill endpoint of a prefill/decode (P/D) deployment: an OpenAI-style c
            checkpoint's chat template (below); the answer has OpenAI's chat shape, and its kv_transfer_params also
            hold "prompt_token_ids" (the rendered prompt's ids, which vLLM's chat route takes instead of rendering).
     POST /v1/kv/release   {"request_id": id}: the decode side is done with that export (the P/D proxy calls it):
-           it is removed, unless it holds prefix-reuse blocks (then it stays as the prefill's cache for later
+           its pool entry is freed unless a reader holds it, and the file export is removed, unless it holds
+           prefix-reuse blocks (then it stays as the prefill's cache for later
            prompts sharing its prefix, under --kv_dir_max_gib / --kv_dir_max_age_h retention). 404: not an id this
            server answered.
+    GET /v1/kv/pool  the NIXL pool's capacity_bytes, used_bytes, entries, held (readers pulling now), lease_s.
     GET /health  200 once the engine is loaded (the server starts after that).    GET /v1/models  the served model.
 
 Body fields. `prompt`: a non-empty string (tokenized with the checkpoint's tokenizer.json by the boundary's rule:
@@ -33,7 +41,8 @@ shape; `top_logprobs` keys are token ids as strings: distinct tokens can decode 
 number > 0 (default --ttft_slo_ms). `request_id` (or header X-Request-Id): names the KV export directory, the
 boundary's id rule, unique within the run; default "cmpl-<32 hex>". `model`: absent or the served name
 (--http_model_name). `stream`, `echo`: absent or false; `n`, `best_of`: absent or 1. `kv_transfer_params`: the P/D
-proxy's {"do_remote_decode": true, ...}; read for nothing (the export is always written). `cache_salt`: the
+proxy's {"do_remote_decode": true, ...}; only its "slope_jax_transport" is read ("files": no NIXL publication; the
+export file is always written). `cache_salt`: the
 tenant whose prefix cache the prompt may use and whose export it is. Every other field (sampling options, structured
 outputs, `prompt_logprobs`, ...) shapes decoding only and is ignored, as vLLM ignores fields it does not know: the
 prefill's own first token is always greedy (argmax), and the decode engine recomputes the last prompt position and
@@ -76,6 +85,8 @@ from slope_jax.serve import requests
 # The fields this endpoint reads (and checks). Any other field of an OpenAI / vLLM request (sampling options, structured
 # outputs, `prompt_logprobs`, ...) shapes decoding only: it is ignored here, as vLLM ignores fields it does not know (a
 # P/D proxy may forward a client's whole body), and named in the log.
+TRANSPORT_PARAM = "slope_jax_transport"  # kv_transfer_params.slope_jax_transport="files": no NIXL publication
+POOL_GIB_ENV, LEASE_ENV = "SLOPE_JAX_KV_POOL_GIB", "SLOPE_JAX_KV_LEASE_S"
 _FIELDS = frozenset({"prompt", "model", "max_tokens", "max_completion_tokens", "logprobs", "ttft_slo_ms",
                      "request_id", "stream", "echo", "n", "best_of", "kv_transfer_params", "cache_salt"})
 _CHAT_FIELDS = frozenset({"messages", "model", "max_tokens", "max_completion_tokens", "ttft_slo_ms", "request_id",
@@ -108,6 +119,7 @@ class Validated:
 
     def __init__(self, request: requests.Request, logprobs: int | None, ignored: list[str] = (), chat: bool = False):
         self.request, self.logprobs, self.ignored, self.chat = request, logprobs, list(ignored), chat
+        self.nixl = True  # publish its KV in the NIXL pool too (kv_transfer_params.slope_jax_transport != "files")
         self.id = request.id
         self.line = json.dumps({"id": request.id, "tokens": request.tokens.tolist(),
                                 **({} if request.ttft_slo_ms is None else {"ttft_slo_ms": request.ttft_slo_ms}),
@@ -179,7 +191,9 @@ def validate(body: bytes, headers: dict, number: int, *, model_name: str, vocab_
         kv_store.check_new(req.id)
     except kvfmt.ExportExistsError as e:
         raise HttpError(409, f"{where} ({req.id}): {e}", param_id) from e
-    return Validated(req, logprobs, sorted(set(obj) - fields), chat)
+    v = Validated(req, logprobs, sorted(set(obj) - fields), chat)
+    v.nixl = (obj.get("kv_transfer_params") or {}).get(TRANSPORT_PARAM, "nixl") != "files"
+    return v
 
 
 def _reserve(rid: str, seen_ids: set[str], where: str, param_id: str) -> None:
@@ -416,13 +430,21 @@ class HttpIntake:
       vocab_size, max_tokens: the boundary's limits. tokenizer_path: the checkpoint's tokenizer.json, or None (its
         directory's chat template, if any, serves /v1/chat/completions).
       top_k: --top_k (the most `logprobs`). kv_store: the launcher's `kv.store.KVStore` (--kv_dir, --overwrite).
+      kv_pool_gib: the NIXL pool's size (GiB) each answered request's KV is also published in (0: files only);
+        default $SLOPE_JAX_KV_POOL_GIB, else 1. kv_lease_s: how long an unread pool entry lives; default
+        $SLOPE_JAX_KV_LEASE_S, else 60. Without NIXL installed the endpoint serves files only (logged).
     """
 
     VALIDATION_THREADS = 8
 
     def __init__(self, host: str, port: int, *, model_name: str, vocab_size: int, max_tokens: int,
-                 tokenizer_path: str | None, top_k: int, kv_store):
+                 tokenizer_path: str | None, top_k: int, kv_store, kv_pool_gib: float | None = None,
+                 kv_lease_s: float | None = None):
         self.host, self.port, self.model_name = host, port, model_name
+        self.kv_pool_gib = float(os.environ.get(POOL_GIB_ENV, 1.0) if kv_pool_gib is None else kv_pool_gib)
+        self.kv_lease_s = float(os.environ.get(LEASE_ENV, 60.0) if kv_lease_s is None else kv_lease_s)
+        self.kv_pool = None  # the NIXL pool (`start`), None: files only
+        self._entries: dict[str, str] = {}  # request id → its pool entry (discarded on release)
         self._limits = dict(model_name=model_name, vocab_size=vocab_size, max_tokens=max_tokens, top_k=top_k,
                             kv_store=kv_store)
         self._tokenizer_path = tokenizer_path
@@ -447,6 +469,7 @@ class HttpIntake:
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(self._tokenizer_path) if self._tokenizer_path else None
+        self._start_pool()
         started = threading.Event()
         failure: list[BaseException] = []
         thread = threading.Thread(target=self._run, args=(tokenizer, started, failure), name="slope_jax-http",
@@ -457,6 +480,40 @@ class HttpIntake:
             raise failure[0]
         logging.info("prefill endpoint: http://%s:%d/v1/completions (model %r; chat template: %s)", self.host,
                      self.port, self.model_name, "yes" if self._chat_template else "none")
+
+    def _start_pool(self) -> None:
+        if self.kv_pool_gib <= 0:
+            return
+        try:
+            from slope_jax.kv import nixl_transport as nt
+
+            # pages are touched by the publishes that use them: the pool's RSS grows with its use, not its size
+            self.kv_pool = nt.KVPool(int(self.kv_pool_gib * 2**30), lease_s=self.kv_lease_s, prefault=False)
+        except Exception as e:  # noqa: BLE001 - no NIXL (not installed, no UCX): the file exports still serve
+            logging.warning("prefill endpoint: no NIXL pool (%s: %s); the decode side reads the file exports",
+                            type(e).__name__, e)
+            return
+        logging.info("prefill endpoint: NIXL pool %s of %.2f GiB, lease %.0f s", self.kv_pool.name, self.kv_pool_gib,
+                     self.kv_lease_s)
+
+    def publish(self, rid: str, kv_path: str) -> dict | None:
+        """Publish the export of `rid` in the NIXL pool: its hand-off kv_transfer_params (`KVPool.publish`'s, plus
+        `publish_ms`), or None — no pool, or it does not fit beside the entries readers hold (then the file alone
+        serves; logged)."""
+        from slope_jax.kv import nixl_transport as nt
+
+        if self.kv_pool is None:
+            return None
+        t0 = time.perf_counter()
+        try:
+            params = self.kv_pool.publish_export(kv_path, verify=False)  # written by this run just now
+        except (nt.KVPoolFull, kvfmt.KVFormatError, OSError, ValueError) as e:
+            logging.warning("request %s: KV not published over NIXL (%s: %s); the file export serves", rid,
+                            type(e).__name__, e)
+            return None
+        with self._lock:
+            self._entries[rid] = params[nt.PARAMS_KEY]["entry"]
+        return {**params, "publish_ms": round((time.perf_counter() - t0) * 1e3, 3)}
 
     def get(self, timeout_s: float | None):
         """The next request line `(raw bytes, arrival)`; raises queue.Empty after `timeout_s` (None: block). A
@@ -489,6 +546,11 @@ class HttpIntake:
         """Remove the export of `rid` now that nobody will read it (the decode side consumed it, or its client left):
         (removed, why). An export holding prefix-reuse blocks (`prefix.hashes`) is kept as the prefill's cache for
         later prompts sharing its prefix; kv_dir retention (--kv_dir_max_gib, --kv_dir_max_age_h) bounds those."""
+        with self._lock:
+            entry = self._entries.pop(rid, None)
+        if entry is not None and not self.kv_pool.discard(entry):
+            logging.info("request %s: pool entry %s is held by a reader (or gone): the reader's release or the lease "
+                         "frees it", rid, entry)
         path = os.path.join(self._limits["kv_store"].kv_dir, rid)
         try:
             m = kvfmt.read_manifest(path)
@@ -517,6 +579,7 @@ class HttpIntake:
         app.router.add_post("/v1/completions", functools.partial(self._completions, chat=False))
         app.router.add_post("/v1/chat/completions", functools.partial(self._completions, chat=True))
         app.router.add_post("/v1/kv/release", self._release)
+        app.router.add_get("/v1/kv/pool", self._pool_stats)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         # a client that disconnects cancels its handler (aiohttp's default lets it run on): `_completions` then drops
@@ -574,6 +637,12 @@ class HttpIntake:
         status, out = completion_body(record, v, self.model_name)
         if status == 200:
             self._served.add(v.id)
+            if v.nixl and self.kv_pool is not None:  # copied into the pool off the event loop
+                handoff = await asyncio.get_running_loop().run_in_executor(self._pool, self.publish, v.id,
+                                                                           record["kv_path"])
+                if handoff is not None:
+                    out["publish_ms"] = handoff.pop("publish_ms")
+                    out["kv_transfer_params"].update(handoff)
         return web.json_response(out, status=status)
 
     def _abandon(self, rid: str, future: asyncio.Future) -> None:
@@ -584,6 +653,17 @@ class HttpIntake:
         if not waiting:  # its record came just before the client left (it may still be on its way to `future`)
             future.add_done_callback(lambda f: "kv_path" in f.result() and self._pool.submit(self.reclaim, rid))
         logging.info("request %s: the client disconnected before its answer", rid)
+
+    async def _pool_stats(self, request):
+        """GET /v1/kv/pool: the NIXL pool's occupancy (`KVPool.stats` less per-entry detail; {"pool": null} without
+        one)."""
+        from aiohttp import web
+
+        if self.kv_pool is None:
+            return web.json_response({"pool": None})
+        stats = self.kv_pool.stats()
+        stats.pop("per_entry")
+        return web.json_response({"pool": self.kv_pool.name, "lease_s": self.kv_lease_s, **stats})
 
     async def _release(self, request):
         """POST /v1/kv/release {"request_id": id}: the decode side is done with the export of `id` (`reclaim`)."""

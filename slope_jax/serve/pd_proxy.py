@@ -16,7 +16,10 @@ Transparent: whatever `vllm serve` accepts the proxy passes on. The flow is vLLM
   true} and the export's name as `request_id`; sampling options, structured outputs (`structured_outputs`,
   `response_format`, ...), `n`/`best_of`, `echo`, `logprobs`/`prompt_logprobs` and anything else never reach it.
 - The decode server gets the client's body unchanged (less the prefill-only `ttft_slo_ms`) with the prefill's
-  `kv_transfer_params` (the export's path, first token, token count and token hash; for chat also the prompt's
+  `kv_transfer_params` (the NIXL hand-off record `slope_jax_nixl`, which the connector pulls from the prefill's pool
+  with no shared filesystem, `--kv_transport=nixl`, the default; the export's path, its fallback and, with
+  `--kv_transport=files`, the only way: then the prefill publishes nothing and the record is never forwarded;
+  first token, token count and token hash; for chat also the prompt's
   token ids, which vLLM's chat route uses instead of rendering its own template, so both engines run the same
   tokens). A prefill error (4xx naming the field, 503 SLO rejection, ...) is relayed unchanged, and nothing is sent
   to the decode server; so is a decode error.
@@ -36,7 +39,10 @@ Transparent: whatever `vllm serve` accepts the proxy passes on. The flow is vLLM
   server (vLLM aborts the request).
 - Reclaiming: once the decode server's answer has been relayed whole, the proxy tells the prefill server
   (POST /v1/kv/release) that the export was consumed; after a failure or a disconnect it does so `release_grace_s`
-  later, when no load of it can still be running. The prefill server removes it unless it is its prefix cache.
+  later, when no load of it can still be running. The prefill server removes it unless it is its prefix cache, and
+  frees its pool entry unless a reader holds it (the connector itself tells the pool once its request finished).
+  A vLLM request that found the same export by token hash and validated it just before is unharmed: the connector
+  holds a validated export's files open (`slope_jax.kv.vllm_handoff.Pin`).
 """
 
 from __future__ import annotations
@@ -56,6 +62,10 @@ flags.DEFINE_string("prefill_url", "http://127.0.0.1:8100", "Base URL of the slo
 flags.DEFINE_string("decode_url", "http://127.0.0.1:8200", "Base URL of the `vllm serve` decode server (started "
                     "with --kv-transfer-config naming SlopeJaxConnector).")
 flags.DEFINE_float("timeout_s", 3600.0, "Longest a request may take end to end (prefill queue included).")
+flags.DEFINE_enum("kv_transport", "nixl", ["nixl", "files"], "How vLLM gets the KV: 'nixl' (the prefill's pool "
+                  "entry pulled over NIXL/UCX, no shared filesystem; the file export stays the fallback) or 'files' "
+                  "(the export files only: the prefill publishes nothing in its pool, vLLM reads the files, which it "
+                  "must see).")
 flags.DEFINE_float("release_grace_s", 30.0, "After a failed or abandoned decode, wait this long before telling the "
                    "prefill server its export may be reclaimed.")
 
@@ -64,20 +74,25 @@ _FOR_PREFILL = ("prompt", "model", "ttft_slo_ms", "cache_salt")
 _FOR_PREFILL_CHAT = ("messages", "model", "ttft_slo_ms", "cache_salt", "add_generation_prompt",
                      "continue_final_message", "chat_template_kwargs", "tools", "documents")
 _ROUTES = {False: "/v1/completions", True: "/v1/chat/completions"}
+_NIXL_KEY = "slope_jax_nixl"  # slope_jax.kv.nixl_transport.PARAMS_KEY (not imported: the proxy needs no NIXL)
 
 
-def prefill_body(body: dict, export_id: str, chat: bool = False) -> dict:
+def prefill_body(body: dict, export_id: str, chat: bool = False, kv_transport: str = "nixl") -> dict:
     """The body sent to the prefill server: the fields it reads (`_FOR_PREFILL`, `_FOR_PREFILL_CHAT`), for one
-    token, not streamed, asking for a remote decode, its export named `export_id`."""
+    token, not streamed, asking for a remote decode, its export named `export_id` (`kv_transport` "files": not
+    published in the prefill's NIXL pool)."""
     out = {k: body[k] for k in (_FOR_PREFILL_CHAT if chat else _FOR_PREFILL) if k in body}
     out.update(max_tokens=1, stream=False, request_id=export_id,
-               kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
+               kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False,
+                                   **({"slope_jax_transport": "files"} if kv_transport == "files" else {})})
     return out
 
 
-def decode_body(body: dict, kv_transfer_params: dict) -> dict:
+def decode_body(body: dict, kv_transfer_params: dict, kv_transport: str = "nixl") -> dict:
     """The body sent to the decode server: the client's (less the prefill-only `ttft_slo_ms`), with the prefill's
-    kv_transfer_params."""
+    kv_transfer_params (less the NIXL record with `kv_transport` "files")."""
+    if kv_transport == "files":
+        kv_transfer_params = {k: v for k, v in kv_transfer_params.items() if k != _NIXL_KEY}
     return {**{k: v for k, v in body.items() if k != "ttft_slo_ms"}, "kv_transfer_params": kv_transfer_params}
 
 
@@ -145,7 +160,8 @@ async def _prefill(application, body: dict, client_id: str, chat: bool):
     url = application["prefill_url"] + _ROUTES[chat]
     export = export_id(client_id)
     try:
-        async with application["session"].post(url, json=prefill_body(body, export, chat),
+        async with application["session"].post(url, json=prefill_body(body, export, chat,
+                                                                              application["kv_transport"]),
                                                headers={"X-Request-Id": client_id}) as resp:
             raw = await resp.read()
             if resp.status != 200:  # the prefill's own answer: 4xx naming the field, 503 SLO rejection, ...
@@ -206,7 +222,8 @@ async def _completions(request, chat: bool = False):
         return done
     consumed = False
     try:
-        response = await _relay(request, decode_body(body, done.params), client_id, [done], chat)
+        to_decode = decode_body(body, done.params, request.app["kv_transport"])
+        response = await _relay(request, to_decode, client_id, [done], chat)
         consumed = response.status == 200
         return response
     finally:  # also when the client left (the handler is cancelled) or the decode failed
@@ -247,7 +264,7 @@ async def _fan_out(request, body: dict, client_id: str, prompts: list):
         return next(r for r in results if not isinstance(r, _Prefilled))
     consumed = False
     try:
-        bodies = [decode_body(s, p.params) for s, p in zip(subs, done)]
+        bodies = [decode_body(s, p.params, request.app["kv_transport"]) for s, p in zip(subs, done)]
         if body.get("stream"):
             response = await _fan_out_stream(request, bodies, ids, client_id, done)
         else:
@@ -360,7 +377,8 @@ async def _models(request):
         return web.Response(body=await resp.read(), status=resp.status, content_type=resp.content_type)
 
 
-def make_app(prefill_url: str, decode_url: str, timeout_s: float = 3600.0, release_grace_s: float = 30.0):
+def make_app(prefill_url: str, decode_url: str, timeout_s: float = 3600.0, release_grace_s: float = 30.0,
+             kv_transport: str = "nixl"):
     """The proxy's aiohttp application (routes in the module docstring). Serve it with handler_cancellation=True
     (`main` does) so that a client's disconnect cancels its work."""
     import functools
@@ -371,6 +389,9 @@ def make_app(prefill_url: str, decode_url: str, timeout_s: float = 3600.0, relea
     application = web.Application(client_max_size=64 * 2**20)
     application["prefill_url"], application["decode_url"] = prefill_url.rstrip("/"), decode_url.rstrip("/")
     application["release_grace_s"] = release_grace_s
+    if kv_transport not in ("nixl", "files"):
+        raise ValueError(f"kv_transport={kv_transport!r}: expected 'nixl' or 'files'")
+    application["kv_transport"] = kv_transport
     application["releases"] = set()
 
     async def session_context(a):
@@ -393,9 +414,10 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from aiohttp import web
 
-    logging.info("P/D proxy on http://%s:%d: prefill %s, decode %s", FLAGS.host, FLAGS.port, FLAGS.prefill_url,
-                 FLAGS.decode_url)
-    web.run_app(make_app(FLAGS.prefill_url, FLAGS.decode_url, FLAGS.timeout_s, FLAGS.release_grace_s),
+    logging.info("P/D proxy on http://%s:%d: prefill %s, decode %s, KV over %s", FLAGS.host, FLAGS.port,
+                 FLAGS.prefill_url, FLAGS.decode_url, FLAGS.kv_transport)
+    web.run_app(make_app(FLAGS.prefill_url, FLAGS.decode_url, FLAGS.timeout_s, FLAGS.release_grace_s,
+                         FLAGS.kv_transport),
                 host=FLAGS.host, port=FLAGS.port, access_log=None, print=None, handler_cancellation=True)
 
 
