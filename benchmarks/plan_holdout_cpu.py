@@ -1,23 +1,25 @@
-"""Does the CPU cost model carry over to configs it was not fitted on? Fit on some configs, predict held-out ones.
+"""Does the CPU cost model carry over to configs it was not fitted on, and to this machine? Predict held-out configs.
 
-    python benchmarks/plan_holdout_cpu.py                                       # 1K-8K, best of 3, ~8 min idle
-    python benchmarks/plan_holdout_cpu.py --lengths=1024,2048 --repeats=2       # quick look
-    python benchmarks/plan_measure_cpu.py && python benchmarks/plan_holdout_cpu.py --write_profile \
-        --extra_rows=configs/hardware/calibration/cpu_tiny.json              # refit configs/hardware/cpu.json
+    python benchmarks/plan_holdout_cpu.py                          # held-out configs vs the committed profile, ~2 min
+    python benchmarks/plan_holdout_cpu.py --held_configs=a.json,b.json          # your own configs instead
+    python benchmarks/plan_holdout_cpu.py --refit --write_profile               # re-measure CAL, refit cpu.json
+    python benchmarks/plan_holdout_cpu.py --refit --cal_rows=run.json --write_profile    # refit from saved rows
 
-Measures single-device float32 prefill (`PrefillEngine`, random dense weights, one request, KV export off; compile
-first, then `--repeats` rounds over all points, best kept) of
-  calibration configs  CAL (the shipped tiny config, two wider ones, a 48-expert one), and
-  held-out configs     HELD (other hidden size, heads, head_dim, expert count, top-k and window than any CAL one:
-                       the issue-21 peer config cut to 2 layers, a head_dim-128 one, a 32-expert one),
-fits the profile's coefficients (`plan.calibrate.fit`: matmul and attention efficiencies, at most 1 of the peak
-measured in this run, per-element and per-score-entry seconds, overheads) on the CAL rows only — plus `--extra_rows`
-(none by default; the committed profile adds configs/hardware/calibration/cpu_tiny.json, the sharded and one-device
-rows `plan_measure_cpu.py` measured with the same tree's kernels just before) —, against the float32 matmul peak
-measured in the same run, and prints measured vs predicted for every row; the check is |error| ≤ `--tolerance` (25 %)
-on the held-out rows (exit status 1 otherwise). Writes JSON (default benchmarks/results/plan_holdout_cpu.json) with
-the rows, the fit and the load average; `--write_profile` writes the fitted profile to configs/hardware/cpu.json and
-the rows to configs/hardware/calibration/cpu_multi.json.
+Measures single-device prefill (`PrefillEngine`, random dense weights, one request, KV export off; compile first,
+then `--repeats` rounds over all points, best kept; prefix reuse off, so every round is a cold prefill) in each of
+`--dtypes` (float32, and bfloat16: the launcher's default) of the held-out configs HELD (or `--held_configs`) —
+sizes, heads, head_dims, expert counts, top-k, windows and depths that no CAL config has — and compares them with
+the CPU profile's predictions carried over to this machine (`plan.machine`: the profile rescaled by this run's
+micro-measure against the calibration run's, the same adaptation the launcher applies at start). The check is
+|error| <= `--tolerance` (25 %) on every held-out row (exit status 1 otherwise).
+
+`--refit` first measures the calibration configs CAL (the shipped tiny config and six 2-layer cuts) at
+`--cal_lengths` in each dtype, fits the profile's coefficients per dtype (`plan.calibrate.fit_by_dtype`: matmul and
+attention efficiencies at most 1 of the matmul peak measured in this run per dtype, per-element, per-score-entry,
+per-MoE-tile and per-weight-byte seconds, overheads) on the CAL rows only, and records this run's micro-measure as
+the profile's `machine_reference`; `--write_profile` writes configs/hardware/cpu.json and the rows to
+configs/hardware/calibration/cpu_multi.json. Writes JSON (default benchmarks/results/plan_holdout_cpu.json) with the
+rows, the table, the micro-measure and the load average.
 """
 
 from __future__ import annotations
@@ -39,14 +41,21 @@ sys.path.insert(0, REPO)
 
 from common import matmul_peak, start_load, write_result  # noqa: E402  (benchmarks/common.py)
 
+from slope_jax.plan import machine  # noqa: E402
+
 FLAGS = flags.FLAGS
-flags.DEFINE_list("lengths", ["1024", "2048", "4096", "8192"], "Prompt lengths.")
+flags.DEFINE_list("lengths", ["1024", "4096"], "Prompt lengths of the held-out check.")
+flags.DEFINE_list("cal_lengths", ["1024", "2048", "4096", "8192"], "Prompt lengths of the calibration (--refit).")
+flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "Activation dtypes (the launcher's default is bfloat16).")
 flags.DEFINE_integer("repeats", 3, "Rounds over all points (best kept).")
 flags.DEFINE_float("tolerance", 0.25, "Allowed |predicted/measured − 1| on held-out rows.")
-flags.DEFINE_list("extra_rows", [], "Measured-row JSON files to add to the fit (e.g. "
-                  "configs/hardware/calibration/cpu_tiny.json from benchmarks/plan_measure_cpu.py).")
-flags.DEFINE_bool("write_profile", False, "Write the fit to configs/hardware/cpu.json and the measured rows to "
-                  "configs/hardware/calibration/cpu_multi.json.")
+flags.DEFINE_bool("refit", False, "Measure the CAL configs and fit the profile first (else: the committed profile).")
+flags.DEFINE_string("cal_rows", None, "With --refit: fit to the CAL rows, peaks and micro-measure of an earlier "
+                    "run's JSON (this script's --out) instead of measuring them.")
+flags.DEFINE_list("held_configs", [], "config.json paths to check instead of HELD (any GPT-OSS-style config; dense "
+                  "float32 weights drawn at random).")
+flags.DEFINE_bool("write_profile", False, "With --refit: write the fit to configs/hardware/cpu.json and the measured "
+                  "rows to configs/hardware/calibration/cpu_multi.json.")
 flags.DEFINE_string("out", "benchmarks/results/plan_holdout_cpu.json", "JSON output path.")
 
 # HF config.json fields over configs/tiny.json; pairwise different widths, heads, head_dims, experts, windows
@@ -61,121 +70,177 @@ CAL = {
     "cal-e48": dict(num_hidden_layers=2, hidden_size=256, intermediate_size=192, num_attention_heads=4,
                     num_key_value_heads=1, head_dim=32, num_local_experts=48, num_experts_per_tok=2,
                     sliding_window=48),
-}
-HELD = {
+    # the held-out configs of the earlier check, now calibration configs (new held-out ones below)
     "peer-hd64-2l": dict(num_hidden_layers=2, hidden_size=1152, intermediate_size=1152, num_attention_heads=16,
                          num_key_value_heads=4, head_dim=64, num_local_experts=16, num_experts_per_tok=4,
                          sliding_window=128),
-    "held-hd128": dict(num_hidden_layers=2, hidden_size=640, intermediate_size=768, num_attention_heads=10,
-                       num_key_value_heads=2, head_dim=128, num_local_experts=12, num_experts_per_tok=3,
-                       sliding_window=256),
-    "held-e32": dict(num_hidden_layers=2, hidden_size=384, intermediate_size=256, num_attention_heads=6,
-                     num_key_value_heads=3, head_dim=48, num_local_experts=32, num_experts_per_tok=4,
-                     sliding_window=96),
+    "cal-hd128": dict(num_hidden_layers=2, hidden_size=640, intermediate_size=768, num_attention_heads=10,
+                      num_key_value_heads=2, head_dim=128, num_local_experts=12, num_experts_per_tok=3,
+                      sliding_window=256),
+    "cal-e32": dict(num_hidden_layers=2, hidden_size=384, intermediate_size=256, num_attention_heads=6,
+                    num_key_value_heads=3, head_dim=48, num_local_experts=32, num_experts_per_tok=4,
+                    sliding_window=96),
+}
+# held out: depths, widths, FFN sizes, heads, KV heads, head_dims, experts, top-k and windows no CAL config has
+HELD = {
+    "held-d768-l4": dict(num_hidden_layers=4, hidden_size=768, intermediate_size=640, num_attention_heads=12,
+                         num_key_value_heads=4, head_dim=56, num_local_experts=20, num_experts_per_tok=3,
+                         sliding_window=160),
+    "held-hd80-l3": dict(num_hidden_layers=3, hidden_size=320, intermediate_size=896, num_attention_heads=5,
+                         num_key_value_heads=5, head_dim=80, num_local_experts=40, num_experts_per_tok=5,
+                         sliding_window=72),
+    "held-d1536": dict(num_hidden_layers=2, hidden_size=1536, intermediate_size=384, num_attention_heads=24,
+                       num_key_value_heads=8, head_dim=40, num_local_experts=6, num_experts_per_tok=2,
+                       sliding_window=200),
 }
 
 
-def hf_config(overrides: dict) -> dict:
-    """configs/tiny.json with `overrides`; layer types alternate sliding/full over the layers, vocabulary 1024."""
-    with open(os.path.join(REPO, "configs", "tiny.json")) as f:
+def hf_config(overrides: dict, base: str = "configs/tiny.json") -> dict:
+    """`base` (a config.json) with `overrides`; layer types alternate sliding/full over the layers unless the config
+    lists one per layer; dense experts (the engine's path without MXFP4 decoding)."""
+    with open(base if os.path.isabs(base) else os.path.join(REPO, base)) as f:
         d = json.load(f)
     d.update(overrides)
     d["experts_per_token"] = d["num_experts_per_tok"]
     n = d["num_hidden_layers"]
-    d["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
-    d.pop("quantization_config", None)  # dense experts: the engine's float32 path without MXFP4 decoding
+    if overrides or len(d.get("layer_types") or []) != n:
+        d["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    d.pop("quantization_config", None)
     return d
 
 
-def measure(names: dict[str, dict], lengths: list[int]) -> tuple[list[dict], float]:
-    """Rows {"config": HF dict, "name", "pipeline", "ring", "ulysses", "length", "batch", "ms", "raw_ms"} and the
-    float32 matmul peak (2048³, best of 5) measured first."""
+def measure(names: dict[str, dict], lengths: list[int], dtypes: list[str]) -> list[dict]:
+    """Rows {"config": HF dict, "name", "dtype", "pipeline", "ring", "ulysses", "length", "batch", "ms", "raw_ms"}."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
+    from slope_jax.kv.prefix import ReuseOptions
     from slope_jax.model import gpt_oss as model_lib
     from slope_jax.model.config import ModelConfig
     from slope_jax.serve.engine import PrefillEngine
 
-    peak = matmul_peak(2048, "float32", 5)
-    print(f"XLA float32 matmul peak {peak / 1e9:.1f} GFLOP/s", flush=True)
     points = []
     for name, hf in names.items():
         cfg = ModelConfig.from_hf_dict(hf, source=name)
         params = model_lib.init_params(cfg, jax.random.key(0), jnp.float32)
-        eng = PrefillEngine(cfg, params, dtype="float32")
-        for t in lengths:
-            ids = np.random.default_rng(t).integers(0, cfg.vocab_size, t)
-            eng.precompile([t])
-            points.append({"name": name, "hf": hf, "engine": eng, "ids": ids, "length": t, "raw": []})
+        for dt in dtypes:
+            # prefix reuse off: every round is a cold prefill, not a hit on the previous round's prompt
+            eng = PrefillEngine(cfg, params, dtype=dt, reuse=ReuseOptions(enabled=False))
+            for t in lengths:
+                ids = np.random.default_rng(t).integers(0, cfg.vocab_size, t)
+                eng.precompile([t])
+                points.append({"name": name, "hf": hf, "dtype": dt, "engine": eng, "ids": ids, "length": t,
+                               "raw": []})
+        print(f"compiled {name} (load {os.getloadavg()[0]:.1f})", flush=True)
     for r in range(FLAGS.repeats):
         for pt in points:
             res = pt["engine"].prefill([pt["ids"]], return_kv=False)[0]
             pt["raw"].append(res.compute_ms)
-            print(f"round {r} {pt['name']:>13} {pt['length']:>6} {res.compute_ms:9.1f} ms  "
+            print(f"round {r} {pt['name']:>13} {pt['dtype']:>8} {pt['length']:>6} {res.compute_ms:9.1f} ms  "
                   f"(load {os.getloadavg()[0]:.1f})", flush=True)
-    rows = [{"name": pt["name"], "config": pt["hf"], "pipeline": 1, "ring": 1, "ulysses": 1, "length": pt["length"],
-             "batch": 1, "ms": min(pt["raw"]), "raw_ms": pt["raw"]} for pt in points]
-    return rows, peak
+    return [{"name": pt["name"], "config": pt["hf"], "dtype": pt["dtype"], "pipeline": 1, "ring": 1, "ulysses": 1,
+             "length": pt["length"], "batch": 1, "ms": min(pt["raw"]), "raw_ms": pt["raw"]} for pt in points]
+
+
+def refit(kernels: dict, load0) -> tuple:
+    """Fit the profile per dtype to the CAL rows — measured now, or read from `--cal_rows` (an earlier run's JSON
+    with its rows, peaks and micro-measure) — against the peaks: the best of the 2048³ matmul and the micro-measure's
+    GEMM per dtype (one noisy peak caps the fitted efficiencies). Returns (fitted Hardware, CAL rows, peaks)."""
+    from slope_jax.model.config import ModelConfig
+    from slope_jax.plan import calibrate, hardware
+
+    if FLAGS.cal_rows:
+        with open(FLAGS.cal_rows) as f:
+            saved = json.load(f)
+        rows, peaks, fp = [r for r in saved["rows"] if r["name"] in CAL], saved["peak_flops"], saved["fingerprint"]
+        load = saved.get("loadavg_before", [None])[0]
+        # the same machine: its quietest micro-measure (the rows are best-of runs too); else the saved run's
+        same = fp.get("id") == machine.fingerprint()["id"]
+        kernels = machine.best_of(saved["micro_measure"], kernels) if same else saved["micro_measure"]
+    else:
+        peaks = {dt: matmul_peak(2048, dt, 5) for dt in ("float32", "bfloat16")}
+        rows = measure({k: hf_config(v) for k, v in CAL.items()}, [int(x) for x in FLAGS.cal_lengths], FLAGS.dtypes)
+        fp, load = machine.fingerprint(), load0[0]
+    peaks = {dt: max(v, kernels.get(dt, {}).get("gemm_flops", 0.0)) for dt, v in peaks.items()}
+    print("peak " + ", ".join(f"{dt} {v / 1e9:.1f} GFLOP/s" for dt, v in peaks.items()), flush=True)
+    base = dataclasses.replace(hardware.load("cpu"), peak_flops=peaks, efficiency_by_dtype={}, machine_reference={})
+    source = ("fitted by benchmarks/plan_holdout_cpu.py --refit to configs/hardware/calibration/cpu_multi.json "
+              "(calibration configs " + ", ".join(CAL) + ")")
+    tiny = ModelConfig.from_hf_dict(hf_config({}))
+    fitted, _ = calibrate.fit_by_dtype(tiny, base, rows, source=source, max_efficiency=1.0)
+    fitted = dataclasses.replace(fitted, machine_reference={
+        "kernels": kernels, "fingerprint": fp, "loadavg": load,
+        "note": REFERENCE_SOURCE})
+    return fitted, rows, peaks
+
+
+PEAK_SOURCE = ("measured per dtype in the calibration run by benchmarks/plan_holdout_cpu.py --refit: the best of an "
+               "XLA 2048^3 matmul (best of 5) and plan.machine's 1024x512x1024 GEMM (bfloat16 accumulating in "
+               "float32)")
+REFERENCE_SOURCE = ("plan.machine micro-measure on the calibration machine (the best of the calibration run's and, on "
+                    "the same machine fingerprint, the refit run's): the launcher rescales the profile to its own "
+                    "machine by the ratio of its own micro-measure (plan.machine.adapt)")
+
+
+def write_profile(fitted, rows, peaks, load0) -> None:
+    from slope_jax.atomic import atomic_json
+    from slope_jax.plan import hardware
+
+    write_result(os.path.join(REPO, "configs", "hardware", "calibration", "cpu_multi.json"),
+                 {"hardware": "cpu", "dtypes": FLAGS.dtypes, "peak_flops": peaks, "rows": rows}, load_start=load0)
+    out = fitted.to_dict()
+    out["sources"] = {**out.get("sources", {}), "peak_flops": PEAK_SOURCE, "machine_reference": REFERENCE_SOURCE}
+    out["sources"].pop("machine", None)
+    atomic_json(os.path.join(hardware.HARDWARE_DIR, "cpu.json"), out, indent=2)
+    print("wrote configs/hardware/cpu.json and configs/hardware/calibration/cpu_multi.json")
+
+
+def table_of(hw, rows: list[dict], cal_names) -> list[dict]:
+    from slope_jax.model.config import ModelConfig
+    from slope_jax.plan import calibrate
+
+    tiny = ModelConfig.from_hf_dict(hf_config({}))
+    table = []
+    print(f"\n{'config':>13} {'set':>5} {'dtype':>8} {'tokens':>7} {'measured ms':>12} {'predicted ms':>13} "
+          f"{'error':>7}")
+    for r in rows:
+        c = calibrate.check_row(tiny, hw, r)
+        c.update(name=r["name"], set="cal" if r["name"] in cal_names else "held")
+        c.pop("config")
+        table.append(c)
+        print(f"{c['name']:>13} {c['set']:>5} {c['dtype']:>8} {c['length']:>7} {c['measured_ms']:>12.1f} "
+              f"{c['predicted_ms']:>13.1f} {c['error']:>+7.1%}")
+    return table
 
 
 def main(argv):
     del argv
-    from slope_jax.atomic import atomic_json
-    from slope_jax.model.config import ModelConfig
-    from slope_jax.plan import calibrate, hardware
+    from slope_jax.plan import hardware
 
-    lengths = [int(x) for x in FLAGS.lengths]
     load0 = start_load()
-    rows, peak = measure({k: hf_config(v) for k, v in {**CAL, **HELD}.items()}, lengths)
-    cal = [r for r in rows if r["name"] in CAL]
-    held = [r for r in rows if r["name"] in HELD]
-    extra = []
-    for path in FLAGS.extra_rows:
-        with open(path) as f:
-            m = json.load(f)
-        extra += [{**r, "config": r.get("config") or m.get("config")} for r in m["rows"]]
-    base = hardware.load("cpu")
-    base = dataclasses.replace(base, peak_flops={"float32": peak, "bfloat16": peak})
-    source = ("fitted by benchmarks/plan_holdout_cpu.py to configs/hardware/calibration/cpu_multi.json (calibration "
-              "configs " + ", ".join(CAL) + (" + " + ", ".join(FLAGS.extra_rows) if FLAGS.extra_rows else "") + ")")
-    tiny = ModelConfig.from_hf_dict(hf_config({}))
-    eff, _ = calibrate.fit(tiny, base, cal + extra, source=source, max_efficiency=1.0)  # peak: this run's
-    fitted = calibrate.normalised(base, eff)
-    table = []
-    print(f"\n{'config':>13} {'set':>5} {'tokens':>7} {'measured ms':>12} {'predicted ms':>13} {'error':>7}")
-    for r in cal + held:
-        c = calibrate.check_row(tiny, fitted, r)
-        c.update(name=r["name"], set="cal" if r["name"] in CAL else "held")
-        c.pop("config")
-        table.append(c)
-        print(f"{c['name']:>13} {c['set']:>5} {c['length']:>7} {c['measured_ms']:>12.1f} {c['predicted_ms']:>13.1f} "
-              f"{c['error']:>+7.1%}")
+    kernels = machine.micro_measure()  # this run's: the reference (--refit) and what the held-out check adapts to
+    print(f"micro-measure: {json.dumps(kernels)}", flush=True)
+    cal_rows, peaks = [], None
+    if FLAGS.refit:
+        profile, cal_rows, peaks = refit(kernels, load0)
+    else:
+        profile = hardware.load("cpu")
+    hw = machine.rescale(profile, kernels)
+    held_specs = ({os.path.splitext(os.path.basename(p))[0]: hf_config({}, p) for p in FLAGS.held_configs}
+                  if FLAGS.held_configs else {k: hf_config(v) for k, v in HELD.items()})
+    held = measure(held_specs, [int(x) for x in FLAGS.lengths], FLAGS.dtypes)
+    table = table_of(hw, cal_rows + held, set(CAL))
     worst = max(abs(c["error"]) for c in table if c["set"] == "held")
-    e = fitted.efficiency
-    print(f"\nfit: matmul {e.matmul:.3g}, attention {e.attention_for(1):.3g} of {fitted.peak('float32') / 1e9:.1f} "
-          f"GFLOP/s; {e.element_s * 1e12:.1f} ps/element, {e.attention_entry_s * 1e12:.1f} ps/score entry, overhead "
-          f"{e.overhead_s * 1e3:.2f} ms + {e.layer_overhead_s * 1e3:.3f} ms/layer")
-    print(f"held-out worst |error| {worst:.1%} (tolerance {FLAGS.tolerance:.0%}); load average {load0[0]:.1f} -> "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    result = {"lengths": lengths, "repeats": FLAGS.repeats, "peak_flops_float32": peak, "efficiency":
-              dataclasses.asdict(e), "table": table, "rows": rows, "extra_rows": FLAGS.extra_rows,
-              "held_out_worst_error": worst, "loadavg_before": load0, "loadavg_after": os.getloadavg(),
-              "cpus": os.cpu_count()}
+    print(f"\nheld-out worst |error| {worst:.1%} (tolerance {FLAGS.tolerance:.0%}); load average {load0[0]:.1f} -> "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {hw.sources.get('machine', 'not rescaled')}")
+    result = {"lengths": FLAGS.lengths, "dtypes": FLAGS.dtypes, "repeats": FLAGS.repeats, "refit": FLAGS.refit,
+              "micro_measure": kernels, "fingerprint": machine.fingerprint(), "peak_flops": peaks,
+              "profile": hw.to_dict(), "table": table, "rows": cal_rows + held, "held_out_worst_error": worst,
+              "loadavg_before": load0, "loadavg_after": os.getloadavg(), "cpus": os.cpu_count()}
     write_result(FLAGS.out, result, load_start=load0)
-    if FLAGS.write_profile:
-        write_result(os.path.join(REPO, "configs", "hardware", "calibration", "cpu_multi.json"),
-                     {"hardware": "cpu", "dtype": "float32", "peak_flops_float32": peak, "rows": rows},
-                     load_start=load0)
-        out = fitted.to_dict()
-        scale = fitted.peak("float32") / peak
-        out["sources"] = {**out.get("sources", {}), "peak_flops": f"measured: XLA float32 2048^3 matmul, best of 5, "
-                          f"{peak / 1e9:.1f} GFLOP/s, by benchmarks/plan_holdout_cpu.py in the calibration run"
-                          + (f"; raised x{scale:.3g} so that every fitted efficiency is <= 1 (plan.calibrate."
-                             f"normalised: same predictions)" if scale > 1 else "")}
-        atomic_json(os.path.join(hardware.HARDWARE_DIR, "cpu.json"), out, indent=2)
-        print("wrote configs/hardware/cpu.json and configs/hardware/calibration/cpu_multi.json")
+    if FLAGS.refit and FLAGS.write_profile:
+        write_profile(profile, cal_rows, peaks, load0)
     print(f"wrote {FLAGS.out}")
     if worst > FLAGS.tolerance:
         raise SystemExit(1)

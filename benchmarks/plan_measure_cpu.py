@@ -44,6 +44,7 @@ def main(argv):
     import numpy as np
 
     from slope_jax.checkpoints import writer
+    from slope_jax.kv.prefix import ReuseOptions
     from slope_jax.model.config import ModelConfig
     from slope_jax.parallel.config import ParallelConfig
     from slope_jax.serve.engine import PrefillEngine
@@ -68,7 +69,9 @@ def main(argv):
     for spec in FLAGS.layouts:
         p, r, u = (int(x) for x in spec.split("x"))
         par = ParallelConfig(pipeline=p, ring=r, ulysses=u)
-        eng = PrefillEngine(cfg, host, par, "float32", devices=jax.devices()[:par.num_devices])
+        # prefix reuse off: every round is a cold prefill, not a hit on the previous round's prompt
+        eng = PrefillEngine(cfg, host, par, "float32", devices=jax.devices()[:par.num_devices],
+                            reuse=ReuseOptions(enabled=False))
         for length in (int(x) for x in FLAGS.lengths):
             ids = np.random.default_rng(length).integers(0, cfg.vocab_size, length)
             eng.prefill([ids], return_kv=False)  # compile

@@ -32,6 +32,16 @@ process compiling on every run. `enable` therefore also writes them from the oth
 compiles it would wait in the first collective longer than Gloo allows (30 s): the engine meets its peers at a
 barrier before a new program's first run (`PrefillEngine._run`).
 Cached entries are executable code: do not share the directory with users you do not trust (JAX's warning).
+
+Which step shapes are in the cache: JAX's key is a hash of the lowered program, unknown before a step is traced and
+lowered (seconds), so the serving loop could not tell a cached shape from a new one and took any older entry as
+"this run's programs are cached". `record_steps` / `compiled_steps` keep an index beside the entries,
+`<dir>/slope_jax_steps.json`: {program identity (a digest of the model config, layout, dtype, step options, parameter
+shapes, devices and jax/jaxlib versions, as the caller forms it): {step key ("T,m" or "T,m,prefix_rows"): unix time
+written}}. Writers merge under an exclusive `fcntl` lock on `<dir>/slope_jax_steps.lock` and replace the file
+atomically, so concurrent processes never lose each other's keys and readers (no lock) never see a torn file; `trim`
+drops the keys recorded before the newest entry it deleted (their programs may be gone), keeping the index
+conservative (a step it lists was compiled, and probably still cached).
 """
 
 from __future__ import annotations
@@ -50,6 +60,9 @@ SUFFIX = "-cache"  # JAX's entry file suffix (jax._src.lru_cache): directories w
 _STALE_TEMP_S = 3600.0  # a temporary file this old was left by a killed writer
 _OFF = ("off", "none", "0", "false", "no")
 _HIT_EVENT = "/jax/compilation_cache/cache_hits"
+INDEX = "slope_jax_steps.json"  # the step-key index beside the entries (module docstring)
+_INDEX_LOCK = "slope_jax_steps.lock"
+INDEX_MAX_KEYS = 20000  # oldest keys dropped beyond this (a few MiB of JSON at most)
 
 _lock = threading.Lock()
 _state: dict = {"dir": None, "configured": False, "hits": 0, "listening": False}
@@ -244,6 +257,7 @@ def trim(directory: str, max_bytes: int = MAX_BYTES) -> int:
         if _unlink(path):
             freed += size
         _unlink(path[: -len(SUFFIX)] + "-atime")  # JAX's LRU cache writes one beside each entry
+    _forget_steps_before(directory, max((m for m, _, p in entries if not os.path.exists(p)), default=0.0))
     log.info("XLA compilation cache: trimmed %.1f MiB of least recently used entries from %s (cap %.2f GiB)",
              freed / 2**20, directory, max_bytes / 2**30)
     return freed
@@ -283,3 +297,83 @@ def _install_directory_cache() -> bool:
     get_file_cache._slope_jax = True
     jcc.get_file_cache = get_file_cache
     return True
+
+
+def step_key(key: tuple) -> str:
+    """The index's text form of an engine step key `(T, m)` or `(T, m, prefix_rows)`: "T,m[,prefix_rows]"."""
+    return ",".join(str(int(x)) for x in key)
+
+
+def _read_index(directory: str) -> dict:
+    import json
+
+    try:
+        with open(os.path.join(directory, INDEX)) as f:
+            index = json.load(f)
+        return index if isinstance(index, dict) and isinstance(index.get("steps"), dict) else {"steps": {}}
+    except (OSError, ValueError):
+        return {"steps": {}}
+
+
+def _update_index(directory: str, change) -> None:
+    """Apply `change(index)` to the index under its exclusive lock and write it back atomically."""
+    import fcntl
+
+    from slope_jax.atomic import atomic_json
+
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, _INDEX_LOCK), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            index = _read_index(directory)
+            change(index)
+            atomic_json(os.path.join(directory, INDEX), index)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def record_steps(identity: str, keys, directory: str | None = None) -> None:
+    """Add step keys (engine keys, `step_key`) compiled for program `identity` to the index of `directory` (default
+    the enabled cache's; nothing when the cache is off). Concurrent writers merge (module docstring). An index that
+    cannot be written is logged and skipped: it only sharpens compile estimates."""
+    directory = directory or _state["dir"]
+    keys = [step_key(k) if not isinstance(k, str) else k for k in keys]
+    if not directory or not keys:
+        return
+    now = time.time()
+
+    def change(index):
+        steps = index["steps"].setdefault(identity, {})
+        steps.update({k: now for k in keys})
+        every = [(t, ident, k) for ident, ks in index["steps"].items() for k, t in ks.items()]
+        for _, ident, k in sorted(every)[:max(0, len(every) - INDEX_MAX_KEYS)]:
+            del index["steps"][ident][k]
+
+    try:
+        _update_index(directory, change)
+    except OSError as e:
+        log.warning("compilation cache: step index of %s not written: %s", directory, e)
+
+
+def compiled_steps(identity: str, directory: str | None = None) -> set[str]:
+    """Step keys (`step_key` form) the index of `directory` (default the enabled cache's) lists for program
+    `identity`: shapes compiled into this cache before. Empty when the cache is off or the index is absent."""
+    directory = directory or _state["dir"]
+    if not directory:
+        return set()
+    return set(_read_index(directory)["steps"].get(identity, {}))
+
+
+def _forget_steps_before(directory: str, deleted_mtime: float) -> None:
+    """Drop the index keys recorded before `deleted_mtime` (the newest entry `trim` deleted was last used then)."""
+    if deleted_mtime <= 0 or not os.path.exists(os.path.join(directory, INDEX)):
+        return
+
+    def change(index):
+        for ident in list(index["steps"]):
+            index["steps"][ident] = {k: t for k, t in index["steps"][ident].items() if t > deleted_mtime}
+
+    try:
+        _update_index(directory, change)
+    except OSError as e:
+        log.warning("compilation cache: step index of %s not trimmed: %s", directory, e)

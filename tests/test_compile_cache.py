@@ -137,3 +137,80 @@ def test_entries_are_written_whole_and_the_directory_is_trimmed_by_last_use(fres
     kept = sorted(n for n in os.listdir(trim_dir) if n.endswith(compile_cache.SUFFIX))
     assert kept == [f"e{i}{compile_cache.SUFFIX}" for i in (0, 1, 2, 9)]  # the 3 newest and the one just read
     assert (trim_dir / ".new.1.2.tmp").exists() and not (trim_dir / ".old.1.2.tmp").exists()
+
+
+def _record_many(directory, identity, start, count):
+    for i in range(start, start + count):
+        compile_cache.record_steps(identity, [(32 * (i + 1), 1)], directory)
+
+
+def test_step_index_keeps_every_concurrent_writers_keys_and_trim_forgets_old_ones(tmp_path):
+    """Four processes record 25 step keys each into one index at once: all 100 are there (merge under the lock,
+    atomic replace); keys are per program identity; `trim` drops the keys recorded before what it deleted."""
+    import multiprocessing
+
+    directory = str(tmp_path / "xla")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_record_many, args=(directory, "prog-a" if w < 3 else "prog-b", 25 * w, 25))
+             for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    a, b = compile_cache.compiled_steps("prog-a", directory), compile_cache.compiled_steps("prog-b", directory)
+    assert a == {f"{32 * (i + 1)},1" for i in range(75)} and b == {f"{32 * (i + 1)},1" for i in range(75, 100)}
+    assert compile_cache.compiled_steps("prog-c", directory) == set()
+    compile_cache.record_steps("prog-a", [(48, 2, 128)], directory)
+    assert "48,2,128" in compile_cache.compiled_steps("prog-a", directory)
+    # an entry last used after every key was recorded is trimmed: the index forgets them all
+    time.sleep(0.05)
+    entry = os.path.join(directory, "k1" + compile_cache.SUFFIX)
+    with open(entry, "wb") as f:
+        f.write(b"x" * 4096)
+    with open(os.path.join(directory, "k2" + compile_cache.SUFFIX), "wb") as f:
+        f.write(b"y" * 4096)
+    os.utime(entry, (time.time() + 5, time.time() + 5))
+    assert compile_cache.trim(directory, max_bytes=5000) > 0
+    assert compile_cache.compiled_steps("prog-a", directory) == set()
+
+
+class _Engine:
+    """What BatchModel and slo.program_identity read of a PrefillEngine."""
+
+    mesh = None
+    parallel = ParallelConfig()
+    options = "opts"
+
+    def __init__(self, dtype="float32"):
+        self.cfg, self.dtype = CONFIG_A, dtype
+        self.params = {"w": np.zeros((4, 8), np.float32)}
+        self.compile_ms, self.compile_source = {}, {}
+
+    @staticmethod
+    def bucket(n):
+        return 32 * -(-n // 32)
+
+
+def test_compile_estimate_is_per_shape(fresh_cache):
+    """A run whose cache holds another shape's program still expects a full compile for a new shape (before: any
+    older entry made every shape 'warm'); a shape an earlier run compiled is expected as a cache load."""
+    from slope_jax.serve import slo
+
+    first = _Engine()
+    model = slo.BatchModel(first, lambda t, m: float(t), compile_prior_ms=8000.0)
+    assert model.identity and model.compile_ms((64, 1)) == 8000.0  # cold cache: the prior
+    first.compile_ms[(64, 1)], first.compile_source[(64, 1)] = 7400.0, "compiled"
+    model.observe([50], 64.0)  # a finished batch: its step goes into the index
+    assert model.compile_ms((64, 1)) == 0.0 and model.compile_ms((96, 1)) == 7400.0
+    second = _Engine()  # the next run: same program identity, fresh process state
+    model = slo.BatchModel(second, lambda t, m: float(t), compile_prior_ms=8000.0)
+    assert model.compile_ms((64, 1)) == pytest.approx(8000.0 * slo.CACHE_HIT_FRACTION)  # listed: a load
+    assert model.compile_ms((96, 1)) == 8000.0  # never compiled: a full compile, whatever else is cached
+    second.compile_ms[(128, 1)], second.compile_source[(128, 1)] = 6100.0, "compiled"
+    second.compile_ms[(64, 1)], second.compile_source[(64, 1)] = 900.0, "cache"
+    assert model.compile_ms((96, 1)) == 6100.0  # the latest full compile, not the later load
+    assert model.compile_ms((160, 1)) == 6100.0
+    other = _Engine(dtype="bfloat16")  # another dtype is another program: nothing of it is cached
+    assert slo.BatchModel(other, lambda t, m: float(t), compile_prior_ms=8000.0).compile_ms((64, 1)) == 8000.0
+    assert compile_cache.compiled_steps(model.identity) == {"64,1", "128,1"}

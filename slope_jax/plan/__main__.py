@@ -134,16 +134,17 @@ def run_plan(cfg, hw, hosts, dph, lengths, slo_ms, pct, dtype=None, expert_paral
 
 
 def cmd_plan(c: PlanConfig):
-    from slope_jax.plan import hardware
+    from slope_jax.plan import hardware, machine
 
     cfg = load_model(c.model)
-    hw = hardware.load(c.hardware)
+    hw = machine.adapt(hardware.load(c.hardware))  # a CPU profile: carried over to this machine (plan.machine)
     entries = run_plan(cfg, hw, c.hosts, c.devices_per_host, list(c.lengths), c.ttft_slo_ms, c.quantile, c.dtype,
                        c.expert_parallel)
     print(f"{c.model} on {c.hosts} host(s) x {c.devices_per_host} {hw.name} ({hw.description})")
     print(f"efficiency: matmul {hw.efficiency.matmul:.3g}, attention {hw.efficiency.attention:.3g} — "
           f"{hw.efficiency.source or 'no source given'}")
-    print(f"memory: {hw.memory_budget()} (the profile's memory_fraction and runtime_reserve_gib, sources in it)\n")
+    print(f"memory: {hw.memory_budget()} (the profile's memory_fraction and runtime_reserve_gib, sources in it)"
+          + (f"\nthis machine: {hw.sources['machine']}" if "machine" in hw.sources else "") + "\n")
     for e in entries:
         print(report.table(e) + "\n")
     print("columns:\n" + report.column_key() + "\n")

@@ -12,9 +12,11 @@ the measured rows subject to x ≥ 0 (an exhaustive active-set search over the s
 attention efficiency covers every row. Rows of several model configs (a row's own `"config"`) let the fit tell the
 FLOP terms from the element terms, so that the profile carries over to configs it was not fitted on
 (benchmarks/plan_holdout_cpu.py checks that on held-out configs).
-Rows: JSON `{"rows": [{"pipeline", "ring", "ulysses", "length", "batch", "ms", "config"?}, ...]}`
+Rows: JSON `{"rows": [{"pipeline", "ring", "ulysses", "length", "batch", "ms", "config"?, "dtype"?}, ...]}`
 (benchmarks/plan_measure_cpu.py, benchmarks/plan_holdout_cpu.py); `config`: a config.json path (relative paths are
-read from the repository root) or an HF config dict, default the `cfg` passed to `fit`.
+read from the repository root) or an HF config dict, default the `cfg` passed to `fit`; `dtype`: the step's
+activation dtype (default the profile's, float32 on the CPU). `fit_by_dtype` fits each dtype's rows apart (the
+profile's `efficiency` and `efficiency_by_dtype`).
 """
 
 from __future__ import annotations
@@ -61,13 +63,14 @@ def _features(cfg: ModelConfig, hw: Hardware, row: dict, devices_per_host: int) 
     transfer (max(compute, transfer) − compute) depends on the efficiency, so it is taken at `hw`'s."""
     cfg = row_config(cfg, row)
     par = ParallelConfig.from_row(row)
-    kw = dict(batch=row.get("batch", 1), devices_per_host=devices_per_host)
-    p = predict(cfg, par, row["length"], dataclasses.replace(hw, efficiency=_UNIT), **kw)
+    kw = dict(batch=row.get("batch", 1), devices_per_host=devices_per_host, dtype=row.get("dtype"))
+    p = predict(cfg, par, row["length"], dataclasses.replace(hw, efficiency=_UNIT, efficiency_by_dtype={}), **kw)
     tb = p.time_breakdown_ms
     own = ("matmul", "attention", "elementwise", "attention_entries", "moe_tiles", "weights", "overhead",
            "ring_ppermute_exposed")
     comm = sum(v for k, v in tb.items() if k not in own)
-    comm += predict(cfg, par, row["length"], hw, **kw).time_breakdown_ms["ring_ppermute_exposed"]
+    comm += predict(cfg, par, row["length"], dataclasses.replace(hw, efficiency_by_dtype={}),
+                    **kw).time_breakdown_ms["ring_ppermute_exposed"]
     one = par.num_devices == 1
     att = tb["attention"] / 1e3
     return np.array([tb["matmul"] / 1e3, 0.0 if one else att, att if one else 0.0, tb["elementwise"] / 1e3,
@@ -100,13 +103,35 @@ def fit(cfg: ModelConfig, hw: Hardware, rows: list[dict], *, devices_per_host: i
     return eff, table
 
 
+def fit_by_dtype(cfg: ModelConfig, hw: Hardware, rows: list[dict], *, devices_per_host: int = 8, source: str = "",
+                 max_efficiency: float | None = None, base_dtype: str = "float32") -> tuple[Hardware, list[dict]]:
+    """`hw` with one efficiency per activation dtype of `rows` (`row["dtype"]`, default the profile's): `efficiency`
+    fitted to the `base_dtype` rows (or to the only dtype there is), `efficiency_by_dtype` to each other dtype's rows;
+    and the per-row table of `fit`. Each dtype needs >= 4 rows (ValueError from `fit` otherwise)."""
+    default = "float32" if hw.shared_compute else "bfloat16"
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r.get("dtype") or default, []).append(r)
+    base = base_dtype if base_dtype in groups else next(iter(groups))
+    fitted, by_dtype = {}, {}
+    for dtype, group in groups.items():
+        eff, _ = fit(cfg, dataclasses.replace(hw, efficiency_by_dtype={}), group, devices_per_host=devices_per_host,
+                     source=f"{source} ({dtype} rows)" if source else "", max_efficiency=max_efficiency)
+        fitted[dtype] = eff
+        if dtype != base:
+            by_dtype[dtype] = eff
+    out = dataclasses.replace(hw, efficiency=fitted[base], efficiency_by_dtype=by_dtype)
+    return out, [check_row(cfg, out, r, devices_per_host) for r in rows]
+
+
 def check_row(cfg: ModelConfig, hw: Hardware, row: dict, devices_per_host: int = 8) -> dict:
     """Measured vs predicted ms of one row under `hw`: {"config", "layout", "length", "measured_ms", "predicted_ms",
     "error"} (error = predicted / measured − 1)."""
     par = ParallelConfig.from_row(row)
     p = predict(row_config(cfg, row), par, row["length"], hw, batch=row.get("batch", 1),
-                devices_per_host=devices_per_host)
-    return {"config": row.get("config"), "layout": p.layout, "length": row["length"], "measured_ms": row["ms"],
+                devices_per_host=devices_per_host, dtype=row.get("dtype"))
+    return {"config": row.get("config"), "layout": p.layout, "length": row["length"],
+            "dtype": row.get("dtype") or ("float32" if hw.shared_compute else "bfloat16"), "measured_ms": row["ms"],
             "predicted_ms": p.ttft_ms, "error": p.ttft_ms / row["ms"] - 1}
 
 

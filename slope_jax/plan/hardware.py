@@ -16,7 +16,11 @@ Profile fields (SI units):
   value for every profile measured without that distinction); overhead_s per step; layer_overhead_s per executed
   layer slot; source}, compile_s (optional: seconds XLA takes to compile one prefill step program on an idle host,
   the serving loop's compile estimate before it has measured one; layers are scanned and tiles looped, so it barely
-  depends on depth or length), sources {field: citation}.
+  depends on depth or length), sources {field: citation},
+  efficiency_by_dtype (optional, {dtype: efficiency}: the efficiency of steps in that activation dtype where it was
+  fitted apart — on the CPU bfloat16 steps pay conversions float32 steps do not; absent dtypes use `efficiency`),
+  machine_reference (optional: `plan.machine` micro-measures taken on the calibration machine in the calibration run;
+  `plan.machine.adapt` rescales the profile to the machine it runs on by the ratio of its own micro-measures).
 `calibrate` fits `efficiency` from measured step times (`python -m slope_jax.plan calibrate`).
 """
 
@@ -94,6 +98,13 @@ class Hardware:
     compile_s: float | None = None
     memory_fraction: float = 1.0
     runtime_reserve_gib: float = 0.0
+    efficiency_by_dtype: dict[str, Efficiency] = dataclasses.field(default_factory=dict)
+    machine_reference: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def for_dtype(self, dtype: str) -> Hardware:
+        """This profile with `efficiency` set to the one fitted for `dtype` steps (`efficiency_by_dtype`), if any."""
+        eff = self.efficiency_by_dtype.get(dtype)
+        return self if eff is None else dataclasses.replace(self, efficiency=eff, efficiency_by_dtype={})
 
     @property
     def usable_bytes(self) -> float:
@@ -122,17 +133,9 @@ class Hardware:
         for key in required:
             if key not in d:
                 raise HardwareError(f"{source}: missing field {key!r} (required: {', '.join(required)})")
-        eff = d["efficiency"]
-        for key in ("matmul", "attention", "attention_one_device"):
-            v = eff.get(key)
-            if key == "attention_one_device" and v is None:
-                continue  # optional: absent = the same as `attention`
-            if not isinstance(v, (int, float)) or not 0 < v <= 1:
-                raise HardwareError(f"{source}: efficiency.{key}={v!r} must be a number in (0, 1]")
-        for key in ("element_s", "attention_entry_s", "weight_byte_s", "moe_tile_s"):
-            v = eff.get(key, 0.0)
-            if not isinstance(v, (int, float)) or not v >= 0:
-                raise HardwareError(f"{source}: efficiency.{key}={v!r} must be a number >= 0 (seconds)")
+        eff = _efficiency(d["efficiency"], source, "efficiency")
+        by_dtype = {k: _efficiency(v, source, f"efficiency_by_dtype.{k}")
+                    for k, v in (d.get("efficiency_by_dtype") or {}).items()}
         for key in ("hbm_bytes", "hbm_bytes_per_s", "intra_host_bytes_per_s", "inter_host_bytes_per_s"):
             if not isinstance(d[key], (int, float)) or d[key] <= 0:
                 raise HardwareError(f"{source}: {key}={d[key]!r} must be a positive number")
@@ -145,16 +148,33 @@ class Hardware:
                    hbm_bytes_per_s=float(d["hbm_bytes_per_s"]),
                    intra_host_bytes_per_s=float(d["intra_host_bytes_per_s"]),
                    inter_host_bytes_per_s=float(d["inter_host_bytes_per_s"]),
-                   efficiency=Efficiency(float(eff["matmul"]), float(eff["attention"]),
-                                         float(eff.get("overhead_s", 0.0)), float(eff.get("layer_overhead_s", 0.0)),
-                                         str(eff.get("source", "")),
-                                         None if eff.get("attention_one_device") is None
-                                         else float(eff["attention_one_device"]),
-                                         float(eff.get("element_s", 0.0)), float(eff.get("attention_entry_s", 0.0)),
-                                         float(eff.get("weight_byte_s", 0.0)), float(eff.get("moe_tile_s", 0.0))),
+                   efficiency=eff, efficiency_by_dtype=by_dtype,
+                   machine_reference=dict(d.get("machine_reference") or {}),
                    shared_compute=bool(d.get("shared_compute", False)), sources=dict(d.get("sources", {})),
                    compile_s=None if compile_s is None else float(compile_s),
                    memory_fraction=float(d["memory_fraction"]), runtime_reserve_gib=float(d["runtime_reserve_gib"]))
+
+
+def _efficiency(eff: dict[str, Any], source: str, where: str) -> Efficiency:
+    """An `Efficiency` from its JSON object; raises HardwareError naming `where` and the bad field."""
+    if not isinstance(eff, dict):
+        raise HardwareError(f"{source}: {where} must be an object, got {eff!r}")
+    for key in ("matmul", "attention", "attention_one_device"):
+        v = eff.get(key)
+        if key == "attention_one_device" and v is None:
+            continue  # optional: absent = the same as `attention`
+        if not isinstance(v, (int, float)) or not 0 < v <= 1:
+            raise HardwareError(f"{source}: {where}.{key}={v!r} must be a number in (0, 1]")
+    for key in ("element_s", "attention_entry_s", "weight_byte_s", "moe_tile_s", "overhead_s", "layer_overhead_s"):
+        v = eff.get(key, 0.0)
+        if not isinstance(v, (int, float)) or not v >= 0:
+            raise HardwareError(f"{source}: {where}.{key}={v!r} must be a number >= 0 (seconds)")
+    one = eff.get("attention_one_device")
+    return Efficiency(float(eff["matmul"]), float(eff["attention"]), float(eff.get("overhead_s", 0.0)),
+                      float(eff.get("layer_overhead_s", 0.0)), str(eff.get("source", "")),
+                      None if one is None else float(one), float(eff.get("element_s", 0.0)),
+                      float(eff.get("attention_entry_s", 0.0)), float(eff.get("weight_byte_s", 0.0)),
+                      float(eff.get("moe_tile_s", 0.0)))
 
 
 def _check_memory(d: dict[str, Any], source: str) -> None:

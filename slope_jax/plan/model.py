@@ -117,6 +117,7 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
     hw = load(hardware)
     parallel.validate(cfg)
     dtype = dtype or ("float32" if hw.shared_compute else "bfloat16")
+    hw = hw.for_dtype(dtype)  # the efficiency fitted for this activation dtype, where the profile has one
     b, (P, R, U) = DTYPE_BYTES[dtype], (parallel.pipeline, parallel.ring, parallel.ulysses)
     ep = parallel.expert_degree(cfg)  # validate() checked it: 1, or R·U dividing num_experts
     m, t, devices = batch or 1, _bucket(length, parallel, bucket), parallel.num_devices

@@ -4,7 +4,9 @@ same model"). Thin glue over `slope_jax.plan` (cost model, layout search) and `s
 
 The model that admits requests is the planner's predicted step time per (bucket, requests in flight), corrected
 online by the measured compute of finished batches (`scheduler.OnlineCorrection`): the planner gives the shape
-over lengths, the measurements the machine's actual speed (a calibration off by a constant, a loaded host).
+over lengths, the measurements the machine's actual speed (a calibration off by a constant, a loaded host). A CPU
+profile is first carried over to this machine by a cached micro-measure (`this_machine`, `plan.machine`), so that the
+first predictions, before any batch is measured, are this machine's.
 """
 
 from __future__ import annotations
@@ -41,10 +43,12 @@ def auto_layout(cfg: ModelConfig, hardware: str, num_devices: int, devices_per_h
                 ttft_slo_ms: float, percentile: float = 0.9) -> tuple[ParallelConfig, str]:
     """`--layout=auto`: the layout the planner picks for this length mix on these devices (`plan.choose_layout`:
     among layouts that fit memory and meet the SLO at the longest length, the one with the best goodput; else the
-    fastest that fits). Returns (ParallelConfig, reason). Raises LayoutError when no layout fits in memory."""
+    fastest that fits; the profile carried over to this machine, `this_machine`). Returns (ParallelConfig, reason).
+    Raises LayoutError when no layout fits in memory."""
     from slope_jax.plan import choose_layout
 
-    par, reason, _ = choose_layout(cfg, hardware, num_devices, devices_per_host, lengths, ttft_slo_ms, percentile)
+    par, reason, _ = choose_layout(cfg, this_machine(hardware), num_devices, devices_per_host, lengths, ttft_slo_ms,
+                                   percentile)
     return par, reason
 
 
@@ -60,12 +64,28 @@ CACHE_HIT_FRACTION = 0.1
 RUN_STARTED = time.time()
 
 
+@functools.lru_cache(maxsize=8)
+def this_machine(hardware: str):
+    """The profile `hardware` (name or JSON path) carried over to this machine: a CPU profile with a
+    `machine_reference` is rescaled by this machine's micro-measure (`plan.machine.adapt`: measured in ~2-5 s once
+    per machine, then read from ~/.cache/slope_jax/machine), any other profile is returned as loaded."""
+    from slope_jax.plan import hardware as hw_lib
+    from slope_jax.plan import machine
+
+    hw = hw_lib.load(hardware)
+    adapted = machine.adapt(hw)
+    if adapted is not hw:
+        log.info("cost model: %s", adapted.sources.get("machine"))
+    return adapted
+
+
 def persistent_cache_warm(since: float | None = None) -> bool:
     """True when JAX's persistent compilation cache is on (`jax_compilation_cache_dir`) and holds entries written
     before `since` (default `RUN_STARTED`): an earlier run's, not the small programs this run compiled while starting
     up (which made a fresh cache look warm: README command 1's first run predicted 0.8 s for a 7.4 s compile). Taken as
     "this run's programs are cached" until the first compile measures otherwise (entries of other programs give an
-    optimistic first estimate, corrected by that measurement)."""
+    optimistic first estimate, corrected by that measurement). `BatchModel` asks per shape instead (the step index,
+    `compile_cache.compiled_steps`); this machine-wide answer is kept for callers without an engine."""
     import jax
 
     path = jax.config.jax_compilation_cache_dir
@@ -95,6 +115,36 @@ def compile_prior_ms(hardware: str, loadavg: float | None = None, cpus: int | No
     return ms * (CACHE_HIT_FRACTION if cache_warm else 1.0)
 
 
+def _items(d: dict) -> list:
+    """`list(d.items())`, retried while the engine's thread adds a compiled step (a dict changed in iteration)."""
+    for _ in range(100):
+        try:
+            return list(d.items())
+        except RuntimeError:
+            continue
+    return list(d.copy().items())
+
+
+def program_identity(engine) -> str | None:
+    """A digest of what shapes `engine`'s step programs besides the step key: model config, layout, dtype, step
+    options, parameter shapes and dtypes, devices, processes, jax/jaxlib versions and XLA flags — the persistent
+    cache's step index (`compile_cache.record_steps`) is keyed by it. None for an object without these (a stand-in
+    engine in tests)."""
+    import hashlib
+
+    import jax
+    import jaxlib
+
+    try:
+        params = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), engine.params)
+        devices = [(d.platform, d.device_kind) for d in jax.devices()]
+        parts = (repr(engine.cfg), repr(engine.parallel), str(engine.dtype), repr(engine.options), repr(params),
+                 repr(devices), jax.process_count(), jax.__version__, jaxlib.__version__, os.environ.get("XLA_FLAGS"))
+    except AttributeError:
+        return None
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
+
+
 class BatchModel:
     """The scheduler's cost model for `engine`. `model(lengths)`: predicted compute ms of one batch — the planner's
     step time per (bucket, prompts per step), grouped as `PrefillEngine.prefill` runs a batch (by bucket,
@@ -102,13 +152,19 @@ class BatchModel:
     expected XLA compile ms of a step shape (bucket, prompts), which the scheduler adds once for each shape its
     plan has not compiled yet (`Scheduler(..., compile_ms=model.compile_ms)`).
 
-    The compile estimate reads the engine: 0 for a shape in `engine.compile_ms` (compiled); else the latest compile
-    time measured on this process (a persistent-cache hit measures as a fast compile, so a warm cache lowers the
-    estimate at once; compile time barely depends on the shape: layers are scanned and attention/MoE tiles looped —
-    16–25 s for buckets 32–1536 on the CPU); before the first compile, `compile_prior_ms` (`compile_prior_ms()`).
+    The compile estimate reads the engine and the persistent cache's step index (`compile_cache.compiled_steps`,
+    per shape): 0 for a shape in `engine.compile_ms` (compiled in this process); for a shape the index lists (an
+    earlier run compiled it into the persistent cache: a load, which still traces and lowers) the latest cache load
+    measured in this process, else `compile_prior_ms` × `CACHE_HIT_FRACTION`; for any other shape (never compiled
+    here: a full compile, however many other entries the cache holds) the latest full compile measured in this
+    process, else `compile_prior_ms` (`compile_prior_ms()` with a cold cache). Compile time barely depends on the
+    shape: layers are scanned and attention/MoE tiles looped (16–25 s for buckets 32–1536 on the CPU). The shapes
+    this process compiles are added to the index (`observe`, `compile_ms`).
     """
 
     def __init__(self, engine, step_ms, compile_prior_ms: float, hit_ms=None):
+        from slope_jax import compile_cache
+
         self.engine = engine
         self.per_step = 1 if engine.mesh is None else engine.parallel.in_flight
         cold = sched_lib.batch_predictor(step_ms, engine.bucket, self.per_step)
@@ -122,32 +178,65 @@ class BatchModel:
 
         self.model = sched_lib.OnlineCorrection(base)
         self.compile_prior_ms = float(compile_prior_ms)
+        self.identity = program_identity(engine) if compile_cache.directory() else None
+        self.cached = compile_cache.compiled_steps(self.identity) if self.identity else set()
+        self._recorded: set = set()
+        self._record()
 
     def __call__(self, lengths: list) -> float:
         return self.model(lengths)
 
+    def _record(self) -> None:
+        """Add the shapes this process compiled since the last call to the persistent cache's step index."""
+        from slope_jax import compile_cache
+
+        new = [k for k, _ in _items(self.engine.compile_ms) if k not in self._recorded]
+        if not new:
+            return
+        self._recorded.update(new)
+        if self.identity:
+            compile_cache.record_steps(self.identity, new)
+            self.cached.update(compile_cache.step_key(k) for k in new)
+
+    def _latest(self, loads: bool) -> float | None:
+        """The latest compile measured in this process that was a cache load (`loads`) or a full compile (a step
+        without a recorded source counts as a full compile)."""
+        source = dict(_items(getattr(self.engine, "compile_source", {})))
+        for key, ms in reversed(_items(self.engine.compile_ms)):
+            if (source.get(key) == "cache") == loads:
+                return ms
+        return None
+
     def compile_ms(self, shape: tuple) -> float:
         """Expected ms to compile the step of `shape` = (bucket length, prompts per step), or for a prefix hit
-        ((bucket, cached rows), prompts per step); 0 when compiled."""
+        ((bucket, cached rows), prompts per step); 0 when compiled (class docstring)."""
+        from slope_jax import compile_cache
+
         key, m = shape
         key = (key[0], m, key[1]) if isinstance(key, tuple) and key[1] else (
             (key[0], m) if isinstance(key, tuple) else (key, m))
-        seen = self.engine.compile_ms  # insertion-ordered: the last entry is the latest compile
-        if key in seen:
+        self._record()
+        if key in self.engine.compile_ms:
             return 0.0
-        return next(reversed(seen.values())) if seen else self.compile_prior_ms
+        if compile_cache.step_key(key) in self.cached:
+            ms = self._latest(loads=True)
+            return self.compile_prior_ms * CACHE_HIT_FRACTION if ms is None else ms
+        ms = self._latest(loads=False)
+        return self.compile_prior_ms if ms is None else ms
 
     def observe(self, lengths: list[int], measured_ms: float) -> None:
         """Fold in one finished batch's measured compute (ms, compilation excluded)."""
+        self._record()
         self.model.observe(lengths, measured_ms)
 
 
 def batch_model(engine, hardware: str, dtype: str, devices_per_host: int) -> BatchModel:
     """The scheduler's batch-time model for `engine` (see `BatchModel`), from `slope_jax.plan.predict` on
-    `hardware` (a profile name) for the engine's layout and dtype, with `compile_prior_ms` (warm or cold persistent
-    cache) as the compile estimate before the first compile."""
+    `hardware` (a profile name) carried over to this machine (`this_machine`) for the engine's layout and dtype, with
+    `compile_prior_ms` as the estimate of a full compile before the first one is measured."""
     from slope_jax.plan import predict
 
+    name, hardware = hardware, this_machine(hardware)
     parallel = engine.parallel
     layout = parallel.replace(expert=parallel.expert_degree(engine.cfg))
 
@@ -160,4 +249,4 @@ def batch_model(engine, hardware: str, dtype: str, devices_per_host: int) -> Bat
         return float(predict(engine.cfg, layout, n - cached, hardware, bucket=bucket, dtype=dtype, cached=cached,
                              devices_per_host=devices_per_host).ttft_ms)
 
-    return BatchModel(engine, step_ms, compile_prior_ms(hardware, cache_warm=persistent_cache_warm()), hit_ms)
+    return BatchModel(engine, step_ms, compile_prior_ms(name), hit_ms)
