@@ -67,6 +67,9 @@ flags.DEFINE_integer("e2e_repeats", 3, "End-to-end hand-offs per size and transp
                      "medians over the others.")
 flags.DEFINE_integer("itl_mb", 1024, "KV size (MiB) loaded while other requests decode (0: skip).")
 flags.DEFINE_integer("neighbours", 4, "Requests decoding while the itl_mb export loads.")
+flags.DEFINE_float("vllm_switch_interval_ms", None, "Diagnostic: the vLLM process's GIL switch interval (ms; "
+                   "Python's default 5): how much the connector's background read or pull waits for the GIL while "
+                   "vLLM's step loop runs.")
 flags.DEFINE_string("vllm_python", os.environ.get("SLOPE_VLLM_PYTHON", os.path.join(REPO, ".venv-vllm", "bin",
                                                                                        "python")),
                     "python of the vLLM venv (end to end).")
@@ -330,7 +333,8 @@ def run_e2e(workdir: str) -> dict:
     sizes = [int(x) for x in FLAGS.e2e_sizes_mb]
     biggest = _tokens_of(max(sizes + [FLAGS.itl_mb]))
     dec = e2e.Decoder(FLAGS.vllm_python, model, biggest, biggest * BYTES_PER_TOKEN + (256 << 20), weights,
-                      os.path.join(workdir, "vllm.log"))
+                      os.path.join(workdir, "vllm.log"),
+                      None if FLAGS.vllm_switch_interval_ms is None else FLAGS.vllm_switch_interval_ms / 1e3)
     pool = None
     if "nixl" in FLAGS.e2e_transports:
         from slope_jax.kv import nixl_transport as nt
@@ -367,7 +371,7 @@ def run_e2e(workdir: str) -> dict:
         if pool is not None:
             pool.close()
     return {"model": "gpt-oss-20b KV cut (handoff_e2e.make_cut)", "vllm_init_s": dec.init_s, "rows": rows,
-            "itl": itl_row}
+            "itl": itl_row, "vllm_switch_interval_ms": FLAGS.vllm_switch_interval_ms}
 
 
 def _median_parts(runs: list[dict], nbytes: int) -> dict:

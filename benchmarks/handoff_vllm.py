@@ -5,7 +5,8 @@ PYTHONPATH.
 
     python benchmarks/handoff_vllm.py '<spec JSON>'
 
-spec: {"model": dir, "dtype": "bfloat16", "max_model_len": int, "kv_cache_bytes": int, "extra_config": {...}}
+spec: {"model": dir, "dtype": "bfloat16", "max_model_len": int, "kv_cache_bytes": int, "extra_config": {...},
+       "switch_interval_s": the GIL's switch interval (optional; Python's default 0.005)}
 Commands (stdin) and answers (stdout, after a line "ready"):
 - {"op": "request", "id", "prompt": [ids], "params": kv_transfer_params or null, "neighbours": k, "neighbour_len",
    "warm_tokens": w, "max_tokens": 1}: k neighbour requests (prompts of `neighbour_len` tokens, ignore_eos, as many
@@ -113,6 +114,8 @@ def _request(engine, cmd: dict) -> dict:
 
 def main(spec_json: str) -> None:
     spec = json.loads(spec_json)
+    if spec.get("switch_interval_s"):  # the GIL's switch interval (Python's default 5 ms): a diagnostic
+        sys.setswitchinterval(spec["switch_interval_s"])
     engine = _engine(spec)
     print("ready", flush=True)
     for line in sys.stdin:
