@@ -15,8 +15,9 @@ kind of kernel runs, which three micro-kernels per activation dtype measure:
 Each is the best of several runs (a busy neighbour slows some, not the best). Cached in
 `$XDG_CACHE_HOME/slope_jax/machine/<fingerprint>.json` (default `~/.cache/slope_jax/machine/`); the fingerprint
 hashes the CPU model, the ISA flags that change kernel choice (AVX-512, AMX, …), the usable cores and the jax/jaxlib
-versions. A result measured on a busy host (1-minute load average > cores / 2) is measured again at the next start
-where the host is quieter. `SLOPE_JAX_MACHINE_CALIBRATION=off` turns the adaptation off (the profile as shipped).
+versions. A result measured on a busy host (1-minute load average > cores / 2) is measured again at the next starts
+(at most `MAX_MEASURES` in all) and merged per kernel with the earlier ones (`best_of`: the quiet machine).
+`SLOPE_JAX_MACHINE_CALIBRATION=off` turns the adaptation off (the profile as shipped).
 Profiles without `machine_reference` (the accelerator ones) are returned unchanged.
 """
 
@@ -40,6 +41,7 @@ KERNELS = ("gemm_flops", "element_s", "entry_s")
 _FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
           "amx_int8", "sve", "asimd")
 # the per-step and per-element coefficients follow the element kernel; attention_entry_s the softmax kernel
+MAX_MEASURES = 8  # micro-measures merged into one machine's entry while the host stays busy
 _ELEMENT_TERMS = ("element_s", "moe_tile_s", "weight_byte_s", "overhead_s", "layer_overhead_s")
 
 
@@ -146,9 +148,9 @@ def _element_chain(x, w):
 
 def measured(refresh: bool = False) -> dict:
     """This machine's micro-measure `{"fingerprint", "measured_at", "loadavg", "cores", "kernels": {dtype: ...}}`,
-    from the cache when it holds one for this fingerprint (taken on a host no busier than now, or at most half
-    loaded), else measured now (merged with the cached one by `best_of`: the quiet machine) and cached (atomic
-    write; a cache that cannot be written is logged and skipped). `refresh`: measure now in any case."""
+    from the cache when it holds one for this fingerprint taken on a host at most half loaded, else measured now
+    (merged with the cached one by `best_of`: the quiet machine; `MAX_MEASURES` at most) and cached (atomic write;
+    a cache that cannot be written is logged and skipped). `refresh`: measure now in any case."""
     fp = fingerprint()
     path = os.path.join(cache_dir(), f"{fp['id']}.json")
     n, load, previous = cores(), os.getloadavg()[0], None
@@ -159,13 +161,18 @@ def measured(refresh: bool = False) -> dict:
             previous = entry
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
-    if previous is not None and not refresh and not (previous["loadavg"] > n / 2 and load < previous["loadavg"] - 0.5):
+    # a busy host's figures (load above half the cores then) are measured again at the next starts, merged by
+    # `best_of`, until one start finds the host quiet or MAX_MEASURES were taken
+    busy = previous is not None and previous["loadavg"] > n / 2 and previous.get("measures", 1) < MAX_MEASURES
+    if previous is not None and not refresh and not busy:
         return previous
     t0 = time.perf_counter()
     entry = {"fingerprint": fp, "measured_at": time.time(), "loadavg": load, "cores": n,
-             "kernels": micro_measure(), "seconds": 0.0}
+             "kernels": micro_measure(), "seconds": 0.0, "measures": 1}
     if previous is not None:  # measured again (busier then, or asked): the best of both is this machine when quiet
         entry["kernels"] = best_of(previous["kernels"], entry["kernels"])
+        entry["measures"] = previous.get("measures", 1) + 1
+        entry["loadavg"] = min(load, previous["loadavg"])
     entry["seconds"] = time.perf_counter() - t0
     log.info("machine micro-measure %s in %.1f s (load %.1f on %d cores): %s", fp["id"], entry["seconds"], load, n,
              entry["kernels"])
