@@ -84,6 +84,10 @@ def test_goals_pick_first_rate_below_90_percent():
     assert g["attainment_at_least_vllm_every_rate"] is True
     assert g["rate_vllm_below_90"] == 0.4 and g["goodput_ratio_there"] == pytest.approx(1.6)
     assert g["goodput_at_least_1.5x"] is True
+    assert g["goodput_ratio_ceiling_there"] is None  # no offered load in these rows
+    assert g["goodput_ratio_by_rate"] == {"0.2": 1.0, "0.4": pytest.approx(1.6), "0.6": 3.0}
+    table[1]["vllm"]["offered_tokens_per_s"] = 500.0
+    assert slo_peer.goals(table)["goodput_ratio_ceiling_there"] == pytest.approx(1.25)
     table[1]["slope_jax"] = st(0.8, 500)
     g = slo_peer.goals(table)
     assert g["attainment_at_least_vllm_every_rate"] is False and g["goodput_at_least_1.5x"] is False
@@ -91,3 +95,4 @@ def test_goals_pick_first_rate_below_90_percent():
     assert g["rate_vllm_below_90"] is None and g["goodput_at_least_1.5x"] is None
     table[1]["vllm"] = st(0.0, 0.0)
     assert math.isinf(slo_peer.goals(table)["goodput_ratio_there"])
+    assert math.isinf(slo_peer.goals(table)["goodput_ratio_by_rate"]["0.4"])
