@@ -165,7 +165,8 @@ def _assert_same(got: dict, want: dict) -> None:
 def test_pull_equals_the_export_then_the_entry_is_freed(server, reader, tmp_path):
     path = _export(tmp_path, "doc-1", 23)
     want = kvfmt.load(path)
-    assert want[0].k.shape == (CONFIG_A.sliding_window, KH, HD) and want[1].k.shape == (23, KH, HD)
+    lo, hi = kvfmt.kept_range(23, CONFIG_A.layer_types[0], CONFIG_A.sliding_window, False)  # format's rule
+    assert want[0].k.shape == (hi - lo, KH, HD) and want[1].k.shape == (23, KH, HD)
     pool = server.pool(capacity_bytes=1 << 20)
     params = server("publish_export", pool=pool, path=path)
     assert params[nt.PARAMS_KEY]["manifest"] == kvfmt.read_manifest(path)

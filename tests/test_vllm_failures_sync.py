@@ -8,9 +8,9 @@ fit and vLLM preempts one (and later resumes it: its prompt's KV is loaded again
 - plain: the references, one request at a time (no preemption);
 - preempt: three export requests decoding 100 tokens at once: one is preempted (vLLM's own count); all three decode
   the plain tokens with n−1 tokens loaded, and the connector logs the second load;
-- fail / recompute: an export deleted or one byte flipped right after validation (the driver's hook), next to a healthy
-  request: under `fail` that request ends with an error, under `recompute` vLLM prefills it (the plain tokens, status
-  "recomputed: the KV load failed: …", 0 tokens loaded); the healthy one loads.
+- fail / recompute: an export truncated or one byte flipped right after validation (the driver's hook), next to a
+  healthy request: under `fail` that request ends with an error, under `recompute` vLLM prefills it (the plain
+  tokens, status "recomputed: the KV load failed: …", 0 tokens loaded); the healthy one loads.
 The asynchronous paths are tests/test_vllm_failures.py's.
 """
 
@@ -33,8 +33,8 @@ NUM_BLOCKS = 20  # 640 token slots: three requests of 150 + 100 tokens (8 blocks
 N = 150
 MAX_TOKENS = 100
 NAMES = ["p0", "p1", "p2", "healthy"]
-FAULTS = [("fail/delete", "delete"), ("fail/flip", "flip"), ("recompute/delete", "delete"),
-          ("recompute/flip", "flip")]
+FAULTS = [("fail/truncate", "truncate"), ("fail/flip", "flip"), ("recompute/truncate", "truncate"),
+          ("recompute/flip", "flip")]  # (a deleted file no longer fails a load: the connector holds it open)
 
 
 def _prompt(name):

@@ -13,8 +13,9 @@ r"""The prefill endpoint of a prefill/decode (P/D) deployment: an OpenAI-style c
            offsets and XXH3-128 digests, manifest): the same KV, copied into process 0's registered pool
            ($SLOPE_JAX_KV_POOL_GIB, default 1 GiB; lease $SLOPE_JAX_KV_LEASE_S, default 60 s) and pulled by the
            decode side over NIXL (UCX) without a shared filesystem; `publish_ms` says what the copy took. Absent if
-           NIXL is not installed, the pool is off (0 GiB) or full of held entries, or the request's
-           kv_transfer_params say {"slope_jax_transport": "files"}.
+           NIXL is not installed, the pool is off (0 GiB) or full of held entries, and unless the request's
+           kv_transfer_params say {"do_remote_decode": true} (a P/D proxy's: the KV goes to a remote decoder) without
+           "slope_jax_transport": "files".
       400: the request breaks a rule; `error.param` names the field and `error.message` the rule (the launcher's
            request boundary, `slope_jax.serve.requests`, unchanged: same checks, same messages).
       404: `model` is not the served model.  409: the request id's export exists (the launcher's --overwrite).
@@ -41,8 +42,8 @@ shape; `top_logprobs` keys are token ids as strings: distinct tokens can decode 
 number > 0 (default --ttft_slo_ms). `request_id` (or header X-Request-Id): names the KV export directory, the
 boundary's id rule, unique within the run; default "cmpl-<32 hex>". `model`: absent or the served name
 (--http_model_name). `stream`, `echo`: absent or false; `n`, `best_of`: absent or 1. `kv_transfer_params`: the P/D
-proxy's {"do_remote_decode": true, ...}; only its "slope_jax_transport" is read ("files": no NIXL publication; the
-export file is always written). `cache_salt`: the
+proxy's {"do_remote_decode": true, ...}: with do_remote_decode the KV is also published in the NIXL pool, unless
+"slope_jax_transport" is "files" (the export file is always written). `cache_salt`: the
 tenant whose prefix cache the prompt may use and whose export it is. Every other field (sampling options, structured
 outputs, `prompt_logprobs`, ...) shapes decoding only and is ignored, as vLLM ignores fields it does not know: the
 prefill's own first token is always greedy (argmax), and the decode engine recomputes the last prompt position and
@@ -119,7 +120,7 @@ class Validated:
 
     def __init__(self, request: requests.Request, logprobs: int | None, ignored: list[str] = (), chat: bool = False):
         self.request, self.logprobs, self.ignored, self.chat = request, logprobs, list(ignored), chat
-        self.nixl = True  # publish its KV in the NIXL pool too (kv_transfer_params.slope_jax_transport != "files")
+        self.nixl = False  # publish its KV in the NIXL pool too (`validate`: do_remote_decode, not "files")
         self.id = request.id
         self.line = json.dumps({"id": request.id, "tokens": request.tokens.tolist(),
                                 **({} if request.ttft_slo_ms is None else {"ttft_slo_ms": request.ttft_slo_ms}),
@@ -192,7 +193,8 @@ def validate(body: bytes, headers: dict, number: int, *, model_name: str, vocab_
     except kvfmt.ExportExistsError as e:
         raise HttpError(409, f"{where} ({req.id}): {e}", param_id) from e
     v = Validated(req, logprobs, sorted(set(obj) - fields), chat)
-    v.nixl = (obj.get("kv_transfer_params") or {}).get(TRANSPORT_PARAM, "nixl") != "files"
+    ktp = obj.get("kv_transfer_params") or {}  # a P/D proxy's: the KV goes to a remote decoder
+    v.nixl = bool(ktp.get("do_remote_decode")) and ktp.get(TRANSPORT_PARAM, "nixl") != "files"
     return v
 
 
