@@ -105,6 +105,13 @@ class _Load:
     block_ids: set[int]
     how: str = SYNC
     fallback: plan.Validated | None = None  # a NIXL load's file export, read if the pull fails
+    source: str | None = None  # the export directory behind the pin `export.path` (messages)
+
+    def where(self, text: str) -> str:
+        """`text` naming the export rather than the connector's pin of it."""
+        if self.source and isinstance(self.export, plan.Validated) and self.export.path != self.source:
+            return text.replace(self.export.path, self.source)
+        return text
 
 
 @dataclasses.dataclass
@@ -394,7 +401,7 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
             written = {int(b) for group in block_ids for b in group}
         written.discard(self._null_block)
         how = self._how(d.export)
-        self._pending.append(_Load(request.request_id, d.export, rows, written, how, d.fallback))
+        self._pending.append(_Load(request.request_id, d.export, rows, written, how, d.fallback, d.source))
         # A SYNC load is in this step's forward pass: a failure comes back with the step's output (and vLLM then
         # recomputes or fails the request) before the request can finish. An asynchronous one is "loading" until the
         # worker confirms it (update_connector_output, before vLLM schedules the request again).
@@ -447,6 +454,11 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
     # Worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         self._static_layers = self._vllm_config.compilation_config.static_forward_context
+        try:  # the NIXL agent now, not in the first request's pull (UCX start-up: ~0.1-0.4 s)
+            self._reader = nt.KVReader(hold_s=self._nixl_timeout_s, timeout_s=self._nixl_timeout_s)
+        except Exception as e:  # noqa: BLE001 - NIXL not installed: file exports only (a NIXL record then fails)
+            logger.info("SlopeJaxConnector: no NIXL reader (%s: %s); NIXL hand-offs will fail over to files or "
+                        "fail closed", type(e).__name__, e)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         """SYNC and INLINE loads are read, verified and written here; BACKGROUND loads start their read. vLLM calls
@@ -464,7 +476,7 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
                     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="slope_jax_kv_load")
                 self._inflight[load.req_id] = (load, self._pool.submit(self._prepare, load), t0)
                 logger.info("SlopeJaxConnector: request %s: reading %s in the background", load.req_id,
-                            load.export.path)
+                            load.source or load.export.path)
                 continue
             try:
                 self._write(load, self._prepare(load), t0)
@@ -562,12 +574,13 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker_meta.loaded.add(load.req_id)
         self._worker_meta.transports[load.req_id] = self._via.pop(load.req_id, handoff.FILE)
         logger.info("SlopeJaxConnector: request %s: injected %d tokens from %s in %.1f ms (%s)", load.req_id,
-                    load.export.num_tokens - 1, load.export.path, dt * 1e3, load.how)
+                    load.export.num_tokens - 1, load.source or load.export.path, dt * 1e3, load.how)
 
     def _failed(self, load: _Load, e: Exception) -> None:
         why = str(e) if isinstance(e, (plan.ExportRefused, kvfmt.KVFormatError)) else f"{type(e).__name__}: {e}"
+        why = load.where(why)
         logger.error("SlopeJaxConnector: request %s: loading %s failed (%s); reported as a failed load, "
-                     "kv_load_failure_policy decides", load.req_id, load.export.path, why)
+                     "kv_load_failure_policy decides", load.req_id, load.source or load.export.path, why)
         self._worker_meta.failures[load.req_id] = why
         self._via.pop(load.req_id, None)
         if load.how == SYNC:

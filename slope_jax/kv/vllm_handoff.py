@@ -117,7 +117,10 @@ class Pin:
             for name in files:
                 if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
                     raise ValueError(f"files: {name!r} is not a file name")
-                self._link(name)
+                try:
+                    self._link(name)
+                except FileNotFoundError:
+                    pass  # not linked: validation refuses the export naming the missing file
         except (OSError, ValueError, kvfmt.KVFormatError) as e:
             self.close()
             raise plan.ExportRefused(f"{path}: cannot open the export ({type(e).__name__}: {e}): removed before it "
@@ -170,7 +173,7 @@ def choose_pinned(params: dict | None, prompt: np.ndarray, index, **validate_kwa
                 return plan.validate(pin.dir, prompt, params=params, **validate_kwargs), found, pin
             except plan.ExportRefused as e:
                 pin.close()
-                refused.append(str(e))
+                refused.append(str(e).replace(pin.dir, pin.source))  # name the export, not its pin
     if refused:
         raise plan.ExportRefused(refused[0] if len(refused) == 1 else
                                  f"{len(refused)} exports of this prompt, none usable: " + "; ".join(refused))
