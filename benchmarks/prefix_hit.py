@@ -2,6 +2,7 @@
 
     python benchmarks/prefix_hit.py                                   # peer config, 32768 tokens, 512 new, bf16
     python benchmarks/prefix_hit.py --model=tiny --tokens=2048 --new=256 --repeats=1 --out=/tmp/ph.json   # smoke
+    python benchmarks/prefix_hit.py --refit=a.json,b.json     # fit the profile's prefix_entry_s to written hits
 
 Engine: `PrefillEngine` (prefix reuse on, its defaults) on ONE CPU device, `--dtype`, on the dense peer checkpoint of
 benchmarks/peer_cpu.py (configs/peer-hd64.json; `--model=tiny`: checkpoints/tiny-gpt-oss). Prompt: `--tokens`
@@ -17,11 +18,13 @@ timing one cold and one hit (which goes first flips every round), best of them e
 (issue-30 goal ≤ 0.15).
 
 Predicted: `predict_hit_ms` below — what the launcher's scheduler predicts for a hit (`serve.slo.batch_model`'s
-`hit_ms`): `plan.predict(cfg, layout, n_new, hardware, bucket=<the hit's new-token bucket>, cached=n_cached)`, i.e.
-the per-device cost of a step of bucket(n_new) tokens (their causal attention, MoE, projections, fixed and per-layer
-overheads) plus `flops.cached_prefix_attention`: the new tokens' attention over the n_cached reused keys (all of them
-on full layers, the last W−1 on sliding ones, tile-rounded); and `predict_cold_ms` = `plan.predict` of the whole
-prompt's bucket. Goal: predicted within 25 % of measured. Writes JSON via common.write_result (default
+`hit_ms`, on the profile carried over to this machine by `serve.slo.this_machine` as the launcher loads it; the
+shipped profile's figure is recorded too): `plan.predict(cfg, layout, n_new, hardware, bucket=<the hit's new-token
+bucket>, cached=n_cached)`, i.e. the per-device cost of a step of bucket(n_new) tokens (their causal attention, MoE,
+projections, fixed and per-layer overheads) plus `flops.cached_prefix_attention`: the new tokens' attention over the
+n_cached reused keys (all of them on full layers, the last W−1 on sliding ones, tile-rounded; its score entries at
+the profile's `prefix_entry_s`); and `predict_cold_ms` = `plan.predict` of the whole prompt's bucket. Goal: predicted
+within 25 % of measured. Writes JSON via common.write_result (default
 benchmarks/measured/cpu/prefix_hit.json).
 """
 
@@ -36,7 +39,7 @@ REPO = os.path.dirname(HERE)
 GOAL_RATIO, GOAL_PREDICTION = 0.15, 0.25
 
 
-def predict_hit_ms(cfg, n_new: int, n_cached: int, hardware: str = "cpu", *, dtype: str = "bfloat16",
+def predict_hit_ms(cfg, n_new: int, n_cached: int, hardware="cpu", *, dtype: str = "bfloat16",
                    engine=None) -> float:
     """Predicted compute ms of a prefix hit on one device: n_new new tokens attending to n_cached + n_new keys.
 
@@ -56,7 +59,7 @@ def predict_hit_ms(cfg, n_new: int, n_cached: int, hardware: str = "cpu", *, dty
                          devices_per_host=1).ttft_ms)
 
 
-def predict_cold_ms(cfg, n: int, hardware: str = "cpu", *, dtype: str = "bfloat16", engine=None) -> float:
+def predict_cold_ms(cfg, n: int, hardware="cpu", *, dtype: str = "bfloat16", engine=None) -> float:
     """Predicted compute ms of a cold n-token prefill on one device (`plan.predict` at the engine's bucket)."""
     from slope_jax.parallel.config import ParallelConfig
     from slope_jax.plan import predict
@@ -65,11 +68,66 @@ def predict_cold_ms(cfg, n: int, hardware: str = "cpu", *, dtype: str = "bfloat1
     return float(predict(cfg, ParallelConfig(), n, hardware, bucket=bucket, dtype=dtype, devices_per_host=1).ttft_ms)
 
 
+def _config_dict(checkpoint: str) -> dict:
+    """The checkpoint's config.json (what the engine ran: the peer checkpoint's weights are bf16, not mxfp4)."""
+    import json
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        return json.load(f)
+
+
+def _run(path: str) -> dict:
+    """One written result as a `plan.calibrate.hit_ms` run: its hit shape, measured ms and micro-measure."""
+    import json
+
+    with open(path) as f:
+        d = json.load(f)
+    s = d["summary"]
+    return {"path": path, "new": s["new"], "cached": s["cached"], "bucket": s["hit_step_key"][0], "dtype": d["dtype"],
+            "micro_measure": d.get("micro_measure"), "config": d.get("config"), "ms": s["hit_s"] * 1e3}
+
+
+def refit(paths: list[str], hardware: str, config: str) -> None:
+    """Fit the profile's `prefix_entry_s` (its dtype's) to the measured hits of `paths` (this script's JSON; each
+    predicted for its own config and under its own run's micro-measure; `config`: for results without one) and
+    write it into the profile `hardware` (configs/hardware/<name>.json or a path)."""
+    import json
+
+    from slope_jax.model.config import ModelConfig
+    from slope_jax.plan import calibrate, hardware as hw_lib
+
+    cfg = ModelConfig.from_json(config)
+    runs = [_run(p) for p in paths]
+    hw = hw_lib.load(hardware)
+    seconds, errors = calibrate.fit_prefix_entry(cfg, hw, runs)
+    path = hardware if os.path.exists(hardware) else os.path.join(hw_lib.HARDWARE_DIR, f"{hardware}.json")
+    with open(path) as f:
+        d = json.load(f)
+    for dt in sorted({r["dtype"] for r in runs}):
+        eff = d.get("efficiency_by_dtype", {}).get(dt) or d["efficiency"]
+        eff["prefix_entry_s"] = seconds
+    shapes = ", ".join(f"{r['cached'] + r['new']} tokens / {r['new']} new" for r in runs)
+    d["sources"]["prefix_entry_s"] = (
+        f"fitted by benchmarks/prefix_hit.py --refit to the measured prefix hits of the peer config ({shapes}; "
+        f"{', '.join(sorted({r['dtype'] for r in runs}))}, one CPU device), each predicted under its run's "
+        "plan.machine micro-measure: least squares of the relative errors; scaled by the softmax micro-kernel "
+        "(plan.machine) like attention_entry_s")
+    with open(path, "w") as f:
+        json.dump(d, f, indent=2)
+        f.write("\n")
+    for r, e in zip(runs, errors):
+        print(f"{r['path']}: {r['cached']} cached + {r['new']} new: measured {r['ms']:.0f} ms, predicted "
+              f"{r['ms'] * (1 + e):.0f} ms ({e:+.1%})")
+    print(f"prefix_entry_s = {seconds * 1e9:.3f} ns per entry; wrote {path}")
+
+
 def main(argv):
     del argv
     from absl import flags
 
     F = flags.FLAGS
+    if F.refit:
+        return refit(F.refit, F.hardware, os.path.join(F.checkpoint_dir, "config.json"))
     from slope_jax import xla_env
 
     xla_env.configure(cpu_devices=1)  # one CPU device
@@ -142,8 +200,14 @@ def main(argv):
     best_hit = min(x["hit"]["compute_s"] for x in timed)
     best_cold_wall = min(x["cold"]["wall_s"] for x in timed)
     best_hit_wall = min(x["hit"]["wall_s"] for x in timed)
-    pred_hit = predict_hit_ms(eng.cfg, n - p, p, F.hardware, dtype=F.dtype, engine=eng) / 1e3
-    pred_cold = predict_cold_ms(eng.cfg, n, F.hardware, dtype=F.dtype, engine=eng) / 1e3
+    from slope_jax.plan import hardware as hw_lib, machine
+
+    # as the launcher predicts (serve.slo.this_machine: plan.machine.adapt): the profile rescaled to this machine by
+    # its micro-measure, read once here so that the recorded one is the one the prediction used
+    hw_here, micro = machine.adapt_measured(hw_lib.load(F.hardware))
+    pred_hit = predict_hit_ms(eng.cfg, n - p, p, hw_here, dtype=F.dtype, engine=eng) / 1e3
+    pred_cold = predict_cold_ms(eng.cfg, n, hw_here, dtype=F.dtype, engine=eng) / 1e3
+    pred_hit_shipped = predict_hit_ms(eng.cfg, n - p, p, F.hardware, dtype=F.dtype, engine=eng) / 1e3
     hit_key = eng.step_key(n, p)
     summary = {
         "tokens": n, "cached": p, "new": n - p, "cold_bucket": eng.bucket(n), "hit_step_key": list(hit_key),
@@ -152,6 +216,9 @@ def main(argv):
         "cold_wall_s": best_cold_wall, "hit_wall_s": best_hit_wall, "ratio_wall": best_hit_wall / best_cold_wall,
         "predicted_hit_s": pred_hit, "predicted_cold_s": pred_cold,
         "hit_prediction_error": pred_hit / best_hit - 1, "cold_prediction_error": pred_cold / best_cold - 1,
+        "predicted_hit_shipped_profile_s": pred_hit_shipped,
+        "hit_prediction_error_shipped_profile": pred_hit_shipped / best_hit - 1,
+        "machine_rescaling": hw_here.sources.get("machine", "none (the profile as shipped)"),
         "prediction_goal": GOAL_PREDICTION,
         "compile_s": {"cold_precompile": precompile_s, "prefix": prefix_run["compile_s"],
                       "hit": warm_hit["compile_s"]},
@@ -171,8 +238,10 @@ def main(argv):
     payload = {"model": F.model, "checkpoint": path, "dtype": F.dtype, "devices": 1, "hardware": F.hardware,
                "repeats": F.repeats, "timings": "warm-program (compiled in an untimed warm-up); best of repeats",
                "predictor": "predict_hit_ms: plan.predict(cfg, layout, n_new, hardware, bucket=engine.step_key(n, "
-                            "cached)[0], cached=n_cached), as serve.slo.batch_model's hit_ms",
-               "summary": summary, "rounds": rounds}
+                            "cached)[0], cached=n_cached), as serve.slo.batch_model's hit_ms, on the profile rescaled "
+                            "to this machine (serve.slo.this_machine; predicted_hit_shipped_profile_s: the profile as "
+                            "shipped)",
+               "config": _config_dict(path), "micro_measure": micro, "summary": summary, "rounds": rounds}
     write_result(F.out, payload, load_start=load0)
     print(f"wrote {F.out}")
 
@@ -189,6 +258,8 @@ def _define_flags():
     flags.DEFINE_string("hardware", "cpu", "Hardware profile of the prediction.")
     flags.DEFINE_string("checkpoint_dir", "/tmp/slope_jax_peer_hd64", "The dense peer checkpoint (peer_cpu.py).")
     flags.DEFINE_string("out", "benchmarks/measured/cpu/prefix_hit.json", "JSON output path.")
+    flags.DEFINE_list("refit", [], "Measure nothing: fit the profile's prefix_entry_s to these written results "
+                      "(peer config) and write it into --hardware's JSON.")
 
 
 if __name__ == "__main__":

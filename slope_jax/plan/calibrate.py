@@ -16,7 +16,8 @@ Rows: JSON `{"rows": [{"pipeline", "ring", "ulysses", "length", "batch", "ms", "
 (benchmarks/plan_measure_cpu.py, benchmarks/plan_holdout_cpu.py); `config`: a config.json path (relative paths are
 read from the repository root) or an HF config dict, default the `cfg` passed to `fit`; `dtype`: the step's
 activation dtype (default the profile's, float32 on the CPU). `fit_by_dtype` fits each dtype's rows apart (the
-profile's `efficiency` and `efficiency_by_dtype`).
+profile's `efficiency` and `efficiency_by_dtype`). `fit_prefix_entry` fits `prefix_entry_s` (a prefix hit's score
+entries over its cached keys) to measured hits (benchmarks/prefix_hit.py --refit), which cold rows cannot tell.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ def _features(cfg: ModelConfig, hw: Hardware, row: dict, devices_per_host: int) 
     kw = dict(batch=row.get("batch", 1), devices_per_host=devices_per_host, dtype=row.get("dtype"))
     p = predict(cfg, par, row["length"], dataclasses.replace(hw, efficiency=_UNIT, efficiency_by_dtype={}), **kw)
     tb = p.time_breakdown_ms
-    own = ("matmul", "attention", "elementwise", "attention_entries", "moe_tiles", "weights", "overhead",
-           "ring_ppermute_exposed")
+    own = ("matmul", "attention", "elementwise", "attention_entries", "prefix_entries", "moe_tiles", "weights",
+           "overhead", "ring_ppermute_exposed")
     comm = sum(v for k, v in tb.items() if k not in own)
     comm += predict(cfg, par, row["length"], dataclasses.replace(hw, efficiency_by_dtype={}),
                     **kw).time_breakdown_ms["ring_ppermute_exposed"]
@@ -117,6 +118,8 @@ def fit_by_dtype(cfg: ModelConfig, hw: Hardware, rows: list[dict], *, devices_pe
     for dtype, group in groups.items():
         eff, _ = fit(cfg, dataclasses.replace(hw, efficiency_by_dtype={}), group, devices_per_host=devices_per_host,
                      source=f"{source} ({dtype} rows)" if source else "", max_efficiency=max_efficiency)
+        # cold rows tell nothing of a prefix hit's cached-key entries: keep the profile's (fit_prefix_entry)
+        eff = dataclasses.replace(eff, prefix_entry_s=hw.for_dtype(dtype).efficiency.prefix_entry_s)
         fitted[dtype] = eff
         if dtype != base:
             by_dtype[dtype] = eff
@@ -189,3 +192,42 @@ def normalised(hw: Hardware, eff: Efficiency) -> Hardware:
     scaled = dataclasses.replace(eff, matmul=eff.matmul / scale, attention=eff.attention / scale,
                                  attention_one_device=None if one is None else one / scale)
     return dataclasses.replace(hw, peak_flops={k: v * scale for k, v in hw.peak_flops.items()}, efficiency=scaled)
+
+
+def with_prefix_entry(hw: Hardware, dtype: str, seconds: float | None) -> Hardware:
+    """`hw` with `prefix_entry_s` = `seconds` in the efficiency of `dtype` steps (`efficiency_by_dtype[dtype]` where
+    the profile has one, else `efficiency`)."""
+    if dtype in hw.efficiency_by_dtype:
+        eff = dataclasses.replace(hw.efficiency_by_dtype[dtype], prefix_entry_s=seconds)
+        return dataclasses.replace(hw, efficiency_by_dtype={**hw.efficiency_by_dtype, dtype: eff})
+    return dataclasses.replace(hw, efficiency=dataclasses.replace(hw.efficiency, prefix_entry_s=seconds))
+
+
+def hit_ms(cfg: ModelConfig, hw: Hardware, run: dict, prefix_entry_s: float | None = None) -> float:
+    """Predicted ms of one measured prefix hit `run` ({"new", "cached", "bucket", "dtype", "micro_measure"?,
+    "config"?}: one device) under `hw` (with `prefix_entry_s` for the run's dtype unless None), rescaled by the run's
+    own `plan.machine` micro-measure where it has one, as the launcher that ran it predicted; the run's `config`
+    (`row_config`), else `cfg`."""
+    from slope_jax.plan import machine
+
+    cfg = row_config(cfg, run)
+
+    if prefix_entry_s is not None:
+        hw = with_prefix_entry(hw, run["dtype"], prefix_entry_s)
+    if run.get("micro_measure"):
+        hw = machine.rescale(hw, run["micro_measure"])
+    return predict(cfg, ParallelConfig(), run["new"], hw, bucket=run["bucket"], dtype=run["dtype"],
+                   cached=run["cached"], devices_per_host=1).ttft_ms
+
+
+def fit_prefix_entry(cfg: ModelConfig, hw: Hardware, runs: list[dict]) -> tuple[float, list[float]]:
+    """`prefix_entry_s` (s per cached-prefix score entry, in `hw`'s reference units) fitted to measured prefix hits
+    `runs` (`hit_ms`'s fields and "ms", the measured hit) by least squares of the relative errors — the prediction
+    is linear in it — and each run's error (predicted / measured − 1) under it. Raises ValueError when the runs do
+    not leave a positive cost per entry."""
+    a = np.array([hit_ms(cfg, hw, r, 0.0) / r["ms"] for r in runs])
+    b = np.array([hit_ms(cfg, hw, r, 1e-9) / r["ms"] for r in runs]) - a  # per ns of prefix_entry_s
+    ns = float(b @ (1.0 - a) / (b @ b))
+    if not ns > 0:
+        raise ValueError(f"the measured hits leave no positive cost per cached-prefix entry (fit {ns:.3g} ns)")
+    return ns * 1e-9, list(a + b * ns - 1.0)

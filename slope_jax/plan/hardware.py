@@ -14,9 +14,11 @@ Profile fields (SI units):
   efficiency {matmul, attention: fraction of peak reached; attention_one_device: the attention's fraction of peak in
   the one-device program where it differs from the sharded program's (optional; absent = `attention`, the neutral
   value for every profile measured without that distinction); overhead_s per step; layer_overhead_s per executed
-  layer slot; source}, compile_s (optional: seconds XLA takes to compile one prefill step program on an idle host,
-  the serving loop's compile estimate before it has measured one; layers are scanned and tiles looped, so it barely
-  depends on depth or length), sources {field: citation},
+  layer slot; element_s, attention_entry_s, weight_byte_s, moe_tile_s: seconds per activation element, score
+  entry, weight byte, MoE tile; prefix_entry_s (optional: seconds per score entry of a prefix hit's attention over
+  its cached keys; absent or null = attention_entry_s); source}, compile_s (optional: seconds XLA takes to compile
+  one prefill step program on an idle host, the serving loop's compile estimate before it has measured one; layers
+  are scanned and tiles looped, so it barely depends on depth or length), sources {field: citation},
   efficiency_by_dtype (optional, {dtype: efficiency}: the efficiency of steps in that activation dtype where it was
   fitted apart — on the CPU bfloat16 steps pay conversions float32 steps do not; absent dtypes use `efficiency`),
   machine_reference (optional: `plan.machine` micro-measures taken on the calibration machine in the calibration run;
@@ -73,12 +75,23 @@ class Efficiency:
     weight_byte_s: float = 0.0
     # seconds per MoE tile (one iteration of the expert loop: weight slice, row gather, scatter-add); 0 where not fitted
     moe_tile_s: float = 0.0
+    # seconds per score entry of a prefix hit's attention over its cached keys (`flops.cached_prefix_attention`:
+    # `prefix_q_tile` × `prefix_kv_tile` tiles without a causal mask), per device; None = `attention_entry_s`. Apart
+    # because on XLA:CPU these wide tiles are bound by the elementwise passes over their float32 scores (max, exp,
+    # sum, the bf16 copy of the probabilities: ~0.9 ns per entry on 2 cores), dearer per entry than the causal
+    # attention `attention_entry_s` is fitted on; fitted from measured hits (benchmarks/prefix_hit.py).
+    prefix_entry_s: float | None = None
 
     def attention_for(self, devices: int) -> float:
         """The attention efficiency of a step on `devices` devices."""
         if devices == 1 and self.attention_one_device is not None:
             return self.attention_one_device
         return self.attention
+
+    @property
+    def prefix_entry(self) -> float:
+        """Seconds per cached-prefix score entry: `prefix_entry_s`, or `attention_entry_s` where not fitted."""
+        return self.attention_entry_s if self.prefix_entry_s is None else self.prefix_entry_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,12 +182,15 @@ def _efficiency(eff: dict[str, Any], source: str, where: str) -> Efficiency:
         v = eff.get(key, 0.0)
         if not isinstance(v, (int, float)) or not v >= 0:
             raise HardwareError(f"{source}: {where}.{key}={v!r} must be a number >= 0 (seconds)")
+    prefix = eff.get("prefix_entry_s")
+    if prefix is not None and (not isinstance(prefix, (int, float)) or not prefix >= 0):
+        raise HardwareError(f"{source}: {where}.prefix_entry_s={prefix!r} must be a number >= 0 (seconds) or null")
     one = eff.get("attention_one_device")
     return Efficiency(float(eff["matmul"]), float(eff["attention"]), float(eff.get("overhead_s", 0.0)),
                       float(eff.get("layer_overhead_s", 0.0)), str(eff.get("source", "")),
                       None if one is None else float(one), float(eff.get("element_s", 0.0)),
                       float(eff.get("attention_entry_s", 0.0)), float(eff.get("weight_byte_s", 0.0)),
-                      float(eff.get("moe_tile_s", 0.0)))
+                      float(eff.get("moe_tile_s", 0.0)), None if prefix is None else float(prefix))
 
 
 def _check_memory(d: dict[str, Any], source: str) -> None:

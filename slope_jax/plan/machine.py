@@ -11,7 +11,8 @@ kind of kernel runs, which three micro-kernels per activation dtype measure:
   gemm_flops   a `[1024, 512] @ [512, 1024]` matmul (FLOP/s)          → scales `peak_flops[dtype]`
   element_s    an RMS norm + SwiGLU chain over `[2048, 1024]` (s per element) → scales element_s, moe_tile_s,
                weight_byte_s, overhead_s, layer_overhead_s
-  entry_s      a softmax over `[8, 256, 1024]` score tiles (s per entry) → scales attention_entry_s
+  entry_s      a softmax over `[8, 256, 1024]` score tiles (s per entry) → scales attention_entry_s and
+               prefix_entry_s (a prefix hit's cached-key attention: bound by the same float32 score-tile passes)
 Each is the best of several runs (a busy neighbour slows some, not the best). Cached in
 `$XDG_CACHE_HOME/slope_jax/machine/<fingerprint>.json` (default `~/.cache/slope_jax/machine/`); the fingerprint
 hashes the CPU model, the ISA flags that change kernel choice (AVX-512, AMX, …), the usable cores and the jax/jaxlib
@@ -211,8 +212,9 @@ def scales(reference: dict, here: dict) -> dict:
 
 def rescale(hw: Hardware, here: dict) -> Hardware:
     """`hw` rescaled from its `machine_reference["kernels"]` to the kernel figures `here` (per dtype: peak × gemm
-    ratio; per-element, per-tile, per-weight-byte and fixed terms × element ratio; attention_entry_s × softmax
-    ratio). Dtypes absent from either side keep their figures. The efficiencies (fractions of peak) are kept."""
+    ratio; per-element, per-tile, per-weight-byte and fixed terms × element ratio; attention_entry_s and
+    prefix_entry_s × softmax ratio). Dtypes absent from either side keep their figures. The efficiencies (fractions
+    of peak) are kept."""
     ref = hw.machine_reference.get("kernels") or {}
     k = scales(ref, here)
     if not k:
@@ -223,7 +225,9 @@ def rescale(hw: Hardware, here: dict) -> Hardware:
         if dt not in k:
             return eff
         terms = {t: getattr(eff, t) * k[dt]["element"] for t in _ELEMENT_TERMS}
-        return dataclasses.replace(eff, attention_entry_s=eff.attention_entry_s * k[dt]["entry"], **terms)
+        prefix = None if eff.prefix_entry_s is None else eff.prefix_entry_s * k[dt]["entry"]
+        return dataclasses.replace(eff, attention_entry_s=eff.attention_entry_s * k[dt]["entry"],
+                                   prefix_entry_s=prefix, **terms)
 
     default = "float32" if hw.shared_compute else "bfloat16"
     by_dtype = {dt: scaled(e, dt) for dt, e in hw.efficiency_by_dtype.items()}
@@ -238,10 +242,16 @@ def adapt(hw: Hardware, refresh: bool = False) -> Hardware:
     """`hw` carried over to this machine (`rescale` by `measured()`), or `hw` unchanged when it has no
     `machine_reference`, does not share the host's cores (accelerator profiles), or `SLOPE_JAX_MACHINE_CALIBRATION`
     is `off`. The micro-measure runs on JAX's default device: call it where that is the CPU."""
+    return adapt_measured(hw, refresh)[0]
+
+
+def adapt_measured(hw: Hardware, refresh: bool = False) -> tuple[Hardware, dict | None]:
+    """`adapt`, and the kernel figures it rescaled by (`measured()["kernels"]`; None where it left `hw` as it is)."""
     if not hw.machine_reference or not hw.shared_compute or os.environ.get(ENV, "").lower() in ("off", "0", "no"):
-        return hw
+        return hw, None
     import jax
 
     if jax.default_backend() != "cpu":  # the kernels would run on the accelerator, not the host the profile models
-        return hw
-    return rescale(hw, measured(refresh)["kernels"])
+        return hw, None
+    kernels = measured(refresh)["kernels"]
+    return rescale(hw, kernels), kernels

@@ -5,6 +5,7 @@ TTFT model (per compiled step of `M` requests, `P` stages of `S` slots, `M + P �
   attention have separate efficiencies (from the hardware profile: cited measurements, or `calibrate` on the CPU) —
   + activation elements × `element_s` + attention score entries × `attention_entry_s` (`hardware.Efficiency`;
   0 where not fitted): the terms that do not scale with FLOPs, so that a profile carries over to other widths;
+  a prefix hit's score entries over its cached keys × `prefix_entry_s` (default `attention_entry_s`);
   + MoE tiles × `moe_tile_s` (per expert-loop iteration); weights: parameter bytes per device × ticks ×
   `weight_byte_s` (streamed once per layer pass);
   full layer   = projections + MoE + Ulysses all-to-alls (not overlapped) + ring step 0 +
@@ -159,13 +160,13 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
 
 
 def _with_cached_prefix(f: dict, extra: float, cfg: ModelConfig) -> dict:
-    """`flops.per_device`'s counts plus a prefix hit's attention over its cached keys (FLOPs and score entries)."""
-    if not extra:
-        return f
-    f = dict(f)
-    f["attention"] += extra
-    f["total"] += extra
-    f["attention_entries"] += extra / (4 * cfg.head_dim)
+    """`flops.per_device`'s counts plus a prefix hit's attention over its cached keys: its FLOPs join `attention`
+    (same efficiency), its score entries are counted apart (`prefix_entries`, costed at `Efficiency.prefix_entry`)."""
+    f = dict(f, prefix_entries=0.0)
+    if extra:
+        f["attention"] += extra
+        f["total"] += extra
+        f["prefix_entries"] = extra / (4 * cfg.head_dim)
     return f
 
 
@@ -184,8 +185,8 @@ def _breakdown_ms(times: dict[str, float], weight_s: float, overhead_s: float, c
     collective's exposed time, in ms."""
     return {"matmul": (times["matmul"] + times["head"]) * 1e3, "attention": times["attention"] * 1e3,
             "elementwise": times["elementwise"] * 1e3, "attention_entries": times["attention_entries"] * 1e3,
-            "moe_tiles": times["moe_tiles"] * 1e3, "weights": weight_s * 1e3,
-            "overhead": overhead_s * 1e3} | {k: v * 1e3 for k, v in comm.items()}
+            "prefix_entries": times["prefix_entries"] * 1e3, "moe_tiles": times["moe_tiles"] * 1e3,
+            "weights": weight_s * 1e3, "overhead": overhead_s * 1e3} | {k: v * 1e3 for k, v in comm.items()}
 
 
 def _compute_times(cfg: ModelConfig, hw: Hardware, f: dict, peak: float, devices: int, chunk_ratio: float
@@ -200,6 +201,7 @@ def _compute_times(cfg: ModelConfig, hw: Hardware, f: dict, peak: float, devices
            "head": f["head"] / (peak * eff.matmul),
            "elementwise": f["elements"] * eff.element_s * share,
            "attention_entries": f["attention_entries"] * eff.attention_entry_s * share,
+           "prefix_entries": f.get("prefix_entries", 0.0) * eff.prefix_entry * share,
            "moe_tiles": f["moe_tiles"] * eff.moe_tile_s * share}
     return {k: v * chunk_ratio for k, v in out.items()}
 
