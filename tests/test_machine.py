@@ -36,6 +36,10 @@ def test_rescale_follows_each_kernel_ratio_per_dtype():
     assert e.overhead_s == pytest.approx(0.015) and e.layer_overhead_s == pytest.approx(0.003)
     assert e.attention_entry_s == pytest.approx(1.4e-9) and e.weight_byte_s == pytest.approx(1.5e-11)
     assert b.element_s == pytest.approx(3e-9) and b.attention_entry_s == pytest.approx(7e-10) and b.matmul == 0.4
+    # a prefix hit's cached-key entries follow the softmax kernel too; unset (None) stays unset
+    assert e.prefix_entry_s is None and e.prefix_entry == pytest.approx(1.4e-9)
+    hit = dataclasses.replace(hw, efficiency=dataclasses.replace(hw.efficiency, prefix_entry_s=2e-9))
+    assert machine.rescale(hit, here).efficiency.prefix_entry_s == pytest.approx(4e-9)
     assert "gemm x0.50" in out.sources["machine"]
     # the same machine: the same predictions, in both dtypes
     cfg, par = CONFIG_A, ParallelConfig()
@@ -132,3 +136,32 @@ def test_committed_profile_predicts_the_measured_held_out_rows():
     assert len({r["name"] for r in held}) >= 3
     for r in run["rows"]:
         assert abs(calibrate.check_row(tiny, hw, r)["error"]) < 0.25, (r["name"], r["dtype"], r["length"])
+
+
+def test_committed_profile_predicts_the_measured_prefix_hits():
+    """The committed cpu.json, rescaled by each run's own micro-measure (as the launcher that ran it rescales it),
+    predicts the measured prefix hits of benchmarks/prefix_hit.py (peer config, bfloat16, one device: 32K tokens with
+    512 new — issue 30's must-show —, a 9.5K follow-up turn and a 20K prompt with 1024 new, the last one not fitted)
+    within 25 %, and each run's own recorded prediction agrees."""
+    import glob
+    import os
+
+    from support import REPO
+
+    from slope_jax.model.config import ModelConfig
+
+    cfg = ModelConfig.from_json(os.path.join(REPO, "configs", "peer-hd64.json"))  # each run carries its own
+    hw = hardware.load("cpu")
+    paths = sorted(glob.glob(os.path.join(REPO, "benchmarks", "measured", "cpu", "prefix_hit*.json")))
+    shapes = set()
+    for path in paths:
+        with open(path) as f:
+            d = json.load(f)
+        s = d["summary"]
+        run = {"new": s["new"], "cached": s["cached"], "bucket": s["hit_step_key"][0], "dtype": d["dtype"],
+               "micro_measure": d["micro_measure"], "config": d["config"]}
+        predicted = calibrate.hit_ms(cfg, hw, run) / 1e3
+        assert abs(predicted / s["hit_s"] - 1) < 0.25, (path, predicted, s["hit_s"])
+        assert predicted == pytest.approx(s["predicted_hit_s"], rel=1e-6), path
+        shapes.add((s["tokens"], s["new"]))
+    assert {(32768, 512), (9472, 512), (20480, 1024)} <= shapes

@@ -312,3 +312,40 @@ def test_a_prefix_hit_is_predicted_from_its_new_tokens_plus_their_attention_over
             sliding_rows = 256 * 2 * -(-(cfg.sliding_window - 1) // 256)
             assert extra == per_pair * 512 * (full * full_rows + sliding * sliding_rows)
         assert alone.ttft_ms < hit.ttft_ms < 0.1 * cold.ttft_ms
+
+
+def test_cached_prefix_entries_cost_prefix_entry_s_and_default_to_attention_entry_s(tmp_path):
+    """A hit's score entries over its cached keys are costed at `Efficiency.prefix_entry_s` (absent or null in the
+    profile: `attention_entry_s`, so accelerator profiles predict as before); a cold step never pays it."""
+    from slope_jax.model.config import ModelConfig
+
+    cfg = ModelConfig.from_json(os.path.join(REPO, "configs", "peer-hd64.json"))
+    par = ParallelConfig()
+    hw = hardware.load("cpu")
+    plain = calibrate.with_prefix_entry(hw, "float32", None)
+    extra = flops.cached_prefix_attention(cfg, 1, 1, 1, 512, 32256)
+    hit = predict(cfg, par, 512, plain, bucket=512, cached=32256, dtype="float32").time_breakdown_ms
+    assert hit["prefix_entries"] == pytest.approx(extra / (4 * cfg.head_dim) * plain.efficiency.attention_entry_s * 1e3)
+    dearer = calibrate.with_prefix_entry(hw, "float32", 3e-9)
+    a = predict(cfg, par, 512, plain, bucket=512, cached=32256, dtype="float32")
+    b = predict(cfg, par, 512, dearer, bucket=512, cached=32256, dtype="float32")
+    want = extra / (4 * cfg.head_dim) * (3e-9 - plain.efficiency.attention_entry_s) * 1e3
+    assert b.ttft_ms - a.ttft_ms == pytest.approx(want)
+    assert predict(cfg, par, 4096, dearer, dtype="float32").ttft_ms == pytest.approx(
+        predict(cfg, par, 4096, plain, dtype="float32").ttft_ms)  # no cached keys: unchanged
+    # bfloat16 has its own efficiency: setting it leaves the float32 one alone
+    b16 = calibrate.with_prefix_entry(hw, "bfloat16", 5e-9)
+    assert b16.efficiency_by_dtype["bfloat16"].prefix_entry == 5e-9 and b16.efficiency == hw.efficiency
+    for name in hardware.available():
+        e = hardware.load(name).efficiency
+        assert e.prefix_entry == (e.attention_entry_s if e.prefix_entry_s is None else e.prefix_entry_s)
+    assert hardware.load("h200").efficiency.prefix_entry_s is None
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(b16.to_dict()))
+    assert hardware.load(str(path)).efficiency_by_dtype["bfloat16"].prefix_entry_s == 5e-9
+    bad = b16.to_dict()
+    bad["efficiency"]["prefix_entry_s"] = -1
+    path.write_text(json.dumps(bad))
+    with pytest.raises(hardware.HardwareError, match=r"efficiency.prefix_entry_s=-1"):
+        hardware.load(str(path))
+    assert dataclasses.replace(hw.efficiency, prefix_entry_s=None).prefix_entry == hw.efficiency.attention_entry_s
