@@ -237,20 +237,22 @@ def test_greedy_continuation_equals_transformers_generate(name, source, policy, 
 
 def test_naive_cache_gets_the_wrong_position(exports, hf_models):
     """The bug this module exists for: loading a sliding layer's kept tail with update() alone makes transformers
-    believe the sequence is W tokens long, and the next token is decoded at the wrong position."""
+    believe the sequence is as long as the rows kept (W plus up to VLLM_BLOCK_MAX − 1, `kv.kept_range`), and the next
+    token is decoded at the wrong position. The 1000-token prompt: its sliding layers keep [841, 1000)."""
     import transformers
 
     model = hf_models["tiny"]
     prompts, ids = _prompts("tiny")
-    prompt, rid = prompts[4], ids[4]
+    prompt, rid = prompts[5], ids[5]
     path = exports[("tiny", "2proc-2x4", "last_window")] / rid
     first = kv.read_manifest(str(path))["first_token"]
     naive = transformers.DynamicCache(config=model.config)
     for layer, lk in kv.load(str(path)).items():
         naive.layers[layer].update(*(torch.from_numpy(np.array(a)).permute(1, 0, 2)[None] for a in (lk.k, lk.v)))
-    assert naive.get_seq_length() == TINY.sliding_window  # not len(prompt)
+    lo, hi = kv.kept_range(len(prompt), "sliding_attention", TINY.sliding_window, False)
+    assert lo > 0 and naive.get_seq_length() == hi - lo  # not len(prompt)
     ref = _forward(model, np.concatenate([prompt, [first]]))
-    assert np.abs(_forward(model, [first], naive) - ref).max() > 0.1  # measured 1.85 (n = 101), and another argmax
+    assert np.abs(_forward(model, [first], naive) - ref).max() > 0.1  # a wrong position: logits differ by O(1)
     good = kv.to_transformers_cache(path, model)
     assert good.get_seq_length() == len(prompt)
     assert np.abs(_forward(model, [first], good) - ref).max() <= LOGIT_TOL
@@ -278,10 +280,11 @@ def test_mismatched_model_is_refused(exports, hf_models):
     with pytest.raises(kv.KVModelMismatch, match="model fingerprint"):
         kv.to_transformers_cache(tiny_path, other_rope)
     assert kv.to_transformers_cache(tiny_path, other_rope, check_fingerprint=False).get_seq_length() == 101
-    # a cache the default export cannot serve: sliding layers keep only [n−W, n)
-    with pytest.raises(kv.KVFormatError, match=r"layer 0 \(sliding_attention\) holds \[69, 101\); a cache of 50 "
-                                               r"tokens needs \[19, 50\) \(export with kv_full"):
-        kv.to_transformers_cache(tiny_path, hf_models["tiny"], num_tokens=50)
+    # a cache the default export cannot serve: sliding layers keep only [n−W−127, n) (1000 tokens: [841, 1000))
+    long_path = exports[("tiny", "2proc-2x4", "last_window")] / "len-1000"
+    with pytest.raises(kv.KVFormatError, match=r"layer 0 \(sliding_attention\) holds \[841, 1000\); a cache of 500 "
+                                               r"tokens needs \[469, 500\) \(export with kv_full"):
+        kv.to_transformers_cache(long_path, hf_models["tiny"], num_tokens=500)
 
 
 def test_decode_cli_first_token_check_and_engines(exports, tmp_path):
@@ -374,7 +377,8 @@ def test_bfloat16_export_without_jax(tmp_path):
                       segments=records, files=files, first_token=5)
     out = subprocess.run([sys.executable, "-c", _NO_JAX_LOAD, str(export)], capture_output=True, text=True,
                          timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
-    assert out.returncode == 0 and out.stdout.split() == ["bfloat16", str(n), str(w)], out.stderr[-2000:]
+    lo, hi = kv.kept_range(n, "sliding_attention", w, False)  # the sliding rows a last_window export keeps
+    assert out.returncode == 0 and out.stdout.split() == ["bfloat16", str(n), str(hi - lo)], out.stderr[-2000:]
     exact = kv.to_transformers_cache(export, TINY)  # the export's dtype: bit-exact bfloat16
     wide = kv.to_transformers_cache(export, TINY, dtype=torch.float32)
     for layer, (k, v) in full.items():
