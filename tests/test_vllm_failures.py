@@ -27,16 +27,14 @@ from `kv_load_failure_policy` at start-up, and the connector's copy): one engine
 Another cache_salt and other weights are tests/test_vllm_identity.py's and tests/test_vllm_connector.py's.
 """
 
-import json
-import os
 import re
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
-from support import REPO, random_prompt
-from test_vllm_connector import CKPT, CFG, VLLM_PYTHON, _vllm_env
+from vllm_drivers import run_drivers
+from support import random_prompt
+from test_vllm_connector import CKPT, CFG
 
 from slope_jax import kv
 from slope_jax.kv import vllm_handoff as handoff
@@ -95,34 +93,22 @@ def _phases(exports, tampered, go):
 def run(tmp_path_factory):
     """Exports of every prompt (kv_full), the tampered copies, and the vLLM engine over them. Returns (results, out,
     engine log)."""
-    if not os.path.exists(VLLM_PYTHON):
-        pytest.fail(f"no vLLM venv at {VLLM_PYTHON}: create it with launch/vllm_venv.sh or set SLOPE_VLLM_PYTHON")
     base = tmp_path_factory.mktemp("vllm_failures")
     go, exports_dir = base / "exports-ready", base / "kv"
     exports = {name: exports_dir / name for name in LENGTHS if name != "a"}
     tampered = {rid: base / "tampered" / rid.replace("/", "-") / name for rid, name, _ in FAULTS + RACES}
-    spec, out, log = base / "spec.json", base / "out.json", base / "engine.log"
-    spec.write_text(json.dumps({"model": CKPT, "hybrid": True, "prefix_caching": True, "block_size": B,
-                                "max_model_len": N_BIG + 64, "kv_cache_bytes": 1 << 28,
-                                "extra_config": {"async_min_bytes": 4 << 20},
-                                "phases": _phases(exports, tampered, go)}))
-    proc = subprocess.Popen([VLLM_PYTHON, os.path.join(REPO, "tests", "vllm_failure_driver.py"), str(spec), str(out)],
-                            cwd=str(base), env=_vllm_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    try:
+    spec = {"model": CKPT, "hybrid": True, "prefix_caching": True, "block_size": B, "max_model_len": N_BIG + 64,
+            "kv_cache_bytes": 1 << 28, "extra_config": {"async_min_bytes": 4 << 20},
+            "phases": _phases(exports, tampered, go)}
+
+    def make_exports():
         eng = PrefillEngine.from_checkpoint(CKPT, dtype="float32", progress=False)
         names = list(exports)
         eng.prefill([np.asarray(_prompt(n)) for n in names], str(exports_dir), ids=names, kv_full=True)
-        del eng
         for rid, name, _ in FAULTS + RACES:  # the directory name is the manifest's request_id: copies keep it
             shutil.copytree(kv.resolve(str(exports[name])), tampered[rid])
-        go.write_text("go")
-        proc.wait(timeout=900)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = log.read_text()
-    assert proc.returncode == 0, text[-5000:]
-    data = json.loads(out.read_text())
+
+    data, text = run_drivers(base, {"engine": spec}, make_exports, go)["engine"]
     return data["results"], data, text
 
 

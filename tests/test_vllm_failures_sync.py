@@ -14,15 +14,13 @@ fit and vLLM preempts one (and later resumes it: its prompt's KV is loaded again
 The asynchronous paths are tests/test_vllm_failures.py's.
 """
 
-import json
-import os
 import re
-import subprocess
 
 import numpy as np
 import pytest
-from support import REPO, random_prompt
-from test_vllm_connector import CKPT, CFG, VLLM_PYTHON, _vllm_env
+from vllm_drivers import run_drivers
+from support import random_prompt
+from test_vllm_connector import CKPT, CFG
 from test_vllm_failures import LOGPROB_TOL, REASONS
 
 from slope_jax.kv import vllm_plan as plan
@@ -62,30 +60,18 @@ def _phases(exports, go):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """Exports (last_window) of every prompt and the vLLM engine over them. Returns (results, out, engine log)."""
-    if not os.path.exists(VLLM_PYTHON):
-        pytest.fail(f"no vLLM venv at {VLLM_PYTHON}: create it with launch/vllm_venv.sh or set SLOPE_VLLM_PYTHON")
     base = tmp_path_factory.mktemp("vllm_failures_sync")
     go, kv_dir = base / "exports-ready", base / "kv"
     names = NAMES + [f for f, _ in FAULTS]
     exports = {n: kv_dir / n.replace("/", "-") for n in names}
-    spec, out, log = base / "spec.json", base / "out.json", base / "engine.log"
-    spec.write_text(json.dumps({"model": CKPT, "hybrid": False, "prefix_caching": False, "block_size": B,
-                                "max_model_len": N + MAX_TOKENS + 16, "num_gpu_blocks": NUM_BLOCKS,
-                                "phases": _phases(exports, go)}))
-    proc = subprocess.Popen([VLLM_PYTHON, os.path.join(REPO, "tests", "vllm_failure_driver.py"), str(spec), str(out)],
-                            cwd=str(base), env=_vllm_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    try:
+    spec = {"model": CKPT, "hybrid": False, "prefix_caching": False, "block_size": B,
+            "max_model_len": N + MAX_TOKENS + 16, "num_gpu_blocks": NUM_BLOCKS, "phases": _phases(exports, go)}
+
+    def make_exports():
         eng = PrefillEngine.from_checkpoint(CKPT, dtype="float32", progress=False)
         eng.prefill([np.asarray(_prompt(n)) for n in names], str(kv_dir), ids=[e.name for e in exports.values()])
-        del eng
-        go.write_text("go")
-        proc.wait(timeout=900)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = log.read_text()
-    assert proc.returncode == 0, text[-5000:]
-    data = json.loads(out.read_text())
+
+    data, text = run_drivers(base, {"engine": spec}, make_exports, go)["engine"]
     return data["results"], data, text
 
 

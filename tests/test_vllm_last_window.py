@@ -13,15 +13,13 @@ multiple of both block sizes), 257 (one more), 300 (n−W = 260, unaligned for b
 The vLLM-free arithmetic (every n, every block size ≤ 128) is checked without vLLM below.
 """
 
-import json
-import os
 import re
-import subprocess
 
 import numpy as np
 import pytest
-from support import REPO, random_prompt
-from test_vllm_connector import CFG, CKPT, VLLM_PYTHON, _vllm_env
+from vllm_drivers import run_drivers
+from support import random_prompt
+from test_vllm_connector import CFG, CKPT
 
 from slope_jax import kv
 from slope_jax.kv import format as kvfmt
@@ -52,33 +50,15 @@ def runs(tmp_path_factory):
     """The `last_window` exports of every prompt and each engine's results over them: {engine: (results, log)}."""
     from slope_jax.serve.engine import PrefillEngine
 
-    if not os.path.exists(VLLM_PYTHON):
-        pytest.fail(f"no vLLM venv at {VLLM_PYTHON}: create it with launch/vllm_venv.sh or set SLOPE_VLLM_PYTHON")
     base = tmp_path_factory.mktemp("last_window")
     go, kv_dir = base / "exports-ready", base / "kv"
-    procs = {}
-    try:
-        for name, (pc, bs) in ENGINES.items():
-            (base / f"{name}.json").write_text(json.dumps(_spec(kv_dir, pc, bs, go)))
-            procs[name] = subprocess.Popen(
-                [VLLM_PYTHON, os.path.join(REPO, "tests", "vllm_failure_driver.py"), str(base / f"{name}.json"),
-                 str(base / f"{name}.out.json")], cwd=str(base), env=_vllm_env(),
-                stdout=open(base / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+
+    def exports():
         eng = PrefillEngine.from_checkpoint(CKPT, dtype="float32", progress=False)
         eng.prefill([_prompt(n) for n in LENGTHS], str(kv_dir), ids=[f"len-{n}" for n in LENGTHS], kv_full=False)
-        del eng
-        go.write_text("go")
-        for proc in procs.values():
-            proc.wait(timeout=900)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-    out = {}
-    for name, proc in procs.items():
-        text = (base / f"{name}.log").read_text()
-        assert proc.returncode == 0, (name, text[-5000:])
-        out[name] = json.loads((base / f"{name}.out.json").read_text())["results"], text
+
+    done = run_drivers(base, {name: _spec(kv_dir, pc, bs, go) for name, (pc, bs) in ENGINES.items()}, exports, go)
+    out = {name: (data["results"], text) for name, (data, text) in done.items()}
     return kv_dir, out
 
 
