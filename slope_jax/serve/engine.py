@@ -13,6 +13,7 @@ One device runs the single-device reference path (`model.forward`). More devices
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import time
@@ -128,6 +129,9 @@ class PrefillEngine:
         # "compiled, cache off"
         self.compile_source: dict[tuple[int, int], str] = {}
         self._met: set[tuple[int, int]] = set()  # steps whose first run every process reached (multi-process)
+        # names host-tier entries uniquely for this engine (an object id would be reused once its step is freed, and
+        # the new entry would replace an older one of another prompt under the same key)
+        self._host_seq = itertools.count()
         if parallel.num_devices == 1:
             self.mesh = None
             self.plan = stages.StagePlan.single_stage(cfg.num_hidden_layers)
@@ -600,7 +604,7 @@ class PrefillEngine:
                         ks[layer], vs[layer] = np.concatenate([pk, ks[layer]]), np.concatenate([pv, vs[layer]])
             whole = all(hit.prefix is None or hit.prefix.start.get(i, 0) == 0 for i in ks)
             if tier is not None and whole and hit.hashes:
-                tier.add(prefix_lib.HostEntry(f"{step.ids[j]}@{self.run_nonce}-{id(step)}", step.tokens[j],
+                tier.add(prefix_lib.HostEntry(f"{step.ids[j]}@{self.run_nonce}-{next(self._host_seq)}", step.tokens[j],
                                               hit.hashes, ks, vs))
             if return_kv:
                 res.kv = {i: LayerKV(ks[i], vs[i], np.arange(n - ks[i].shape[0], n, dtype=np.int32),
