@@ -12,10 +12,11 @@ Per hand-off (`Decoder.handoff`): `export_s` (files: the export written — safe
 atomic publication — as `kv.exporter` writes it; NIXL: `KVPool.publish`, the copy into the registered arena with
 an XXH3-128 per layer), then the request goes to vLLM (benchmarks/handoff_vllm.py, one in-process engine with
 vLLM's defaults: prefix caching on, its own block size, hybrid manager); `transfer_s` (the connector's read of the
-files with their SHA-256, or its NIXL pull with the per-layer digests), `load_s` (cutting, casting and writing the
-rows into vLLM's cache), `vllm_s` (the rest of vLLM's time to its first token: scheduling, validation, waiting for
-a step, the last prompt token's forward), `total_s` (the prefill's first token → vLLM's first token, one
-monotonic clock).
+files with their SHA-256, or its NIXL pull with the per-layer digests, until the last byte is verified), `load_s`
+(the rest of the load: writing the rows into vLLM's cache; a NIXL pull writes each layer while the next one is
+read, so this is only the tail of its writes), `vllm_s` (the rest of vLLM's
+time to its first token: scheduling, validation, waiting for a step, the last prompt token's forward), `total_s`
+(the prefill's first token → vLLM's first token, one monotonic clock).
 """
 
 from __future__ import annotations
@@ -117,8 +118,8 @@ class Decoder:
 def split(t_first: float, export_s: float, ans: dict) -> dict:
     """One hand-off's parts (module doc) from the prefill's clock and vLLM's answer."""
     c = ans["connector"]
-    transfer = c.get("fetch_s", 0.0)
-    load = c.get("prepare_s", 0.0) - transfer + c.get("write_s", 0.0)
+    transfer = c.get("read_s", 0.0)
+    load = c.get("load_s", 0.0) - transfer
     vllm = ans["first_token_at"] - ans["added"]
     params = ans.get("kv_transfer_params") or {}
     return {"export_s": export_s, "send_s": ans["added"] - t_first - export_s, "transfer_s": transfer,

@@ -14,8 +14,8 @@ Commands (stdin) and answers (stdout, after a line "ready"):
    comparable across the processes of one machine) and the engine is stepped until it has its first token
    (`first_token_at`); then the neighbours decode 8 more tokens and are aborted. k = 0: the request alone.
    Answer: {"id", "added", "first_token_at", "num_cached_tokens", "kv_transfer_params", "token": first token,
-   "connector": {"fetch_s", "prepare_s", "write_s", "how"} (timed by wrapping the connector's methods: the read or
-   pull with its digests, reading + cutting + casting, the cache writes), "neighbours": {id: [token times]}}.
+   "connector": {"load_s", "read_s", "write_s", "how"} (the connector's own timing of the load, recorded by wrapping
+   its `_loaded`), "neighbours": {id: [token times]}}.
 - {"op": "quit"}.
 The connector's own log goes to stderr.
 """
@@ -31,22 +31,18 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the connector's worker sid
 TIMES: dict[str, dict] = {}
 
 
-def _timed(cls, name: str, key: str) -> None:
-    """Wrap `cls.name(self, load, ...)` to add its wall seconds to TIMES[load.req_id][key] (if the method exists)."""
-    orig = getattr(cls, name, None)
-    if orig is None:
-        return
+def _record_loads(cls) -> None:
+    """Wrap `cls._loaded(self, load, done)` to keep each load's seconds in TIMES[load.req_id]: `load_s` (the load's
+    wall time on the thread that ran it: read or pull with its digests, cutting, cache writes), `read_s` (until its
+    last byte was read and verified) and `write_s` (its cache-update ops, overlapping the pull for NIXL)."""
+    orig = cls._loaded
 
-    def wrapper(self, load, *a, **kw):
-        t0 = time.monotonic()
-        try:
-            return orig(self, load, *a, **kw)
-        finally:
-            rec = TIMES.setdefault(str(load.req_id), {})
-            rec[key] = rec.get(key, 0.0) + time.monotonic() - t0
-            rec["how"] = str(getattr(load, "how", ""))
+    def wrapper(self, load, done):
+        TIMES[str(load.req_id)] = {"load_s": done.wall_s, "read_s": done.read_s, "write_s": done.write_s,
+                                   "how": str(load.how)}
+        return orig(self, load, done)
 
-    setattr(cls, name, wrapper)
+    cls._loaded = wrapper
 
 
 def _engine(spec: dict):
@@ -55,9 +51,7 @@ def _engine(spec: dict):
 
     from slope_jax.kv.vllm_connector import SlopeJaxConnector
 
-    _timed(SlopeJaxConnector, "_fetch", "fetch_s")
-    _timed(SlopeJaxConnector, "_prepare", "prepare_s")
-    _timed(SlopeJaxConnector, "_write", "write_s")
+    _record_loads(SlopeJaxConnector)
     ktc = KVTransferConfig(kv_connector="SlopeJaxConnector", kv_connector_module_path="slope_jax.kv.vllm_connector",
                            kv_role="kv_consumer", kv_connector_extra_config=spec.get("extra_config", {}))
     llm = LLM(model=spec["model"], dtype=spec.get("dtype", "bfloat16"), enforce_eager=True,

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -197,6 +198,7 @@ class KVPool:
         self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._peers: set[str] = set()
         self._count = 0
+        self._filler_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"{self.name}-notifs", daemon=True)
         self._thread.start()
@@ -219,9 +221,10 @@ class KVPool:
             offset = self._allocate(total, request_id)  # reserved: not in _entries until its bytes are in place
             self._count += 1
             key = f"{request_id}#{self._count}"
-        try:
-            for rec in layers:
-                rec["xxh3_128"] = self._fill(offset + rec["offset"], kv[rec["layer"]])
+        try:  # layers in parallel: the copies and digests release the GIL (one layer per thread at a time)
+            digests = self._fillers().map(lambda rec: self._fill(offset + rec["offset"], kv[rec["layer"]]), layers)
+            for rec, digest in zip(layers, digests):
+                rec["xxh3_128"] = digest
         except BaseException:
             with self._lock:
                 self._release_extent(offset, total)
@@ -244,6 +247,14 @@ class KVPool:
         manifest = kvfmt.read_manifest(target)
         kv = kvfmt.load(target, cfg, verify=verify)
         return self.publish(manifest["request_id"], kv, handoff_manifest(manifest), lease_s=lease_s)
+
+    def _fillers(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The threads that copy and digest a publication's layers (created on first use, one per core up to 4)."""
+        with self._lock:
+            if self._filler_pool is None:
+                self._filler_pool = concurrent.futures.ThreadPoolExecutor(
+                    min(4, os.cpu_count() or 1), thread_name_prefix=f"{self.name}-fill")
+            return self._filler_pool
 
     def _fill(self, at: int, lkv) -> str:
         """Write one layer's [K | V | positions] at arena offset `at`; the region's digest."""
@@ -390,6 +401,8 @@ class KVPool:
         """Stop serving, deregister the arena. Readers pulling now fail (their digests or READs)."""
         self._stop.set()
         self._thread.join(timeout=10)
+        if self._filler_pool is not None:
+            self._filler_pool.shutdown(wait=True)
         try:
             self._agent.deregister_memory(self._reg)
         except Exception:  # noqa: BLE001 - closing twice, or an agent already torn down

@@ -22,19 +22,22 @@ backend's physical cache layout. Subclassing `SupportsHMA` keeps vLLM's hybrid K
 then get blocks for their window only.
 
 Notable:
-- Asynchronous loads. An export of at least `async_min_bytes` (default 4 MiB) is loaded asynchronously
-  (`get_num_new_matched_tokens` returns load_async=True): a background thread reads and verifies it while vLLM keeps
-  running other requests; the rows are written into vLLM's paged cache on the worker's own thread at a safe point
-  (`get_finished`, after the step's forward pass), and the request is reported in `get_finished`'s finished_recving.
-  Smaller exports are read and written inside the step (no thread), synchronously before the forward pass when vLLM
-  has one KV cache group; with several groups (the hybrid manager) they are reported asynchronously too, because
-  vLLM 0.32 can fail a synchronous load only by block ids, which it refuses for more than one group.
+- Asynchronous loads. An export of at least `async_min_bytes` (default 4 MiB), and every NIXL pull, is loaded
+  asynchronously (`get_num_new_matched_tokens` returns load_async=True): a background thread reads or pulls it,
+  checks each layer's digest and writes that layer's rows into vLLM's paged cache at once (from the bytes as they
+  arrived: no second copy; the next layer's READ goes on meanwhile), while vLLM keeps running other requests; the
+  request is reported in `get_finished`'s finished_recving once every layer is written. The rows go only to blocks
+  vLLM allocated to that request and neither schedules nor frees before that report, so the writes never touch KV
+  a forward pass reads. Smaller file exports are read and written inside the step (no thread), synchronously
+  before the forward pass when vLLM has one KV cache group; with several groups (the hybrid manager) they are
+  reported asynchronously too, because vLLM 0.32 can fail a synchronous load only by block ids, which it refuses
+  for more than one group.
 - Fails closed. A load that fails after validation (file deleted or truncated, bytes whose SHA-256 differs, a manifest
   replaced) never leaves unwritten or foreign KV in use: an asynchronous load is reported as failed_recving
   (`get_transfer_results`), a synchronous one through `get_block_ids_with_load_errors`, and vLLM's
   `kv_load_failure_policy` decides: `fail` (vLLM's default) ends that request with an error, other requests are
   unaffected; `recompute` makes vLLM prefill it. A request aborted while its KV loads is reported finished once the
-  read ends (vLLM frees its blocks then), and nothing is written for it.
+  load thread stops (at its next layer; vLLM frees the blocks then), and its rows are never used.
 
 Outputs: each finished request's `kv_transfer_params` carries `slope_jax_loaded_tokens` (tokens injected) and
 `slope_jax_status`: "loaded", "not used: <reason>" (refused before loading, vLLM prefilled it) or
@@ -45,11 +48,13 @@ No JAX is imported here (numpy, safetensors, ml_dtypes and torch only); docs/kv-
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import hashlib
 import json
 import os
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -84,18 +89,37 @@ logger = init_logger("vllm.slope_jax_connector")
 ASYNC_MIN_BYTES = 4 << 20  # default kv_connector_extra_config.async_min_bytes
 _READ_CHUNK = 8 << 20  # bytes per read(2) while hashing a file
 _EXTRA_KEYS = ("kv_dir", "verify_checksums", "check_fingerprint", "weights_digest", "async_min_bytes",
-               "nixl_timeout_s")
+               "nixl_timeout_s", "load_switch_interval_ms")
+LOAD_SWITCH_INTERVAL_MS = 0.2  # default kv_connector_extra_config.load_switch_interval_ms
 # how a load runs (`_Load.how`)
 SYNC, INLINE, BACKGROUND = "sync", "inline", "background"
+_Rows = tuple  # (attention layer, K rows [t, K_local, H], V rows, int64 slots [t]): one cache-update op's arguments
 _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I32": torch.int32,
               "I64": torch.int64}
+
+
+@dataclasses.dataclass
+class _Done:
+    """A load whose rows are all written: how the KV arrived (`slope_jax_transport`), its wall seconds on the thread
+    that ran it, the seconds until its last byte was read and verified, and the seconds of cache-update ops (a NIXL
+    pull's overlap its reads: `wall_s - read_s` is only their tail)."""
+
+    via: str
+    wall_s: float
+    read_s: float
+    write_s: float
+
+
+class _Aborted(Exception):
+    """A background load stopped because its request finished (aborted) while it loaded."""
 
 
 @dataclasses.dataclass
 class _Load:
     """One request's load for the worker: export, per KV cache group the token rows and their slots, and how it runs:
     SYNC (before this step's forward; failures reported by block id), INLINE (inside this step, reported through
-    finished_recving) or BACKGROUND (read and verified by a thread, written at a later step's safe point)."""
+    finished_recving) or BACKGROUND (read or pulled, verified and written layer by layer by the load thread, reported
+    through finished_recving)."""
 
     req_id: str
     export: plan.Validated
@@ -168,6 +192,9 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         directory at start-up. Without either, every export is refused (model.weights_digest unknown).
       async_min_bytes (int, default 4 MiB): exports of at least this many bytes (all files) load asynchronously in a
         background thread; smaller ones within the step (module doc).
+      nixl_timeout_s (float, default 30): the longest a NIXL pull waits for the pool's answer and its READs.
+      load_switch_interval_ms (float, default 0.2; 0: leave it): the interpreter's GIL switch interval while a
+        background load runs (`_GilBoost`; Python's default is 5 ms).
     """
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig" = None):
@@ -186,6 +213,11 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
                              "non-negative integer (bytes)")
         self._recompute = getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail") == "recompute"
         self._nixl_timeout_s = float(extra.get("nixl_timeout_s", 30.0))
+        switch_ms = extra.get("load_switch_interval_ms", LOAD_SWITCH_INTERVAL_MS)
+        if isinstance(switch_ms, bool) or not isinstance(switch_ms, (int, float)) or not 0 <= switch_ms <= 5:
+            raise ValueError(f"kv_connector_extra_config.load_switch_interval_ms={switch_ms!r}: expected a number of "
+                             "milliseconds in [0, 5] (0: leave Python's switch interval alone)")
+        self._gil = _GilBoost(switch_ms / 1e3)
         self._index = plan.ExportIndex(extra["kv_dir"]) if extra.get("kv_dir") else None
         self._cfg = compat.model_config(vllm_config.model_config.hf_config)
         self._prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
@@ -209,18 +241,19 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         self._failed_recving: set[str] = set()  # INLINE/BACKGROUND loads that failed (get_transfer_results)
         self._finished_recving: set[str] = set()
         self._worker_meta = SlopeJaxWorkerMetadata()  # this step's loads written / failed
-        self._inflight: dict[str, tuple[_Load, concurrent.futures.Future, float]] = {}
+        self._inflight: dict[str, tuple[_Load, concurrent.futures.Future]] = {}
         self._aborted: set[str] = set()
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # the load thread
+        self._writer: concurrent.futures.ThreadPoolExecutor | None = None  # a NIXL load's cache writes
         self._static_layers: dict[str, Any] = {}
-        self.load_seconds: list[float] = []
+        # the last loads (request id, how, transport, wall and cache-write seconds): benchmarks and debugging
+        self.recent_loads: collections.deque[dict] = collections.deque(maxlen=256)
         # worker side, NIXL: one reader, one registered staging buffer (reused: the BACKGROUND thread is the only
-        # puller), request id → the record of a pulled entry (told `done` when the request finishes), and how each
-        # load's KV arrived
+        # puller, and it writes each layer before the next pull), request id → the record of a pulled entry (told
+        # `done` when the request finishes)
         self._reader: nt.KVReader | None = None
         self._staging: np.ndarray | None = None
         self._pulled: dict[str, dict] = {}
-        self._via: dict[str, str] = {}
         logger.info("SlopeJaxConnector (%s): kv_dir=%s, %d KV cache group(s) (kind, block size) %s, prefix caching "
                     "%s, cache dtype %s, async loads from %d bytes, kv_load_failure_policy %s", role.name,
                     self._index.kv_dir if self._index else None, len(self._groups),
@@ -461,9 +494,9 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
                         "fail closed", type(e).__name__, e)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        """SYNC and INLINE loads are read, verified and written here; BACKGROUND loads start their read. vLLM calls
-        this before the forward pass when the step has a synchronous load, else after it: writes here never overlap
-        a forward pass, and none touches a block this step's forward reads (async loads' blocks wait)."""
+        """SYNC and INLINE loads are read, verified and written here, on the worker's thread (vLLM calls this before
+        the forward pass when the step has a synchronous load, else after it). BACKGROUND loads start on the load
+        thread (`_load_background`), which writes each layer as it arrives."""
         if forward_context is not None and forward_context.no_compile_layers:
             self._static_layers = forward_context.no_compile_layers
         meta = self._get_connector_metadata()
@@ -474,34 +507,55 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
             if load.how == BACKGROUND:
                 if self._pool is None:
                     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="slope_jax_kv_load")
-                self._inflight[load.req_id] = (load, self._pool.submit(self._prepare, load), t0)
-                logger.info("SlopeJaxConnector: request %s: reading %s in the background", load.req_id,
+                self._gil.on()
+                self._inflight[load.req_id] = (load, self._pool.submit(self._load_background, load))
+                logger.info("SlopeJaxConnector: request %s: loading %s in the background", load.req_id,
                             load.source or load.export.path)
                 continue
             try:
-                self._write(load, self._prepare(load), t0)
+                via = self._via_of(load)
+                rows = self._prepare(load)
+                read_s = time.perf_counter() - t0
+                write_s = self._write_rows(rows)
+                self._loaded(load, _Done(via, time.perf_counter() - t0, read_s, write_s))
             except Exception as e:  # noqa: BLE001 - reported as a failed load, never a crash
                 self._failed(load, e)
             if load.how == INLINE:
                 self._finished_recving.add(load.req_id)
 
-    def _prepare(self, load: _Load) -> list[tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Read and verify the export (`_read_export`) and cut each layer's rows for this rank: [(attention layer,
-        K `[t, K_local, H]`, V, int64 slots `[t]`)] in the cache dtype, ready to write. Runs on the background thread
-        for BACKGROUND loads (it writes nothing). Raises ExportRefused / KVFormatError / OSError."""
+    def _prepare(self, load: _Load) -> list[_Rows]:
+        """Read and verify a file export (`_read_export`) and cut each layer's rows for this rank (`_cut`), ready to
+        write. Raises ExportRefused / KVFormatError / OSError."""
         if load.rows is None:
             raise plan.ExportRefused("the scheduler could not place the KV")
-        kv, owned = self._fetch(load)
+        kv = _read_export(load.export, self._verify)
+        names = self._layer_names()
+        return [row for idx in names for row in self._cut(load, idx, kv.get(idx), names[idx])]
+
+    def _layer_names(self) -> dict[int, list[str]]:
+        """Global layer id → the names of this worker's attention layers it fills (usually one)."""
+        out: dict[int, list[str]] = {}
+        for name, (idx, _, _) in self._layers.items():
+            if self._static_layers.get(name) is not None:
+                out.setdefault(idx, []).append(name)
+        return out
+
+    def _cut(self, load: _Load, idx: int, entry, names: list[str]) -> list[_Rows]:
+        """Export layer `idx` (`(kind, K [t, K, H], V, int positions [t])` or None if the export lacks it) cut for
+        each attention layer it fills: [(layer, K rows `[hi - lo, K_local, H]`, V rows, int64 slots)] in the cache
+        dtype (views where no cast or head split is needed); `names`: the attention layers (`_layer_names`). Raises
+        ExportRefused."""
+        if entry is None:
+            raise plan.ExportRefused(f"layer {idx} is not in the export")
         tp_rank, tp_size = _tp()
         out = []
-        for name, (idx, kind, g) in self._layers.items():
-            layer = self._static_layers.get(name)
-            if layer is None:
-                continue
+        for name in names:
+            _, kind, g = self._layers[name]
+            layer = self._static_layers[name]
             lo, hi, slot = load.rows[(g, kind)]
             if hi <= lo:
                 continue
-            src_kind, k, v, pos = kv[idx]
+            src_kind, k, v, pos = entry
             if src_kind != kind:
                 raise plan.ExportRefused(f"layer {idx} is {src_kind} in the export, {kind} in the model")
             a = int(torch.searchsorted(pos, lo))
@@ -514,34 +568,76 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
                                          "vLLM")
             if not hasattr(layer.impl, "do_kv_cache_update"):
                 raise plan.ExportRefused(f"attention backend {type(layer.impl).__name__} has no do_kv_cache_update")
-            dt = layer.kv_cache.dtype  # pulled rows are views into the staging buffer, which the next pull reuses
-            k, v = (x.to(dtype=dt, copy=not owned).contiguous() for x in (k, v))
+            dt = layer.kv_cache.dtype
+            k, v = (x.to(dtype=dt).contiguous() for x in (k, v))
             out.append((layer, k, v, torch.from_numpy(slot)))
         return out
 
-    def _fetch(self, load: _Load) -> tuple[dict, bool]:
-        """(`_read_export`'s layers, whether the tensors own their memory): pulled over NIXL for a NixlExport (views
-        into the staging buffer), else read from the file export; a failed pull falls back to the file export the
-        scheduler validated with it, if any. Raises ExportRefused / KVFormatError / OSError / KVTransferError."""
-        if not isinstance(load.export, handoff.NixlExport):
-            self._via[load.req_id] = handoff.FILE
-            return _read_export(load.export, self._verify), True
-        try:
-            kv = self._pull(load.req_id, load.export.record)
-            self._via[load.req_id] = handoff.NIXL
-            return kv, False
-        except nt.KVTransferError as e:
-            if load.fallback is None:
-                raise
-            logger.warning("SlopeJaxConnector: request %s: %s; reading the file export %s instead", load.req_id, e,
-                           load.fallback.path)
-            self._via[load.req_id] = f"{handoff.FILE} (the NIXL pull failed: {e.cause})"
-            return _read_export(load.fallback, self._verify), True
+    def _load_background(self, load: _Load) -> _Done:
+        """The load thread's whole load (`_Done`: how the KV arrived, its seconds). A NIXL pull writes each
+        layer into vLLM's cache as soon as its bytes pass their digest, straight from the staging buffer, on a
+        writer thread (meanwhile the next layer's READ and digest go on); a failed pull falls back to the validated
+        file export, which rewrites every layer. Raises ExportRefused / KVFormatError / OSError / KVTransferError,
+        or `_Aborted` once the request has finished.
 
-    def _pull(self, req_id: str, record: dict) -> dict:
-        """Pull a NIXL entry into the staging buffer (grown as needed; each layer's XXH3-128 checked as it arrives):
-        global layer id → (kind, K, V, int32 positions), torch views into the buffer. The pool is told `done` when
-        the request finishes (a preempted request pulls again meanwhile). Raises KVTransferError."""
+        Writing here, concurrently with vLLM's forward passes, is safe: the rows go only to blocks allocated to this
+        request, which vLLM neither schedules nor frees until `get_finished` reports the load (the contract vLLM's
+        own NixlConnector relies on for its RDMA writes); `_cut` and the cache-update op read and write nothing
+        else. A load that fails after writing some layers is reported as failed: those rows are never used."""
+        t0 = time.perf_counter()
+        if load.rows is None:
+            raise plan.ExportRefused("the scheduler could not place the KV")
+        if isinstance(load.export, handoff.NixlExport):
+            names = self._layer_names()
+            todo, writes = set(names), []
+            if self._writer is None:
+                self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="slope_jax_kv_write")
+
+            def on_layer(idx: int, lkv) -> None:
+                if load.req_id in self._aborted:
+                    raise _Aborted(load.req_id)
+                if idx in todo:
+                    entry = (lkv.kind, _torch(lkv.k), _torch(lkv.v), torch.from_numpy(lkv.positions))
+                    writes.append(self._writer.submit(self._write_rows, self._cut(load, idx, entry, names[idx])))
+                    todo.discard(idx)
+
+            try:
+                try:
+                    self._pull(load.req_id, load.export.record, on_layer)
+                    read_s = time.perf_counter() - t0
+                finally:  # every write ends before the staging buffer is reused (the next pull) or the load fails
+                    concurrent.futures.wait(writes)
+                write_s = sum(w.result() for w in writes)
+                if todo:
+                    raise plan.ExportRefused(f"layers {sorted(todo)} are not in the pulled KV")
+                return _Done(handoff.NIXL, time.perf_counter() - t0, read_s, write_s)
+            except nt.KVTransferError as e:
+                if load.fallback is None:
+                    raise
+                logger.warning("SlopeJaxConnector: request %s: %s; reading the file export %s instead", load.req_id,
+                               e, load.fallback.path)
+                load = dataclasses.replace(load, export=load.fallback)
+                via = f"{handoff.FILE} (the NIXL pull failed: {e.cause})"
+        else:
+            via = handoff.FILE
+        rows = self._prepare(load)
+        read_s = time.perf_counter() - t0
+        if load.req_id in self._aborted:
+            raise _Aborted(load.req_id)
+        write_s = self._write_rows(rows)
+        return _Done(via, time.perf_counter() - t0, read_s, write_s)
+
+    def _via_of(self, load: _Load) -> str:
+        """How a SYNC or INLINE load's KV arrives (always a file: NIXL pulls are BACKGROUND)."""
+        if isinstance(load.export, handoff.NixlExport):
+            raise plan.ExportRefused("a NIXL record must load in the background")
+        return handoff.FILE
+
+    def _pull(self, req_id: str, record: dict, on_layer) -> None:
+        """Pull a NIXL entry into the staging buffer (grown as needed; each layer's XXH3-128 checked as it arrives),
+        handing each verified layer to `on_layer(layer id, LayerKV)` (views into the buffer, valid until the next
+        pull). The pool is told `done` when the request finishes, whether this pull succeeds or not (a preempted
+        request pulls again meanwhile). Raises KVTransferError, or what `on_layer` raises."""
         if self._reader is None:
             self._reader = nt.KVReader(hold_s=self._nixl_timeout_s, timeout_s=self._nixl_timeout_s)
         need = int(record["nbytes"])
@@ -549,10 +645,8 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
             if self._staging is not None:
                 self._reader.drop_buffer(self._staging)
             self._staging = np.empty(need, np.uint8)
-        layers = self._reader.pull(record, out=self._staging, release=False)
         self._pulled[req_id] = record
-        return {i: (lkv.kind, _torch(lkv.k), _torch(lkv.v), torch.from_numpy(lkv.positions))
-                for i, lkv in layers.items()}
+        self._reader.pull(record, out=self._staging, release=False, on_layer=on_layer)
 
     def _done_with(self, req_ids) -> None:
         """Tell the pools the KV of these finished requests is no longer needed (they free it)."""
@@ -563,18 +657,25 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
             except Exception as e:  # noqa: BLE001 - best effort: the entry's lease frees it otherwise
                 logger.warning("SlopeJaxConnector: request %s: telling the pool it is done failed: %r", req_id, e)
 
-    def _write(self, load: _Load, rows: list, t0: float) -> None:
-        """Write prepared rows through each layer's cache-update op (on the worker's thread, at a safe point)."""
+    @staticmethod
+    def _write_rows(rows: list) -> float:
+        """Write cut rows (`_cut`) through each layer's cache-update op. Returns the seconds it took."""
+        t0 = time.perf_counter()
         for layer, k, v, slot in rows:
             cache = layer.kv_cache
             dev = cache.device
             layer.impl.do_kv_cache_update(layer, k.to(dev), v.to(dev), cache, slot.to(dev))
-        dt = time.perf_counter() - t0
-        self.load_seconds.append(dt)
+        return time.perf_counter() - t0
+
+    def _loaded(self, load: _Load, done: _Done) -> None:
+        """Record a load whose rows are all written (worker's thread)."""
+        self.recent_loads.append({"request_id": load.req_id, "how": load.how, **dataclasses.asdict(done)})
         self._worker_meta.loaded.add(load.req_id)
-        self._worker_meta.transports[load.req_id] = self._via.pop(load.req_id, handoff.FILE)
-        logger.info("SlopeJaxConnector: request %s: injected %d tokens from %s in %.1f ms (%s)", load.req_id,
-                    load.export.num_tokens - 1, load.source or load.export.path, dt * 1e3, load.how)
+        self._worker_meta.transports[load.req_id] = done.via
+        logger.info("SlopeJaxConnector: request %s: injected %d tokens from %s in %.1f ms (%s; read and verified in "
+                    "%.1f ms, cache writes %.1f ms)", load.req_id, load.export.num_tokens - 1,
+                    load.source or load.export.path, done.wall_s * 1e3, load.how, done.read_s * 1e3,
+                    done.write_s * 1e3)
 
     def _failed(self, load: _Load, e: Exception) -> None:
         why = str(e) if isinstance(e, (plan.ExportRefused, kvfmt.KVFormatError)) else f"{type(e).__name__}: {e}"
@@ -582,18 +683,17 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         logger.error("SlopeJaxConnector: request %s: loading %s failed (%s); reported as a failed load, "
                      "kv_load_failure_policy decides", load.req_id, load.source or load.export.path, why)
         self._worker_meta.failures[load.req_id] = why
-        self._via.pop(load.req_id, None)
         if load.how == SYNC:
             self._failed_blocks.update(load.block_ids)
         else:
             self._failed_recving.add(load.req_id)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """(None, requests whose asynchronous load ended this step). A BACKGROUND load whose read is done is written
-        here — after the step's forward pass — unless its request finished meanwhile (aborted: nothing is written,
-        and reporting it lets vLLM free its blocks)."""
+        """(None, requests whose asynchronous load ended this step). A BACKGROUND load has written its rows by the
+        time its future is done; it is reported here, or, if its request finished meanwhile (aborted: the load
+        thread stops at its next layer), reported finished so that vLLM frees its blocks, its rows unused."""
         self._aborted |= set(finished_req_ids or ()) & set(self._inflight)
-        for req_id, (load, future, t0) in list(self._inflight.items()):
+        for req_id, (load, future) in list(self._inflight.items()):
             if not future.done():
                 continue
             del self._inflight[req_id]
@@ -601,13 +701,15 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
             if req_id in self._aborted:
                 self._aborted.discard(req_id)
                 self._done_with([req_id])
-                logger.info("SlopeJaxConnector: request %s finished while its KV was loading; nothing written",
+                logger.info("SlopeJaxConnector: request %s finished while its KV was loading; its rows are not used",
                             req_id)
                 continue
             try:
-                self._write(load, future.result(), t0)
+                self._loaded(load, future.result())
             except Exception as e:  # noqa: BLE001 - reported as a failed load, never a crash
                 self._failed(load, e)
+        if not self._inflight:
+            self._gil.off()
         self._done_with(finished_req_ids or ())
         done, self._finished_recving = self._finished_recving, set()
         return None, (done or None)
@@ -638,12 +740,37 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         return
 
     def shutdown(self):
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._gil.off()
+        for pool in (self._pool, self._writer):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
         for d in self._decisions.values():
             d.close()
         if self._reader is not None:
             self._reader.close()
+
+
+class _GilBoost:
+    """Shortens the interpreter's GIL switch interval while background loads run, and restores it after.
+
+    vLLM's step loop holds the GIL between its torch calls; with nothing else scheduled (a request waiting for its
+    KV) it is a tight Python loop. Each time the load thread returns from a call that released the GIL (a digest, a
+    view, the cache-update op: a dozen per layer) it waits for the switch interval, 5 ms by default, so a 1 GiB pull
+    spent most of its time waiting (benchmarks/handoff.py: 1.4 s idle, 0.3 s with 0.2 ms). Process-wide, but only
+    while a load is in flight; `seconds` 0 disables it."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self._saved = seconds, None
+
+    def on(self) -> None:
+        if self.seconds > 0 and self._saved is None:
+            self._saved = sys.getswitchinterval()
+            sys.setswitchinterval(min(self.seconds, self._saved))
+
+    def off(self) -> None:
+        if self._saved is not None:
+            sys.setswitchinterval(self._saved)
+            self._saved = None
 
 
 def _torch(a: np.ndarray) -> torch.Tensor:
