@@ -14,7 +14,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -334,3 +336,51 @@ def test_reader_in_vllm_venv_without_jax_or_torch(server, tmp_path):
     want = {str(layer): xxhash.xxh3_64_hexdigest(x.k.tobytes() + x.v.tobytes() + x.positions.tobytes()) + x.kind
             for layer, x in kvfmt.load(path).items()}
     assert json.loads(out.stdout.strip().splitlines()[-1]) == want
+
+
+def test_publish_from_the_host_tier_equals_publishing_the_export(checkpoints, tmp_path):
+    """The endpoint fills the pool from the engine's host tier (`kv.prefix.export_rows`) rather than re-reading the
+    export just written: for a cold prompt and a prefix hit (last_window exports: sliding layers hold their kept
+    range only) every layer's rows, positions and kind equal the export's, so both publications carry the same
+    XXH3 digests; a prompt the tier does not hold exactly (a shorter one, or one evicted) gives None, and the
+    endpoint's publish then re-reads the export."""
+    from support import TILES, random_prompt
+
+    from slope_jax.kv import prefix as prefix_lib
+    from slope_jax.parallel.config import ParallelConfig
+    from slope_jax.serve import http
+    from slope_jax.serve.engine import PrefillEngine
+
+    eng = PrefillEngine.from_checkpoint(checkpoints["A"]["mxfp4"], ParallelConfig(), dtype="float32", progress=False,
+                                        reuse=prefix_lib.ReuseOptions(block_size=8), **TILES)
+    base = random_prompt(CONFIG_A, 45, seed=3)
+    prompts = {"cold": base, "hit": np.concatenate([base, random_prompt(CONFIG_A, 14, seed=4)]).astype(np.int32)}
+    kv_dir = str(tmp_path / "kv")
+    with nt.KVPool(1 << 24, lease_s=60) as pool:
+        for rid, prompt in prompts.items():
+            res = eng.prefill([prompt], ids=[rid], kv_dir=kv_dir)[0]
+            assert res.cached_tokens == (40 if rid == "hit" else 0)
+            manifest = kvfmt.read_manifest(kvfmt.resolve(res.kv_path))
+            rows = prefix_lib.export_rows(eng.host_tier, manifest)
+            want = kvfmt.load(res.kv_path, verify=True)
+            assert rows is not None and sorted(rows) == sorted(want)
+            for i, lkv in want.items():
+                assert rows[i].kind == lkv.kind
+                np.testing.assert_array_equal(rows[i].positions, lkv.positions)
+                np.testing.assert_array_equal(rows[i].k, lkv.k)  # bitwise: the same float32 rows
+                np.testing.assert_array_equal(rows[i].v, lkv.v)
+            a = pool.publish(rid, rows, nt.handoff_manifest(manifest))[nt.PARAMS_KEY]["layers"]
+            b = pool.publish_export(res.kv_path)[nt.PARAMS_KEY]["layers"]
+            assert [x["xxh3_128"] for x in a] == [x["xxh3_128"] for x in b]
+            assert [(x["tokens"], x["kind"]) for x in a] == [(x["tokens"], x["kind"]) for x in b]
+        # the endpoint's publish (`HttpIntake.publish`, on a stand-in carrying what it reads)
+        intake = types.SimpleNamespace(kv_pool=pool, host_tier=eng.host_tier, _lock=threading.Lock(), _entries={})
+        assert http.HttpIntake.publish(intake, "hit", os.path.join(kv_dir, "hit"))["publish_from"] == "host tier"
+        # the tier's newest entry for the first 5 blocks is the longer prompt's: the shorter one is not held exactly
+        cold = kvfmt.read_manifest(kvfmt.resolve(os.path.join(kv_dir, "cold")))
+        assert prefix_lib.export_rows(eng.host_tier, cold) is None
+        assert http.HttpIntake.publish(intake, "cold", os.path.join(kv_dir, "cold"))["publish_from"] == "export"
+        eng.host_tier.max_bytes = 0
+        eng.host_tier.unpin("nothing")  # evicts down to the budget
+        hit = kvfmt.read_manifest(kvfmt.resolve(os.path.join(kv_dir, "hit")))
+        assert len(eng.host_tier) == 0 and prefix_lib.export_rows(eng.host_tier, hit) is None

@@ -202,6 +202,34 @@ class HostTier:
             self._evict()
 
 
+def export_rows(tier: HostTier, manifest: dict) -> dict | None:
+    """The rows an export holds, taken from the host tier's entry of the same prompt instead of its files: global
+    layer id → `kv.format.LayerKV` (K, V `[b − a, K, H]` for the manifest's `token_range` [a, b) of the layer,
+    int32 positions, kind), views into the entry. None when the tier holds no entry of exactly this prompt (no
+    block hashes in the manifest: reuse off or a prompt shorter than a block; evicted; only a longer prompt's) or
+    its arrays disagree with the manifest (dtype, length, a layer missing).
+
+    The entry is matched by the manifest's identity-rooted block hashes (`block_hashes`: the weights, dtype, KV
+    layout and cache_salt are in them) and its token ids' hash. Its arrays are never written after `HostTier.add`,
+    so an eviction meanwhile leaves the views valid."""
+    from slope_jax.kv.format import LayerKV, token_hash
+
+    hashes = (manifest.get("prefix") or {}).get("hashes") or []
+    if not hashes:
+        return None
+    entry, matched = tier.lookup(list(hashes))
+    if entry is None or matched < len(hashes) or token_hash(entry.tokens) != manifest.get("token_ids_sha256"):
+        return None
+    n, out = int(manifest["num_tokens"]), {}
+    for rec in manifest["layers"]:
+        i, (a, b) = int(rec["layer"]), (int(x) for x in rec["token_range"])
+        k, v = entry.k.get(i), entry.v.get(i)
+        if k is None or v is None or b != n or k.shape[0] != n or k.dtype.name != manifest.get("dtype"):
+            return None
+        out[i] = LayerKV(k[a:b], v[a:b], np.arange(a, b, dtype=np.int32), rec["kind"])
+    return out
+
+
 _WEIGHTS_CACHE: dict[tuple, str] = {}
 
 

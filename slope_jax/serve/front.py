@@ -129,8 +129,10 @@ def request_stream(config: LaunchConfig):
     return open(config.requests, "rb")
 
 
-def start_source(config: LaunchConfig, src, cfg, max_tokens: int, tokenizer_path: str | None, kv_store):
-    """The request source: a `LineReader` thread over `src`, or (src None) the started HTTP intake."""
+def start_source(config: LaunchConfig, src, cfg, max_tokens: int, tokenizer_path: str | None, kv_store,
+                 host_tier=None):
+    """The request source: a `LineReader` thread over `src`, or (src None) the started HTTP intake (publishing into
+    its NIXL pool from `host_tier`, the engine's, when that holds the prompt)."""
     if src is not None:
         from slope_jax.serve.batching import LineReader
 
@@ -139,7 +141,8 @@ def start_source(config: LaunchConfig, src, cfg, max_tokens: int, tokenizer_path
 
     name = config.http_model_name or os.path.basename(os.path.normpath(config.checkpoint))
     source = HttpIntake(config.http_host, config.http_port, vocab_size=cfg.vocab_size, max_tokens=max_tokens,
-                        model_name=name, tokenizer_path=tokenizer_path, top_k=config.top_k, kv_store=kv_store)
+                        model_name=name, tokenizer_path=tokenizer_path, top_k=config.top_k, kv_store=kv_store,
+                        host_tier=host_tier)
     try:
         source.start()
     except OSError as e:
@@ -188,7 +191,7 @@ class Front:
         front = cls(engine, config, cfg, max_tokens, tokenizer, out, kv_store, memory)
         front.predict_ms = slo.batch_model(engine, hardware, config.dtype, jax.local_device_count())
         front.scheduler = _scheduler(config, engine, front.predict_ms)
-        front.source = start_source(config, src, cfg, max_tokens, tok_path, kv_store)
+        front.source = start_source(config, src, cfg, max_tokens, tok_path, kv_store, engine.host_tier)
         front.intake = Intake(front.source, front.scheduler, front.parse_line, front.emit, config.ttft_slo_ms,
                               peek=front.expected_hit)
         return front

@@ -435,17 +435,21 @@ class HttpIntake:
       kv_pool_gib: the NIXL pool's size (GiB) each answered request's KV is also published in (0: files only);
         default $SLOPE_JAX_KV_POOL_GIB, else 1. kv_lease_s: how long an unread pool entry lives; default
         $SLOPE_JAX_KV_LEASE_S, else 60. Without NIXL installed the endpoint serves files only (logged).
+      host_tier: the engine's host prefix tier (`PrefillEngine.host_tier`, None: off): a request's KV is published
+        into the pool from its whole-prompt entry there when it has one (`kv.prefix.export_rows`), else re-read from
+        the export just written.
     """
 
     VALIDATION_THREADS = 8
 
     def __init__(self, host: str, port: int, *, model_name: str, vocab_size: int, max_tokens: int,
                  tokenizer_path: str | None, top_k: int, kv_store, kv_pool_gib: float | None = None,
-                 kv_lease_s: float | None = None):
+                 kv_lease_s: float | None = None, host_tier=None):
         self.host, self.port, self.model_name = host, port, model_name
         self.kv_pool_gib = float(os.environ.get(POOL_GIB_ENV, 1.0) if kv_pool_gib is None else kv_pool_gib)
         self.kv_lease_s = float(os.environ.get(LEASE_ENV, 60.0) if kv_lease_s is None else kv_lease_s)
         self.kv_pool = None  # the NIXL pool (`start`), None: files only
+        self.host_tier = host_tier  # the engine's host prefix tier: what the pool is filled from when it can be
         self._entries: dict[str, str] = {}  # request id → its pool entry (discarded on release)
         self._limits = dict(model_name=model_name, vocab_size=vocab_size, max_tokens=max_tokens, top_k=top_k,
                             kv_store=kv_store)
@@ -500,22 +504,30 @@ class HttpIntake:
 
     def publish(self, rid: str, kv_path: str) -> dict | None:
         """Publish the export of `rid` in the NIXL pool: its hand-off kv_transfer_params (`KVPool.publish`'s, plus
-        `publish_ms`), or None — no pool, or it does not fit beside the entries readers hold (then the file alone
+        `publish_ms` and `publish_from`: "host tier" — the rows copied from the engine's memory — or "export", re-read
+        from the files), or None — no pool, or it does not fit beside the entries readers hold (then the file alone
         serves; logged)."""
         from slope_jax.kv import nixl_transport as nt
+        from slope_jax.kv import prefix as prefix_lib
 
         if self.kv_pool is None:
             return None
         t0 = time.perf_counter()
         try:
-            params = self.kv_pool.publish_export(kv_path, verify=False)  # written by this run just now
+            target = kvfmt.resolve(kv_path)  # one version: the manifest and the rows of the same export
+            manifest = kvfmt.read_manifest(target)
+            kv = prefix_lib.export_rows(self.host_tier, manifest) if self.host_tier is not None else None
+            if kv is not None:
+                params, source = self.kv_pool.publish(rid, kv, nt.handoff_manifest(manifest)), "host tier"
+            else:  # written by this run just now: its SHA-256 was computed as it was written
+                params, source = self.kv_pool.publish_export(target, verify=False), "export"
         except (nt.KVPoolFull, kvfmt.KVFormatError, OSError, ValueError) as e:
             logging.warning("request %s: KV not published over NIXL (%s: %s); the file export serves", rid,
                             type(e).__name__, e)
             return None
         with self._lock:
             self._entries[rid] = params[nt.PARAMS_KEY]["entry"]
-        return {**params, "publish_ms": round((time.perf_counter() - t0) * 1e3, 3)}
+        return {**params, "publish_ms": round((time.perf_counter() - t0) * 1e3, 3), "publish_from": source}
 
     def get(self, timeout_s: float | None):
         """The next request line `(raw bytes, arrival)`; raises queue.Empty after `timeout_s` (None: block). A
@@ -644,6 +656,7 @@ class HttpIntake:
                                                                            record["kv_path"])
                 if handoff is not None:
                     out["publish_ms"] = handoff.pop("publish_ms")
+                    out["publish_from"] = handoff.pop("publish_from")
                     out["kv_transfer_params"].update(handoff)
         return web.json_response(out, status=status)
 
