@@ -67,6 +67,8 @@ flags.DEFINE_integer("e2e_repeats", 3, "End-to-end hand-offs per size and transp
                      "medians over the others.")
 flags.DEFINE_integer("itl_mb", 1024, "KV size (MiB) loaded while other requests decode (0: skip).")
 flags.DEFINE_integer("neighbours", 4, "Requests decoding while the itl_mb export loads.")
+flags.DEFINE_integer("itl_repeats", 5, "Loads of the itl_mb export per transport; their gaps are pooled (one load's "
+                     "window holds only ~25 gaps of the neighbours).")
 flags.DEFINE_float("vllm_switch_interval_ms", None, "Diagnostic: the vLLM process's GIL switch interval (ms; "
                    "Python's default 5): how much the connector's background read or pull waits for the GIL while "
                    "vLLM's step loop runs.")
@@ -309,7 +311,8 @@ def _handoff(dec, transport: str, kv: dict, tokens, ctx: dict, rid: str, **cmd) 
     ans = dec.request(id=f"{rid}/{transport}", prompt=[int(t) for t in tokens], params=params, **cmd)
     out = e2e.split(t_first, export_s, ans)
     if cmd.get("neighbours"):
-        out["itl"] = e2e.itl(ans)
+        out["gaps"] = dict(zip(("without", "during"), e2e.gaps(ans)))
+        out["itl"] = e2e.itl(out["gaps"]["without"], out["gaps"]["during"])
     if transport == "files":
         ctx["manifests"][rid] = kvfmt.read_manifest(path)
         for name in os.listdir(ctx["kv_dir"]):
@@ -388,18 +391,28 @@ def _median_parts(runs: list[dict], nbytes: int) -> dict:
 
 
 def _itl_run(dec, ctx: dict) -> dict:
-    """`--neighbours` requests decode; an `--itl_mb` export arrives and loads: their inter-token gaps during its
-    load vs before it, per transport."""
+    """`--neighbours` requests decode; an `--itl_mb` export arrives and loads (`--itl_repeats` times per transport):
+    their inter-token gaps during its load vs before it, pooled over the repeats, per transport."""
     import numpy as np
+
+    import handoff_e2e as e2e
 
     n = _tokens_of(FLAGS.itl_mb)
     kv, tokens = synthetic_kv(n), np.random.default_rng(7).integers(0, 900, n).astype(np.int32)
-    out = {"mib": FLAGS.itl_mb, "tokens": n, "neighbours": FLAGS.neighbours}
-    for transport in sorted(FLAGS.e2e_transports):  # files first: NIXL carries its manifest
-        got = _handoff(dec, transport, kv, tokens, ctx, "itl", neighbours=FLAGS.neighbours, neighbour_len=64,
-                       warm_tokens=24)
-        print(f"  ITL {FLAGS.itl_mb} MiB {transport}: {got['itl']}", flush=True)
-        out[transport] = got
+    out = {"mib": FLAGS.itl_mb, "tokens": n, "neighbours": FLAGS.neighbours, "repeats": FLAGS.itl_repeats}
+    runs = {t: [] for t in FLAGS.e2e_transports}
+    for r in range(FLAGS.itl_repeats):
+        tokens[0] = r  # a new prompt per repeat
+        for transport in sorted(FLAGS.e2e_transports):  # files first: NIXL carries its manifest
+            got = _handoff(dec, transport, kv, tokens, ctx, f"itl-{r}", neighbours=FLAGS.neighbours,
+                           neighbour_len=64, warm_tokens=24)
+            print(f"  ITL {FLAGS.itl_mb} MiB {transport} run {r}: {got['itl']}", flush=True)
+            runs[transport].append(got)
+    for transport, got in runs.items():
+        pooled = e2e.itl([g for x in got for g in x["gaps"]["without"]],
+                         [g for x in got for g in x["gaps"]["during"]])
+        out[transport] = {"itl": pooled, "load_s": _med([x["transfer_s"] + x["load_s"] for x in got]),
+                          "runs": got, "run_ratios": [x["itl"].get("ratio_median") for x in got]}
     return out
 
 
@@ -424,7 +437,8 @@ def _e2e_table(e2e: dict) -> str:
         lines.append(f"\nITL of {it['neighbours']} decoding requests while a {it['mib']} MiB export loads over {t}: "
                      f"median {x['during']['median_s'] * 1e3:.0f} ms vs {x['without']['median_s'] * 1e3:.0f} ms "
                      f"without ({x['ratio_median']:.2f}x), max {x['during']['max_s'] * 1e3:.0f} ms "
-                     f"({x['ratio_max']:.2f}x); load {it[t]['transfer_s'] + it[t]['load_s']:.2f} s")
+                     f"({x['ratio_max']:.2f}x); load {it[t]['load_s']:.2f} s (median); gaps of {it['repeats']} runs "
+                     f"pooled, per run {', '.join(f'{r:.2f}' for r in it[t]['run_ratios'] if r)}x")
     return "\n".join(lines)
 
 

@@ -14,9 +14,9 @@ an XXH3-128 per layer), then the request goes to vLLM (benchmarks/handoff_vllm.p
 vLLM's defaults: prefix caching on, its own block size, hybrid manager); `transfer_s` (the connector's read of the
 files with their SHA-256, or its NIXL pull with the per-layer digests, until the last byte is verified), `load_s`
 (the rest of the load: writing the rows into vLLM's cache; a NIXL pull writes each layer while the next one is
-read, so this is only the tail of its writes), `vllm_s` (the rest of vLLM's
-time to its first token: scheduling, validation, waiting for a step, the last prompt token's forward), `total_s`
-(the prefill's first token → vLLM's first token, one monotonic clock).
+read, so this is only the tail of its writes; `write_ops_s`: all of the cache-update ops' seconds), `vllm_s` (the
+rest of vLLM's time to its first token: scheduling, validation, waiting for a step, the last prompt token's
+forward), `total_s` (the prefill's first token → vLLM's first token, one monotonic clock).
 """
 
 from __future__ import annotations
@@ -124,13 +124,14 @@ def split(t_first: float, export_s: float, ans: dict) -> dict:
     params = ans.get("kv_transfer_params") or {}
     return {"export_s": export_s, "send_s": ans["added"] - t_first - export_s, "transfer_s": transfer,
             "load_s": load, "vllm_s": vllm - transfer - load, "total_s": ans["first_token_at"] - t_first,
+            "write_ops_s": c.get("write_s", 0.0),
             "num_cached_tokens": ans["num_cached_tokens"], "how": c.get("how"),
             "status": params.get("slope_jax_status"), "transport": params.get("slope_jax_transport")}
 
 
-def itl(ans: dict) -> dict:
-    """Inter-token gaps (s) of the neighbours: before the export request arrived (`without`), and from its arrival
-    to its first token (`during`: its load and its first step); medians, 90th percentiles, maxima and their ratio."""
+def gaps(ans: dict) -> tuple[list, list]:
+    """Inter-token gaps (s) of the neighbours: before the export request arrived, and from its arrival to its first
+    token (its load and its first step)."""
     before, during = [], []
     for times in ans["neighbours"].values():
         for a, b in zip(times, times[1:]):
@@ -138,6 +139,12 @@ def itl(ans: dict) -> dict:
                 before.append(b - a)
             elif a < ans["first_token_at"]:
                 during.append(b - a)
+    return before, during
+
+
+def itl(before: list, during: list) -> dict:
+    """Medians, 90th percentiles and maxima of the gaps without (`before`) and `during` a load, and their ratios
+    (pass the gaps of several runs pooled: one run's `during` window holds only ~25 gaps)."""
     q = lambda xs, p: sorted(xs)[min(len(xs) - 1, int(p * len(xs)))] if xs else None  # noqa: E731
     out = {"without": {"median_s": statistics.median(before), "p90_s": q(before, 0.9), "max_s": max(before),
                        "gaps": len(before)},
