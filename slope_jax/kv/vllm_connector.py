@@ -101,7 +101,7 @@ _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16
 class _Done:
     """A load whose rows are all written: how the KV arrived (`slope_jax_transport`), its wall seconds on the thread
     that ran it, the seconds until its last byte was read and verified, and the seconds of cache-update ops (a NIXL
-    pull's overlap its reads: `wall_s - read_s` is only their tail)."""
+    pull's writes may overlap its reads: `wall_s - read_s` is then only their tail)."""
 
     via: str
     wall_s: float
