@@ -61,9 +61,9 @@ trap 'exit 143' TERM
 set -m  # each server in its own process group: cleanup stops its children (vLLM's engine core, local.sh's processes)
 
 # shellcheck disable=SC2086
-SLOPE_JAX_KV_POOL_GIB=$pool_gib SLOPE_JAX_KV_LEASE_S=${KV_LEASE_S:-60} \
-  PORT=${PORT:-23456} PYTHON=$py "$repo/launch/local.sh" 2 --cpu_devices=4 --ring=4 --ulysses=2 --dtype=float32 \
+PORT=${PORT:-23456} PYTHON=$py "$repo/launch/local.sh" 2 --cpu_devices=4 --ring=4 --ulysses=2 --dtype=float32 \
   --checkpoint="$ckpt" --http_port="$prefill_port" --http_model_name="$name" --kv_dir="$kv_dir" \
+  --kv_pool_gib="$pool_gib" --kv_lease_s="${KV_LEASE_S:-60}" \
   --results="$log_dir/prefill_results.jsonl" --kv_dir_max_gib="${KV_DIR_MAX_GIB:-8}" ${SLOPE_JAX_FLAGS:-} \
   >"$log_dir/prefill.log" 2>&1 &
 pids+=("$!")

@@ -481,7 +481,9 @@ def test_http_flag_errors(tmp_path):
     for args, message in [
             ([f"--requests={tmp_path}/x.jsonl", "--kv_dir=kv"], "--http_port and --requests are exclusive"),
             ([], "--http_port needs --kv_dir"),
-            (["--kv_dir=kv", "--http_port=70000"], "--http_port=70000: must be in 0..65535")]:
+            (["--kv_dir=kv", "--http_port=70000"], "--http_port=70000: must be in 0..65535"),
+            (["--kv_dir=kv", "--kv_pool_gib=-1"], "--kv_pool_gib=-1.0: must be a finite number >= 0"),
+            (["--kv_dir=kv", "--kv_lease_s=0"], "--kv_lease_s=0.0: must be a finite number of seconds > 0")]:
         r = subprocess.run([sys.executable, "-m", "slope_jax.launch", "--http_port=8100", *args], cwd=REPO,
                            env=launcher_env(), capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]

@@ -229,10 +229,11 @@ def test_failed_load_is_recomputed_under_recompute(run):
 
 def test_abort_while_loading_frees_its_blocks(run):
     """A request aborted while its export loads in the background: its rows are not used (the load thread stops at
-    its next layer), its blocks come back (free blocks idle after the run == before it), and the same export then
-    loads whole for another request."""
+    its next layer), its blocks come back (free blocks idle after the run == before it), the same export then loads
+    whole for another request, and once no load is in flight the GIL switch interval is Python's default again."""
     results, data, log = run
     assert results["abort/big"]["finish_reason"] == "aborted"
     assert re.search(r"request abort/big-\w+ finished while its KV was loading; its rows are not used", log)
     _same_as_plain(results, "after-abort/big", "big", N_BIG - 1)
     assert data["free_blocks"]["end"] == data["free_blocks"]["start"], data["free_blocks"]
+    assert data["switch_interval_s"] == 0.005  # Python's default again once no load is in flight

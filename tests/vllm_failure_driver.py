@@ -23,7 +23,8 @@ request: {"id", "prompt": [ids], "params": {...} or null, "cache_salt", "max_tok
           "flip": one byte of the pool entry flipped after publication)}
 Greedy, float32. out: {"results": {id: {"tokens", "logprobs", "finish_reason", "num_cached_tokens",
 "kv_transfer_params", "added", "token_times"}}, "free_blocks": {"start", "end"}, "preemptions": {id: count},
-"pool": the NIXL pool's stats at the end (`KVPool.stats`) or null}
+"pool": the NIXL pool's stats at the end (`KVPool.stats`) or null, "switch_interval_s": the interpreter's GIL switch
+interval once every load has ended}
 (times: time.perf_counter seconds; free blocks of every KV cache group's pool, idle, before the first and after the last
 phase).
 """
@@ -212,6 +213,7 @@ def main(spec_path: str, out_path: str) -> None:
         _run_phase(engine, phase, out["results"], out["preemptions"])
         _settle(engine)
     out["free_blocks"]["end"] = _free_blocks(engine)
+    out["switch_interval_s"] = sys.getswitchinterval()  # the connector's 0.2 ms during loads, restored after
     time.sleep(0.5)  # the connector's "done" notifications reach the pool
     out["pool"] = _POOL[0].stats() if _POOL else None
     if _POOL:

@@ -199,24 +199,8 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig" = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
-        unknown = sorted(set(extra) - set(_EXTRA_KEYS))
-        if unknown:
-            raise ValueError(f"kv_connector_extra_config: unknown key(s) {unknown}; SlopeJaxConnector knows "
-                             f"{', '.join(_EXTRA_KEYS)}")
-        self._verify = bool(extra.get("verify_checksums", True))
-        self._check_fp = bool(extra.get("check_fingerprint", True))
-        self._async_min_bytes = extra.get("async_min_bytes", ASYNC_MIN_BYTES)
-        if not isinstance(self._async_min_bytes, int) or isinstance(self._async_min_bytes, bool) or \
-                self._async_min_bytes < 0:
-            raise ValueError(f"kv_connector_extra_config.async_min_bytes={self._async_min_bytes!r}: expected a "
-                             "non-negative integer (bytes)")
+        self._read_options(extra)
         self._recompute = getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail") == "recompute"
-        self._nixl_timeout_s = float(extra.get("nixl_timeout_s", 30.0))
-        switch_ms = extra.get("load_switch_interval_ms", LOAD_SWITCH_INTERVAL_MS)
-        if isinstance(switch_ms, bool) or not isinstance(switch_ms, (int, float)) or not 0 <= switch_ms <= 5:
-            raise ValueError(f"kv_connector_extra_config.load_switch_interval_ms={switch_ms!r}: expected a number of "
-                             "milliseconds in [0, 5] (0: leave Python's switch interval alone)")
-        self._gil = _GilBoost(switch_ms / 1e3)
         self._index = plan.ExportIndex(extra["kv_dir"]) if extra.get("kv_dir") else None
         self._cfg = compat.model_config(vllm_config.model_config.hf_config)
         self._prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
@@ -258,6 +242,26 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
                     self._index.kv_dir if self._index else None, len(self._groups),
                     [("sliding" if s else "full", b) for b, s in self._groups], self._prefix_caching,
                     self._cache_dtype, self._async_min_bytes, "recompute" if self._recompute else "fail")
+
+    def _read_options(self, extra: dict) -> None:
+        """kv_connector_extra_config (class doc). Raises ValueError naming the key and its rule."""
+        unknown = sorted(set(extra) - set(_EXTRA_KEYS))
+        if unknown:
+            raise ValueError(f"kv_connector_extra_config: unknown key(s) {unknown}; SlopeJaxConnector knows "
+                             f"{', '.join(_EXTRA_KEYS)}")
+        self._verify = bool(extra.get("verify_checksums", True))
+        self._check_fp = bool(extra.get("check_fingerprint", True))
+        self._async_min_bytes = extra.get("async_min_bytes", ASYNC_MIN_BYTES)
+        if not isinstance(self._async_min_bytes, int) or isinstance(self._async_min_bytes, bool) or \
+                self._async_min_bytes < 0:
+            raise ValueError(f"kv_connector_extra_config.async_min_bytes={self._async_min_bytes!r}: expected a "
+                             "non-negative integer (bytes)")
+        self._nixl_timeout_s = float(extra.get("nixl_timeout_s", 30.0))
+        switch_ms = extra.get("load_switch_interval_ms", LOAD_SWITCH_INTERVAL_MS)
+        if isinstance(switch_ms, bool) or not isinstance(switch_ms, (int, float)) or not 0 <= switch_ms <= 5:
+            raise ValueError(f"kv_connector_extra_config.load_switch_interval_ms={switch_ms!r}: expected a number of "
+                             "milliseconds in [0, 5] (0: leave Python's switch interval alone)")
+        self._gil = _GilBoost(switch_ms / 1e3)
 
     def _layer_groups(self, kv_cache_config) -> tuple[dict[str, tuple[int, str, int]], list[tuple[int, bool]]]:
         """(layer name → (global layer index, kind, group index), group → (block size, is a sliding-window group))."""

@@ -142,7 +142,7 @@ def start_source(config: LaunchConfig, src, cfg, max_tokens: int, tokenizer_path
     name = config.http_model_name or os.path.basename(os.path.normpath(config.checkpoint))
     source = HttpIntake(config.http_host, config.http_port, vocab_size=cfg.vocab_size, max_tokens=max_tokens,
                         model_name=name, tokenizer_path=tokenizer_path, top_k=config.top_k, kv_store=kv_store,
-                        host_tier=host_tier)
+                        kv_pool_gib=config.kv_pool_gib, kv_lease_s=config.kv_lease_s, host_tier=host_tier)
     try:
         source.start()
     except OSError as e:

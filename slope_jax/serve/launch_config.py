@@ -124,6 +124,12 @@ flags.DEFINE_integer("http_port", None, "Serve prefill requests over HTTP on thi
 flags.DEFINE_string("http_host", "127.0.0.1", "--http_port: the address to listen on (0.0.0.0: every interface).")
 flags.DEFINE_string("http_model_name", None, "--http_port: the model name clients give in \"model\" (default: the "
                     "--checkpoint directory's name).")
+flags.DEFINE_float("kv_pool_gib", None, "--http_port: GiB of registered host memory (process 0) in which each P/D "
+                   "request's KV is also published for the decode side to pull over NIXL (0: off, the export files "
+                   "alone serve). Default: $SLOPE_JAX_KV_POOL_GIB, else 1.")
+flags.DEFINE_float("kv_lease_s", None, "--http_port: seconds an unread NIXL pool entry lives after its publication or "
+                   "its last hold (a reader that reports it received frees it at once). Default: "
+                   "$SLOPE_JAX_KV_LEASE_S, else 60.")
 flags.DEFINE_bool("summary", True, "Print a one-screen summary at the end (process 0, to stderr).")
 
 
@@ -192,6 +198,8 @@ class LaunchConfig:
     http_port: int | None = None
     http_host: str = "127.0.0.1"
     http_model_name: str | None = None
+    kv_pool_gib: float | None = None
+    kv_lease_s: float | None = None
     summary: bool = True
     seq_chunks_given: bool = False  # --seq_chunks on the command line: overrides the planner's (--layout=auto)
     requests_given: bool = False  # --requests on the command line (exclusive with --http_port)
@@ -234,6 +242,10 @@ class LaunchConfig:
             raise FlagError(f"--ttft_slo_ms={self.ttft_slo_ms}: must be a finite number > 0")
         if not 0 <= self.prefix_host_gib < float("inf"):
             raise FlagError(f"--prefix_host_gib={self.prefix_host_gib}: must be a finite number >= 0")
+        if self.kv_pool_gib is not None and not 0 <= self.kv_pool_gib < float("inf"):
+            raise FlagError(f"--kv_pool_gib={self.kv_pool_gib}: must be a finite number >= 0 (0: no NIXL pool)")
+        if self.kv_lease_s is not None and not 0 < self.kv_lease_s < float("inf"):
+            raise FlagError(f"--kv_lease_s={self.kv_lease_s}: must be a finite number of seconds > 0")
         if not 0 < self.slo_percentile <= 100:
             raise FlagError(f"--slo_percentile={self.slo_percentile}: must be in (0, 100]")
 
