@@ -14,8 +14,8 @@ token), n chosen per size. Each path runs in fresh process pairs (spawned, UCX o
   reused registered buffer: hold handshake, one READ per layer, each layer's digest checked, release:
   `pull_s`). After one untimed warm-up pull into a fresh buffer (reported as `cold_pull_s`: connection set-up,
   NIXL registration, first-touch page faults).
-- **files**: the export format (`slope_jax.kv.format`: safetensors + SHA-256 in the manifest, fsync, atomic
-  publication; `write_s`) written by one process, then `format.load(verify=True)` (read + SHA-256 of every file:
+- **files**: the export format (`slope_jax.kv.format`: safetensors + file digests in the manifest, fsync, atomic
+  publication; `write_s`) written by one process, then `format.load(verify=True)` (read + digest of every file:
   `read_s`) in another. The files sit in the local page cache (just written): the best case of a shared filesystem.
 
 Reported per size (medians over the repeats): GB/s (10^9 bytes/s) of each step, `ratio` = nixl pull GB/s / bare
@@ -25,7 +25,7 @@ GB/s, and hand-off GB/s (publish + pull; write + read).
 and transport (files, NIXL) the time from the prefill's first token (its KV in host memory) to vLLM's first decoded
 token through the real connector and a real vLLM engine with its defaults (a gpt-oss-20b KV cut: the same 48 KiB of
 bf16 KV per token), split into `export_s` (files written and published / `KVPool.publish`), `transfer_s` (the
-connector's file read with SHA-256 / NIXL pull with XXH3 per layer), `load_s` (rows cut, cast and written into
+connector's file read with its digest / NIXL pull with XXH3 per layer), `load_s` (rows cut, cast and written into
 vLLM's cache) and `vllm_s` (the rest: scheduling, validation, the last prompt token's forward); the first hand-off
 of each size is reported apart (`cold`). `handoff_gbs` = bytes / (export + transfer + load) against a bare NIXL READ
 of the same bytes between two processes measured in the same run right after (`ratio_vs_bare`, issue 31's goal

@@ -8,11 +8,11 @@ checkpoints/tiny-gpt-oss-hd64; random weights). The KV handed off is synthetic (
 all n tokens, the `full` policy): its values are not the model's, its bytes, manifest and checks are the real ones,
 and vLLM loads it and decodes from it as from a real export.
 
-Per hand-off (`Decoder.handoff`): `export_s` (files: the export written — safetensors, SHA-256, manifest, fsync,
+Per hand-off (`Decoder.handoff`): `export_s` (files: the export written — safetensors, file digests, manifest, fsync,
 atomic publication — as `kv.exporter` writes it; NIXL: `KVPool.publish`, the copy into the registered arena with
 an XXH3-128 per layer), then the request goes to vLLM (benchmarks/handoff_vllm.py, one in-process engine with
 vLLM's defaults: prefix caching on, its own block size, hybrid manager); `transfer_s` (the connector's read of the
-files with their SHA-256, or its NIXL pull with the per-layer digests, until the last byte is verified), `load_s`
+files with their digests, or its NIXL pull with the per-layer digests, until the last byte is verified), `load_s`
 (the rest of the load: writing the rows into vLLM's cache; a NIXL pull writes each layer while the next one is
 read, so this is only the tail of its writes; `write_ops_s`: all of the cache-update ops' seconds), `vllm_s` (the
 rest of vLLM's time to its first token: scheduling, validation, waiting for a step, the last prompt token's

@@ -221,11 +221,13 @@ TAMPERS = {
                      r"layers\[1\]\.segments: layer 1 covers tokens up to 33"),
     "segments.positions": (_other_positions, r"layers\[1\]\.segments: positions tensor"),
     "files": (_extra_file, r"files: lists \['kv-p9.safetensors'\], which no segment uses"),
-    "checksums.sha256": (lambda m: m["checksums"]["kv-p0.safetensors"].update(sha256="0" * 64),
-                         r"checksums.kv-p0.safetensors.sha256: the file's SHA-256 differs"),
+    "checksums.xxh3_128": (lambda m: m["checksums"]["kv-p0.safetensors"].update(xxh3_128="0" * 32),
+                           r"checksums.kv-p0.safetensors.xxh3_128: the file's XXH3-128 differs"),
+    "checksums.digest": (lambda m: m["checksums"]["kv-p0.safetensors"].pop("xxh3_128"),
+                         r"checksums.kv-p0.safetensors: .* has no file digest \(xxh3_128 or sha256\)"),
     "checksums.bytes": (lambda m: m["checksums"]["kv-p0.safetensors"].update(bytes=5),
                         r"checksums.kv-p0.safetensors.bytes: the file has \d+ bytes, the manifest records 5"),
-    "file_content": (_flip_byte, r"checksums.kv-p0.safetensors.sha256: the file's SHA-256 differs"),
+    "file_content": (_flip_byte, r"checksums.kv-p0.safetensors.xxh3_128: the file's XXH3-128 differs"),
 }
 
 
@@ -243,6 +245,27 @@ def test_reader_rejects_tampered_manifest(field, exported, tmp_path):
         _write(dst, m)
     with pytest.raises(kv.KVFormatError, match=match):  # self-consistency alone; the model only for its fingerprint
         kv.load(str(dst), CONFIG_A if field in ("model.fingerprint", "model.sliding_window") else None)
+
+
+def test_older_exports_with_sha256_checksums_still_verify(exported, tmp_path):
+    """Exports written before the file digest became XXH3-128 carry `sha256` per file: they load and verify the same
+    (the data equal the XXH3 copy's), and a flipped byte is caught by the SHA-256."""
+    import hashlib
+
+    dst, m = _export_copy(exported, tmp_path)
+    want = kv.load(str(dst), CONFIG_A)
+    for name, entry in m["checksums"].items():
+        entry.pop("xxh3_128")
+        entry["sha256"] = hashlib.sha256((dst / name).read_bytes()).hexdigest()
+    _write(dst, m)
+    got = kv.load(str(dst), CONFIG_A, verify=True)
+    assert sorted(got) == sorted(want)
+    for layer in want:
+        np.testing.assert_array_equal(got[layer].k, want[layer].k)
+        np.testing.assert_array_equal(got[layer].v, want[layer].v)
+    _flip_byte(dst, m)
+    with pytest.raises(kv.KVFormatError, match=r"checksums.kv-p0.safetensors.sha256: the file's SHA-256 differs"):
+        kv.load(str(dst), CONFIG_A)
 
 
 def test_reader_rejects_missing_files(exported, tmp_path):

@@ -158,7 +158,7 @@ def _edit_manifest(**fields):
 
 
 @pytest.mark.parametrize("damage, reason", [
-    (_flip_last_byte, "SHA-256"),  # tampered bytes
+    (_flip_last_byte, "XXH3-128"),  # tampered bytes
     (_truncate, "bytes"),  # truncated file
     (_edit_manifest(**{"model.fingerprint": "0" * 16}), "fingerprint"),  # another model's export
     (_edit_manifest(dtype="bfloat16"), "dtype"),  # computed in another dtype

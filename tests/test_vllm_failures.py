@@ -53,7 +53,7 @@ FAULTS = [("fail/truncate", "mid", "truncate"), ("fail/flip-big", "big", "flip")
 # removed after validation (a file, or the whole export as /v1/kv/release does): the connector's pin keeps the
 # validated files readable, so these load (policy fail)
 RACES = [("race/delete", "mid", "delete"), ("race/reclaim-big", "big", "reclaim"), ("race/reclaim", "2B1", "reclaim")]
-REASONS = {"flip": r"checksums\.kv-p0\.safetensors\.sha256: the bytes read differ",
+REASONS = {"flip": r"checksums\.kv-p0\.safetensors\.xxh3_128: the bytes read differ",
            "truncate": r"checksums\.kv-p0\.safetensors\.bytes: read \d+ bytes, the manifest records \d+"}
 LEASE = {"lease_s": 0.3, "delay_s": 0.8}  # a decode queue longer than the lease: the pull starts after it expired
 LEASE_GONE = r"entry '\S+' is gone from pool 'driver-pool': its lease expired before a reader released it"

@@ -46,7 +46,7 @@ def _tamper(path: str, action: str) -> None:
         kvfmt.remove_tree(path)
     elif action == "delete":
         os.remove(f)
-    elif action == "flip":  # one byte in the middle of the tensor data: same size, other SHA-256
+    elif action == "flip":  # one byte in the middle of the tensor data: same size, other digest
         with open(f, "r+b") as fh:
             fh.seek(os.path.getsize(f) // 2)
             b = fh.read(1)

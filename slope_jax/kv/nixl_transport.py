@@ -239,8 +239,8 @@ class KVPool:
                              "manifest": manifest}}
 
     def publish_export(self, path: str, cfg=None, *, verify: bool = True, lease_s: float | None = None) -> dict:
-        """Publish a file export (`<kv_dir>/<request_id>`, read by `format.load`, its SHA-256 checked with `verify`)
-        with its manifest (`handoff_manifest`: less the prefix-reuse block hashes, which no reader uses)."""
+        """Publish a file export (`<kv_dir>/<request_id>`, read by `format.load`, its file digests checked with
+        `verify`) with its manifest (`handoff_manifest`: less the prefix-reuse block hashes, which no reader uses)."""
         from slope_jax.kv import format as kvfmt
 
         target = kvfmt.resolve(path)  # one version: the manifest and the tensors of the same export

@@ -5,7 +5,7 @@ Every entry point (the engine, the launcher's intake, the HTTP endpoint) asks on
 - **reuse** (`lookup`, `load_prefix`, `record`): an in-memory index, block hash → export, rebuilt from the manifests
   at start-up (`scan`, so reuse survives restarts) and kept current as exports are published (`record`) and as
   other writers publish into the same directory (`refresh`: only names not seen before are read). Only manifests
-  are read for the index; an entry's tensors are read when it serves a hit, with every file's SHA-256 checked and its
+  are read for the index; an entry's tensors are read when it serves a hit, with every file's digest checked and its
   token ids compared with the request's, so a tampered, truncated or stale entry is skipped (`ReuseRefused` names
   why) and the request computed cold.
 - **retention** (`max_bytes`, `max_age_s`): after each publication, exports are removed least recently used first
@@ -197,7 +197,7 @@ class KVStore:
                     weights: str) -> prefix_lib.PrefixKV:
         """The KV of the first `num_tokens` of `tokens` from export `request_id`, verified: manifest vs the model
         (`cfg` fingerprint, layer kinds, KV heads, head_dim, window), dtype, weights digest, every file's size and
-        SHA-256, and the export's own token ids vs the request's. Raises ReuseRefused naming the reason."""
+        digest, and the export's own token ids vs the request's. Raises ReuseRefused naming the reason."""
         path = os.path.join(self.kv_dir, request_id)
         self.hold(request_id)
         try:

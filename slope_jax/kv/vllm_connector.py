@@ -15,7 +15,8 @@ reason and vLLM prefills the request itself. The weights vLLM serves are digeste
 (`slope_jax.checkpoints.digest.weights_digest` of its model directory, as the prefill engine records it), so an
 export computed with other weights, or for another tenant's cache_salt, is never loaded.
 
-The worker side reads each file into memory, hashing the bytes (SHA-256, the manifest's checksums) as they arrive,
+The worker side reads each file into memory, hashing the bytes (the manifest's checksums: XXH3-128, or SHA-256 in
+older exports) as they arrive,
 parses the tensors from the verified bytes only, and writes each layer's rows through the attention backend's own
 cache-update op (`impl.do_kv_cache_update`, the op vLLM's forward uses), so the connector never depends on a
 backend's physical cache layout. Subclassing `SupportsHMA` keeps vLLM's hybrid KV cache manager on: sliding layers
@@ -31,7 +32,7 @@ Notable:
   exports are read and written inside the step (no thread), synchronously before the forward pass when vLLM has one
   KV cache group; with several groups (the hybrid manager) they are reported asynchronously too, because vLLM 0.32
   can fail a synchronous load only by block ids, which it refuses for more than one group.
-- Fails closed. A load that fails after validation (file deleted or truncated, bytes whose SHA-256 differs, a manifest
+- Fails closed. A load that fails after validation (file deleted or truncated, bytes whose digest differs, a manifest
   replaced) never leaves unwritten or foreign KV in use: an asynchronous load is reported as failed_recving
   (`get_transfer_results`), a synchronous one through `get_block_ids_with_load_errors`, and vLLM's
   `kv_load_failure_policy` decides: `fail` (vLLM's default) ends that request with an error, other requests are
@@ -50,7 +51,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import hashlib
 import json
 import os
 import sys
@@ -183,7 +183,7 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
 
     kv_connector_extra_config keys:
       kv_dir (str, optional): look exports up by the prompt's token hash under this directory.
-      verify_checksums (bool, default True): the worker compares the SHA-256 of every file's bytes as it reads them
+      verify_checksums (bool, default True): the worker compares the digest of every file's bytes as it reads them
         (sizes are always compared, by the scheduler and again by the worker).
       check_fingerprint (bool, default True): also compare the model fingerprint (`slope_jax.kv.check_model`).
       weights_digest (str, optional): the served weights' digest (`slope_jax.checkpoints.digest.weights_digest` of
@@ -345,7 +345,7 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
             return _Decision(None, "not used: a 1-token prompt has nothing to load (vLLM computes the last token)")
         t0 = time.perf_counter()
         try:
-            # the manifest and file sizes only: the worker hashes the bytes it reads (no SHA-256 in this loop)
+            # the manifest and file sizes only: the worker hashes the bytes it reads (no hashing in this loop)
             d, how = self._choose(request, prompt)
             if d.export is None:
                 return d
@@ -788,12 +788,14 @@ def _torch(a: np.ndarray) -> torch.Tensor:
 
 
 def _read_file(path: str, want: dict, verify: bool) -> np.ndarray:
-    """The bytes of one export file, hashed (SHA-256, with `verify`) as they arrive; raises ExportRefused if the file
-    is gone, shorter or longer than `want["bytes"]`, or its bytes do not hash to `want["sha256"]`."""
+    """The bytes of one export file, hashed (with `verify`: the manifest entry's digest, `kv.format.file_checksum`) as
+    they arrive; raises ExportRefused if the file is gone, shorter or longer than `want["bytes"]`, or its bytes do not
+    hash to the recorded digest."""
     size = int(want["bytes"])
     buf = np.empty(size, np.uint8)  # not bytearray: zero-filling a GiB would hold the GIL, stalling vLLM's steps
     view = memoryview(buf)
-    digest = hashlib.sha256() if verify else None
+    algo, expect = kvfmt.file_checksum(want)
+    digest = kvfmt.file_hasher(algo) if verify else None
     got = 0
     try:
         with open(path, "rb", buffering=0) as f:
@@ -811,8 +813,9 @@ def _read_file(path: str, want: dict, verify: bool) -> np.ndarray:
     if got != size or longer:
         raise plan.ExportRefused(f"{path}: checksums.{name}.bytes: read {got}{'+' if longer else ''} bytes, the "
                                  f"manifest records {size} (the file changed after validation)")
-    if digest is not None and digest.hexdigest() != want["sha256"]:
-        raise plan.ExportRefused(f"{path}: checksums.{name}.sha256: the bytes read differ from the manifest's SHA-256 "
+    if digest is not None and digest.hexdigest() != expect:
+        raise plan.ExportRefused(f"{path}: checksums.{name}.{algo}: the bytes read differ from the manifest's "
+                                 f"{kvfmt.FILE_DIGESTS[algo][0]} "
                                  "(the file was modified after validation)")
     return buf
 

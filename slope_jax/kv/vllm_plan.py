@@ -143,7 +143,7 @@ def validate(path: str, prompt: np.ndarray, cfg, cache_dtype: str, params: dict 
       weights: the digest of the weights vLLM serves (`served_weights`), None if unknown (`weights_unknown` says
         why): every export is then refused.
       cache_salt: the request's `cache_salt` (None or "" for none): the export must have been computed for it.
-      verify_checksums: also compare each file's SHA-256 (sizes are always compared).
+      verify_checksums: also compare each file's digest (sizes are always compared).
       check_fingerprint: also compare the model fingerprint (`slope_jax.kv.check_model`).
     Raises:
       ExportRefused naming the field: an inconsistent or unknown manifest, another model (layer count/kinds, KV
