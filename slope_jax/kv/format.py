@@ -573,11 +573,8 @@ def _check_sliding_from(path: str, m: dict, model: dict) -> None:
               f"position from 0 to max(0, n−W) = {top} (sliding layers hold at least the last W tokens)")
 
 
-def _check_layers(path: str, m: dict, model: dict) -> None:
-    files, sums = m.get("files"), m.get("checksums")
-    if not isinstance(files, list) or len(set(files)) != len(files) or not all(
-            isinstance(f, str) and re.fullmatch(r"kv-p\d+\.safetensors", f) for f in files):
-        _fail(path, "files", f"{files!r} is not a list of distinct kv-p<process>.safetensors names")
+def _check_checksums(path: str, files: list, sums) -> None:
+    """`checksums`: one entry per listed file, each with positive `bytes` and a digest of `FILE_DIGESTS`."""
     if not isinstance(sums, dict) or sorted(sums) != sorted(files):
         _fail(path, "checksums", f"covers {sorted(sums) if isinstance(sums, dict) else sums!r}, 'files' lists "
               f"{sorted(files)}")
@@ -590,6 +587,14 @@ def _check_layers(path: str, m: dict, model: dict) -> None:
         digits = FILE_DIGESTS[algo][1]
         if not isinstance(d[algo], str) or not re.fullmatch(f"[0-9a-f]{{{digits}}}", d[algo]):
             _fail(path, f"checksums.{name}.{algo}", f"{d[algo]!r} is not {digits} lowercase hex digits")
+
+
+def _check_layers(path: str, m: dict, model: dict) -> None:
+    files, sums = m.get("files"), m.get("checksums")
+    if not isinstance(files, list) or len(set(files)) != len(files) or not all(
+            isinstance(f, str) and re.fullmatch(r"kv-p\d+\.safetensors", f) for f in files):
+        _fail(path, "files", f"{files!r} is not a list of distinct kv-p<process>.safetensors names")
+    _check_checksums(path, files, sums)
     n_layers, n = model["num_hidden_layers"], m["num_tokens"]
     _check_sliding_from(path, m, model)
     layers = m.get("layers")
