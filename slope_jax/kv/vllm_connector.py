@@ -509,7 +509,8 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
             t0 = time.perf_counter()
             if load.how == BACKGROUND:
                 if self._pool is None:
-                    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="slope_jax_kv_load")
+                    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="slope_jax_kv_load",
+                                                                       initializer=_one_compute_thread)
                 self._gil.on()
                 self._inflight[load.req_id] = (load, self._pool.submit(self._load_background, load))
                 logger.info("SlopeJaxConnector: request %s: loading %s in the background", load.req_id,
@@ -598,7 +599,8 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
             names = self._layer_names()
             todo, writes = set(names), []
             if self._writer is None:
-                self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="slope_jax_kv_write")
+                self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="slope_jax_kv_write",
+                                                                     initializer=_one_compute_thread)
 
             def on_layer(idx: int, lkv) -> None:
                 if load.req_id in self._aborted:
@@ -755,6 +757,13 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
             d.close()
         if self._reader is not None:
             self._reader.close()
+
+
+def _one_compute_thread() -> None:
+    """Run this thread's torch ops (the cache-update op) on one thread. The setting is this thread's own (OpenMP's
+    per-thread ICV; vLLM's step thread keeps its count): without it each op called here starts a second OpenMP team
+    of as many threads as vLLM's own, spinning on the cores vLLM's step runs on."""
+    torch.set_num_threads(1)
 
 
 class _GilBoost:
