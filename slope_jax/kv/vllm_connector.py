@@ -48,7 +48,6 @@ No JAX is imported here (numpy, safetensors, ml_dtypes and torch only); docs/kv-
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import dataclasses
 import json
@@ -229,8 +228,6 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # the load thread
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None  # a NIXL load's cache writes
         self._static_layers: dict[str, Any] = {}
-        # the last loads (request id, how, transport, wall and cache-write seconds): benchmarks and debugging
-        self.recent_loads: collections.deque[dict] = collections.deque(maxlen=256)
         # worker side, NIXL: one reader, one registered staging buffer (reused: the BACKGROUND thread is the only
         # puller, and it writes each layer before the next pull), request id → the record of a pulled entry (told
         # `done` when the request finishes)
@@ -517,7 +514,7 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
                             load.source or load.export.path)
                 continue
             try:
-                via = self._via_of(load)
+                via = handoff.FILE  # NIXL records always load in the background (`_how`)
                 rows = self._prepare(load)
                 read_s = time.perf_counter() - t0
                 write_s = self._write_rows(rows)
@@ -636,12 +633,6 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         write_s = self._write_rows(rows)
         return _Done(via, time.perf_counter() - t0, read_s, write_s)
 
-    def _via_of(self, load: _Load) -> str:
-        """How a SYNC or INLINE load's KV arrives (always a file: NIXL pulls are BACKGROUND)."""
-        if isinstance(load.export, handoff.NixlExport):
-            raise plan.ExportRefused("a NIXL record must load in the background")
-        return handoff.FILE
-
     def _pull(self, req_id: str, record: dict, on_layer) -> None:
         """Pull a NIXL entry into the staging buffer (grown as needed; each layer's XXH3-128 checked as it arrives),
         handing each verified layer to `on_layer(layer id, LayerKV)` (views into the buffer, valid until the next
@@ -678,7 +669,6 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _loaded(self, load: _Load, done: _Done) -> None:
         """Record a load whose rows are all written (worker's thread)."""
-        self.recent_loads.append({"request_id": load.req_id, "how": load.how, **dataclasses.asdict(done)})
         self._worker_meta.loaded.add(load.req_id)
         self._worker_meta.transports[load.req_id] = done.via
         logger.info("SlopeJaxConnector: request %s: injected %d tokens from %s in %.1f ms (%s; read and verified in "
