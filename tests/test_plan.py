@@ -14,6 +14,7 @@ import pytest
 from support import CONFIG_A, CONFIG_B, REPO
 
 from slope_jax.model import gpt_oss as model
+from slope_jax.model.options import StepOptions
 from slope_jax.parallel.config import LayoutError, ParallelConfig
 from slope_jax.plan import calibrate, flops, hardware, report, search, verify
 from slope_jax.plan.model import predict
@@ -303,12 +304,13 @@ def test_a_prefix_hit_is_predicted_from_its_new_tokens_plus_their_attention_over
         extra = flops.cached_prefix_attention(cfg, 1, par.ring, par.ulysses, 512, 32256)
         assert hit.flops_per_device == pytest.approx(alone.flops_per_device + extra)
         # one device: 512 queries (one prefix_q_tile) x 32256 keys on the full layers in prefix_kv_tile tiles
-        # (the last one padded: 16 x 2048 rows), kv_tile tiles over the last W − 1 keys on the sliding ones
+        # (the last one padded to whole tiles), kv_tile tiles over the last W − 1 keys on the sliding ones
         if par.num_devices == 1:
             full = sum(not cfg.is_sliding(i) for i in range(cfg.num_hidden_layers))
             sliding = cfg.num_hidden_layers - full
             per_pair = 4 * cfg.num_attention_heads * cfg.head_dim
-            full_rows = -(-32256 // 2048) * 2048
+            bk = StepOptions().prefix_kv_tile
+            full_rows = -(-32256 // bk) * bk
             sliding_rows = 256 * 2 * -(-(cfg.sliding_window - 1) // 256)
             assert extra == per_pair * 512 * (full * full_rows + sliding * sliding_rows)
         assert alone.ttft_ms < hit.ttft_ms < 0.1 * cold.ttft_ms

@@ -165,11 +165,13 @@ class StepOptions:
 
     q_tile, kv_tile: attention query / key tile (tokens; clipped to the lengths, the Pallas kernel also caps them).
     prefix_q_tile, prefix_kv_tile: the tiles of a prefix hit's attention over the cached keys
-      (`context_parallel.prefix_attention`; sliding layers keep kv_tile). No causal mask inside the cached keys, so
-      large tiles waste nothing but the last one's padding, and the per-tile cost (loop step, mask, the score
-      tile's exp) is paid ~8× less often: 384 new tokens over 8960 cached on one CPU device of the peer config
-      took 0.63 s at 512 × 2048 vs 1.1 s at 256 × 256 (2 cores, bf16; a step of the cold prompt does not change
-      measurably with these tiles). Score tile memory: K·G·q·kv float32 per device (64 MiB for the peer config).
+      (`context_parallel.prefix_attention`; sliding layers keep kv_tile). Tall query tiles, short key tiles: each
+      key tile's float32 scores (K·G·q·kv entries) then stay in the cores' caches through the elementwise passes
+      (mask, max, exp, sum, the bf16 probabilities), which bound this attention on XLA:CPU, and the last tile of a
+      prefix that does not fill its capacity pads at most kv − 1 rows (tiles with no cached key are skipped). 442
+      new tokens over 8576 cached, one CPU device of the peer config (2 cores, bf16): one full layer's cached-key
+      attention 98 ms at 512 × 256 vs 160 ms at 512 × 2048 and 141 ms at 256 × 1024; the step 0.51–0.57 s vs
+      0.69–0.83 s (benchmarks/measured/cpu/README.md, fifth session).
     moe_tile: rows per expert matmul tile (clipped to tokens × experts_per_token): the "loop" MoE's tallest tile, it
       ends each expert's group with shorter ones (`moe_loop_tiles`); the Pallas kernel pads each group to whole tiles
       of this height capped at `MOE_KERNEL_MAX_TILE`. Default 512: on 2 CPU cores a 512-row bf16 expert matmul of the
@@ -185,7 +187,7 @@ class StepOptions:
     q_tile: int = 256
     kv_tile: int = 256
     prefix_q_tile: int = 512
-    prefix_kv_tile: int = 2048
+    prefix_kv_tile: int = 256
     moe_tile: int = 512
     attention_impl: str = "auto"
     moe_impl: str = "auto"
