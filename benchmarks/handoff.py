@@ -69,6 +69,8 @@ flags.DEFINE_integer("itl_mb", 1024, "KV size (MiB) loaded while other requests 
 flags.DEFINE_integer("neighbours", 4, "Requests decoding while the itl_mb export loads.")
 flags.DEFINE_integer("itl_repeats", 5, "Loads of the itl_mb export per transport; their gaps are pooled (one load's "
                      "window holds only ~25 gaps of the neighbours).")
+flags.DEFINE_integer("staging_mib", -1, "The connector's nixl_staging_mib: -1 = the largest size measured + 64 MiB "
+                     "(sized at vLLM's start-up, as the docs advise), 0 = grown by the pulls.")
 flags.DEFINE_float("vllm_switch_interval_ms", None, "Diagnostic: the vLLM process's GIL switch interval (ms; "
                    "Python's default 5): how much the connector's background read or pull waits for the GIL while "
                    "vLLM's step loop runs.")
@@ -337,7 +339,8 @@ def run_e2e(workdir: str) -> dict:
     biggest = _tokens_of(max(sizes + [FLAGS.itl_mb]))
     dec = e2e.Decoder(FLAGS.vllm_python, model, biggest, biggest * BYTES_PER_TOKEN + (256 << 20), weights,
                       os.path.join(workdir, "vllm.log"),
-                      None if FLAGS.vllm_switch_interval_ms is None else FLAGS.vllm_switch_interval_ms / 1e3)
+                      None if FLAGS.vllm_switch_interval_ms is None else FLAGS.vllm_switch_interval_ms / 1e3,
+                      staging_mib=max(sizes + [FLAGS.itl_mb]) + 64 if FLAGS.staging_mib < 0 else FLAGS.staging_mib)
     pool = None
     if "nixl" in FLAGS.e2e_transports:
         from slope_jax.kv import nixl_transport as nt
@@ -374,7 +377,8 @@ def run_e2e(workdir: str) -> dict:
         if pool is not None:
             pool.close()
     return {"model": "gpt-oss-20b KV cut (handoff_e2e.make_cut)", "vllm_init_s": dec.init_s, "rows": rows,
-            "itl": itl_row, "vllm_switch_interval_ms": FLAGS.vllm_switch_interval_ms}
+            "itl": itl_row, "vllm_switch_interval_ms": FLAGS.vllm_switch_interval_ms,
+            "nixl_staging_mib": dec.staging_mib}
 
 
 def _median_parts(runs: list[dict], nbytes: int) -> dict:

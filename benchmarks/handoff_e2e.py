@@ -73,10 +73,12 @@ class Decoder:
     """benchmarks/handoff_vllm.py in the vLLM venv, driven over a pipe."""
 
     def __init__(self, vllm_python: str, model: str, max_tokens_kv: int, kv_cache_bytes: int, weights: str,
-                 log_path: str, switch_interval_s: float | None = None):
+                 log_path: str, switch_interval_s: float | None = None, staging_mib: int = 0):
         spec = {"model": model, "dtype": "bfloat16", "max_model_len": max_tokens_kv + 64,
-                "kv_cache_bytes": kv_cache_bytes, "extra_config": {"weights_digest": weights},
+                "kv_cache_bytes": kv_cache_bytes,
+                "extra_config": {"weights_digest": weights, "nixl_staging_mib": staging_mib},
                 "switch_interval_s": switch_interval_s}
+        self.staging_mib = staging_mib
         env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
         env.update(PYTHONPATH=REPO, PYTHONUNBUFFERED="1", UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"))
         self.log = open(log_path, "w")

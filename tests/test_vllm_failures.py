@@ -42,6 +42,7 @@ from slope_jax.kv import vllm_plan as plan
 from slope_jax.serve.engine import PrefillEngine
 
 B = 16  # vLLM block size here
+STAGING_MIB = 64  # the NIXL staging buffer, sized at start-up: above every pull here (the largest ~40 MB)
 N_BIG = 8000  # kv_full float32: ~40 MB, above async_min_bytes
 LENGTHS = {"short": B - 6, "2B": 2 * B, "2B1": 2 * B + 1, "mid": 300, "eos": 77, "dup": 150, "big": N_BIG,
            "a": 200}
@@ -98,7 +99,7 @@ def run(tmp_path_factory):
     exports = {name: exports_dir / name for name in LENGTHS if name != "a"}
     tampered = {rid: base / "tampered" / rid.replace("/", "-") / name for rid, name, _ in FAULTS + RACES}
     spec = {"model": CKPT, "hybrid": True, "prefix_caching": True, "block_size": B, "max_model_len": N_BIG + 64,
-            "kv_cache_bytes": 1 << 28, "extra_config": {"async_min_bytes": 4 << 20},
+            "kv_cache_bytes": 1 << 28, "extra_config": {"async_min_bytes": 4 << 20, "nixl_staging_mib": STAGING_MIB},
             "phases": _phases(exports, tampered, go)}
 
     def make_exports():
@@ -202,8 +203,10 @@ def test_nixl_pull_loads_like_a_file(run):
     """KV pulled over NIXL from the pool (background, XXH3 per layer): n−1 loaded, the plain tokens, transport nixl;
     a pull after the lease expired falls back to the file export when the record has one (status loaded, transport
     says why); every entry a request pulled, or tried to pull (the corrupted one too), is freed once that request
-    finished."""
+    finished. The staging buffer is the one sized at start-up (`nixl_staging_mib`): no pull grew it."""
     results, data, log = run
+    assert data["staging_bytes"] == STAGING_MIB << 20, data["staging_bytes"]
+    assert re.search(rf"NIXL staging buffer of {STAGING_MIB} MiB ready", log)
     for rid, name in (("nixl/big", "big"), ("nixl/2B1", "2B1")):
         params = _same_as_plain(results, rid, name, LENGTHS[name] - 1)
         assert params[handoff.TRANSPORT_KEY] == handoff.NIXL, params

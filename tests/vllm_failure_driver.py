@@ -24,7 +24,7 @@ request: {"id", "prompt": [ids], "params": {...} or null, "cache_salt", "max_tok
 Greedy, float32. out: {"results": {id: {"tokens", "logprobs", "finish_reason", "num_cached_tokens",
 "kv_transfer_params", "added", "token_times"}}, "free_blocks": {"start", "end"}, "preemptions": {id: count},
 "pool": the NIXL pool's stats at the end (`KVPool.stats`) or null, "switch_interval_s": the interpreter's GIL switch
-interval once every load has ended}
+interval once every load has ended, "staging_bytes": the worker connector's NIXL staging buffer at the end (0: none)}
 (times: time.perf_counter seconds; free blocks of every KV cache group's pool, idle, before the first and after the last
 phase).
 """
@@ -214,6 +214,10 @@ def main(spec_path: str, out_path: str) -> None:
         _settle(engine)
     out["free_blocks"]["end"] = _free_blocks(engine)
     out["switch_interval_s"] = sys.getswitchinterval()  # the connector's 0.2 ms during loads, restored after
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    staging = getattr(get_kv_transfer_group(), "_staging", None)
+    out["staging_bytes"] = 0 if staging is None else int(staging.nbytes)
     time.sleep(0.5)  # the connector's "done" notifications reach the pool
     out["pool"] = _POOL[0].stats() if _POOL else None
     if _POOL:

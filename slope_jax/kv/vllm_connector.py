@@ -87,8 +87,9 @@ logger = init_logger("vllm.slope_jax_connector")
 ASYNC_MIN_BYTES = 4 << 20  # default kv_connector_extra_config.async_min_bytes
 _READ_CHUNK = 8 << 20  # bytes per read(2) while hashing a file
 _EXTRA_KEYS = ("kv_dir", "verify_checksums", "check_fingerprint", "weights_digest", "async_min_bytes",
-               "nixl_timeout_s", "load_switch_interval_ms")
+               "nixl_timeout_s", "load_switch_interval_ms", "nixl_staging_mib")
 LOAD_SWITCH_INTERVAL_MS = 0.2  # default kv_connector_extra_config.load_switch_interval_ms
+STAGING_ROUND = 64 << 20  # the NIXL staging buffer grows in whole 64 MiB steps, at least 1.5x at a time
 # how a load runs (`_Load.how`)
 SYNC, INLINE, BACKGROUND = "sync", "inline", "background"
 _Rows = tuple  # (attention layer, K rows [t, K_local, H], V rows, int64 slots [t]): one cache-update op's arguments
@@ -193,6 +194,9 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
       nixl_timeout_s (float, default 30): the longest a NIXL pull waits for the pool's answer and its READs.
       load_switch_interval_ms (float, default 0.2; 0: leave it): the interpreter's GIL switch interval while a
         background load runs (`_GilBoost`; Python's default is 5 ms).
+      nixl_staging_mib (int, default 0): size the NIXL staging buffer (every pull lands there before it is written
+        into vLLM's blocks) to this many MiB at start-up, its pages touched then; default: allocated on the first
+        pull and grown when a larger one comes (`_staging_for`).
     """
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig" = None):
@@ -259,6 +263,11 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError(f"kv_connector_extra_config.load_switch_interval_ms={switch_ms!r}: expected a number of "
                              "milliseconds in [0, 5] (0: leave Python's switch interval alone)")
         self._gil = _GilBoost(switch_ms / 1e3)
+        staging = extra.get("nixl_staging_mib", 0)
+        if isinstance(staging, bool) or not isinstance(staging, int) or not 0 <= staging <= 1 << 20:
+            raise ValueError(f"kv_connector_extra_config.nixl_staging_mib={staging!r}: expected an integer number of "
+                             "MiB in [0, 1048576] (0: allocate on the first pull)")
+        self._staging_bytes = staging << 20
 
     def _layer_groups(self, kv_cache_config) -> tuple[dict[str, tuple[int, str, int]], list[tuple[int, bool]]]:
         """(layer name → (global layer index, kind, group index), group → (block size, is a sliding-window group))."""
@@ -492,6 +501,12 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         except Exception as e:  # noqa: BLE001 - NIXL not installed: file exports only (a NIXL record then fails)
             logger.info("SlopeJaxConnector: no NIXL reader (%s: %s); NIXL hand-offs will fail over to files or "
                         "fail closed", type(e).__name__, e)
+            return
+        if self._staging_bytes:
+            t0 = time.perf_counter()
+            self._staging_for(self._staging_bytes)
+            logger.info("SlopeJaxConnector: NIXL staging buffer of %d MiB ready (%.2f s)", self._staging_bytes >> 20,
+                        time.perf_counter() - t0)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         """SYNC and INLINE loads are read, verified and written here, on the worker's thread (vLLM calls this before
@@ -640,13 +655,25 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         request pulls again meanwhile). Raises KVTransferError, or what `on_layer` raises."""
         if self._reader is None:
             self._reader = nt.KVReader(hold_s=self._nixl_timeout_s, timeout_s=self._nixl_timeout_s)
-        need = int(record["nbytes"])
-        if self._staging is None or self._staging.nbytes < need:
-            if self._staging is not None:
-                self._reader.drop_buffer(self._staging)
-            self._staging = np.empty(need, np.uint8)
         self._pulled[req_id] = record
-        self._reader.pull(record, out=self._staging, release=False, on_layer=on_layer)
+        self._reader.pull(record, out=self._staging_for(int(record["nbytes"])), release=False, on_layer=on_layer)
+
+    def _staging_for(self, need: int) -> np.ndarray:
+        """The staging buffer, grown to hold `need` bytes: to at least 1.5× its size, in whole STAGING_ROUND steps,
+        so a growing series of pulls reallocates a few times, not each time. A new buffer's pages are touched here
+        (`fill`: NumPy releases the GIL for it), not by the first READ into it: the READ's copy runs in NIXL's post
+        call, and page faults there took ~0.6 s of vLLM's step time at 1 GiB."""
+        if self._staging is not None and self._staging.nbytes >= need:
+            return self._staging
+        old = 0 if self._staging is None else self._staging.nbytes
+        size = -(-max(need, old + old // 2) // STAGING_ROUND) * STAGING_ROUND
+        if self._staging is not None:
+            self._reader.drop_buffer(self._staging)
+            self._staging = None
+        buf = np.empty(size, np.uint8)
+        buf.fill(0)
+        self._staging = buf
+        return buf
 
     def _done_with(self, req_ids) -> None:
         """Tell the pools the KV of these finished requests is no longer needed (they free it)."""
