@@ -77,9 +77,10 @@ class Efficiency:
     moe_tile_s: float = 0.0
     # seconds per score entry of a prefix hit's attention over its cached keys (`flops.cached_prefix_attention`:
     # `prefix_q_tile` × `prefix_kv_tile` tiles without a causal mask), per device; None = `attention_entry_s`. Apart
-    # because on XLA:CPU these wide tiles are bound by the elementwise passes over their float32 scores (max, exp,
-    # sum, the bf16 copy of the probabilities: ~0.9 ns per entry on 2 cores), dearer per entry than the causal
-    # attention `attention_entry_s` is fitted on; fitted from measured hits (benchmarks/prefix_hit.py).
+    # because on XLA:CPU these tiles (no causal mask, one tall query tile) are bound by the elementwise passes over
+    # their float32 scores (max, exp, sum, the bf16 copy of the probabilities), at another cost per entry than the
+    # causal attention `attention_entry_s` is fitted on; fitted from measured hits (benchmarks/prefix_hit.py --refit,
+    # refitted whenever the prefix tiles change).
     prefix_entry_s: float | None = None
 
     def attention_for(self, devices: int) -> float:
