@@ -170,8 +170,10 @@ class StepOptions:
       (mask, max, exp, sum, the bf16 probabilities), which bound this attention on XLA:CPU, and the last tile of a
       prefix that does not fill its capacity pads at most kv − 1 rows (tiles with no cached key are skipped). 442
       new tokens over 8576 cached, one CPU device of the peer config (2 cores, bf16): one full layer's cached-key
-      attention 98 ms at 512 × 256 vs 160 ms at 512 × 2048 and 141 ms at 256 × 1024; the step 0.51–0.57 s vs
-      0.69–0.83 s (benchmarks/measured/cpu/README.md, fifth session).
+      attention 98 ms at 512 × 256 vs 160 ms at 512 × 2048 and 141 ms at 256 × 1024; the whole hit 0.87× as long
+      alternated in one process (`benchmarks/prefix_tile_ab.py`; a hit of ~100 new tokens over 16K, whose
+      attention is a smaller share, within the scatter). Short key tiles lose only for a handful of queries (16 over
+      16384: 18 vs 15 ms). benchmarks/measured/cpu/README.md, fifth session.
     moe_tile: rows per expert matmul tile (clipped to tokens × experts_per_token): the "loop" MoE's tallest tile, it
       ends each expert's group with shorter ones (`moe_loop_tiles`); the Pallas kernel pads each group to whole tiles
       of this height capped at `MOE_KERNEL_MAX_TILE`. Default 512: on 2 CPU cores a 512-row bf16 expert matmul of the
