@@ -68,6 +68,34 @@ def test_hit_equals_cold_on_one_device(checkpoints, reference_engines):
         _check(reference_engines["A"], hot, _prompt(n, n), cached)
 
 
+def test_consecutive_hits_of_one_shape_reuse_the_host_buffers_exactly(checkpoints, reference_engines):
+    """Two hits of the same step shape in a row (40 cached rows each, from two different cached prompts): the second
+    lays its rows out in the buffers the first used (`serve.reuse.PrefixBuffers`) and still equals its cold prompt."""
+    hot = _engine(checkpoints)
+    other = random_prompt(CONFIG_A, 40, seed=77).astype(np.int32)
+    hot.prefill([BASE[:40], other])
+    _check(reference_engines["A"], hot, _prompt(70, 70), 40)
+    kept = hot._prefix_buffers._kv
+    assert kept is not None
+    tail = random_prompt(CONFIG_A, 30, seed=78).astype(np.int32)
+    _check(reference_engines["A"], hot, np.concatenate([other, tail]), 40)
+    assert hot._prefix_buffers._kv is kept  # the same arrays, refilled
+
+
+def test_prefix_buffers_are_zeroed_on_reuse_and_kept_only_when_small():
+    from slope_jax.serve.reuse import PrefixBuffers
+
+    bufs = PrefixBuffers(keep_bytes=2 * 4 * 3 * 5)
+    k, v = bufs.zeroed((3, 5), np.float32)
+    k[:] = 1.0
+    v[:] = np.nan
+    k2, v2 = bufs.zeroed((3, 5), np.float32)
+    assert k2 is k and v2 is v and not k2.any() and not v2.any()  # same arrays, zero again (no stale rows, no NaN)
+    k3, _ = bufs.zeroed((4, 5), np.float32)  # another shape, too large to keep
+    assert k3 is not k and not k3.any() and bufs._kv is None
+    assert bufs.zeroed((4, 5), np.float32)[0] is not k3
+
+
 @pytest.mark.parametrize("parallel", [
     ParallelConfig(ring=2, ulysses=4),  # Ulysses x zigzag ring
     ParallelConfig(pipeline=2, ring=2, ulysses=2),  # pipeline stages

@@ -158,6 +158,7 @@ class PrefillEngine:
         self._retention = (kv_dir_max_bytes, kv_dir_max_age_s)
         self._stores: dict[str, KVStore] = {}
         self._prefix_steps: dict = {}
+        self._prefix_buffers = reuse_lib.PrefixBuffers()  # a hit's host K/V rows, kept for the next hit's
         # the host tier holds whole prompts' KV gathered to this process: single-process runs only
         self.host_tier = (prefix_lib.HostTier(self.reuse.host_bytes)
                           if self.reuse.enabled and self.reuse.host_bytes and jax.process_count() == 1 else None)
@@ -538,7 +539,7 @@ class PrefillEngine:
                            np.int32)
         host = [tokens, positions, n_tok]
         if step.prefix_rows:
-            host += list(reuse_lib.prefix_arrays(self, step.hits, step.prefix_rows))
+            host += list(reuse_lib.prefix_arrays(self, step.hits, step.prefix_rows, self._prefix_buffers))
         return [self._global_input(a, sh) for a, sh in zip(host, self._input_shardings(t, m, step.prefix_rows))]
 
     def run_step(self, step: Step, *, top_k: int = 5) -> list[PrefillResult]:
