@@ -268,6 +268,17 @@ def test_older_exports_with_sha256_checksums_still_verify(exported, tmp_path):
         kv.load(str(dst), CONFIG_A)
 
 
+def test_a_pointer_removed_while_it_is_resolved_reads_as_no_export(exported, monkeypatch):
+    """Retention or an overwrite can remove `<kv_dir>/<id>` between realpath's lstat and its readlink: the reader
+    gets KVFormatError (no such export, a miss), never a bare FileNotFoundError (seen under concurrent eviction)."""
+    def gone(path, *a, **k):
+        raise FileNotFoundError(2, "No such file or directory", path)
+
+    monkeypatch.setattr(os.path, "realpath", gone)
+    with pytest.raises(kv.KVFormatError, match="no such export"):
+        kv.load(str(exported))
+
+
 def test_reader_rejects_missing_files(exported, tmp_path):
     dst, m = _export_copy(exported, tmp_path)
     os.remove(dst / m["files"][-1])

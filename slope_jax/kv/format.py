@@ -148,11 +148,8 @@ def file_hasher(algo: str):
 
 def file_digest(path: str, algo: str = "xxh3_128") -> str:
     """The lowercase hex digest (`FILE_DIGESTS` key `algo`) of a file's bytes."""
-    h = file_hasher(algo)
     with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, lambda: file_hasher(algo)).hexdigest()
 
 
 def file_checksum(entry: dict) -> tuple[str, str]:
@@ -455,10 +452,19 @@ def resolve(path: str) -> str:
     version-2 export or a version directory: itself). Resolve once and read only there, so every file read belongs
     to one export. Raises KVFormatError if the path does not exist (or points at a collected version)."""
     path = os.fspath(path)
-    target = os.path.realpath(path)
-    if not os.path.isdir(target):
+    target = _current(path)
+    if target is None or not os.path.isdir(target):
         raise KVFormatError(f"{path}: no such export (no {MANIFEST}: an unfinished or failed export is never valid)")
     return target
+
+
+def _current(path: str) -> str | None:
+    """`os.path.realpath(path)`, or None when the pointer is removed or replaced while it is followed (realpath's
+    lstat saw the link, its readlink did not: a concurrent retention or overwrite, not a fault of the export)."""
+    try:
+        return os.path.realpath(path)
+    except OSError:
+        return None
 
 
 def _retrying(path: str, read):
@@ -469,7 +475,7 @@ def _retrying(path: str, read):
         try:
             return read(target)
         except Exception:  # noqa: BLE001 - KVFormatError, OSError or safetensors' own error for a vanished file
-            if attempt + 1 == _READ_ATTEMPTS or os.path.realpath(os.fspath(path)) == target:
+            if attempt + 1 == _READ_ATTEMPTS or _current(os.fspath(path)) == target:
                 raise  # the pointer still names this version: a real fault of the export, not a race
 
 
@@ -581,12 +587,13 @@ def _check_checksums(path: str, files: list, sums) -> None:
     for name, d in sums.items():
         if not isinstance(d, dict) or not _is_int(d.get("bytes"), 1):
             _fail(path, f"checksums.{name}.bytes", f"{d!r} has no positive integer 'bytes'")
-        algo = next((a for a in FILE_DIGESTS if a in d), None)
-        if algo is None:
+        try:
+            algo, digest = file_checksum(d)
+        except KeyError:
             _fail(path, f"checksums.{name}", f"{d!r} has no file digest ({' or '.join(FILE_DIGESTS)})")
         digits = FILE_DIGESTS[algo][1]
-        if not isinstance(d[algo], str) or not re.fullmatch(f"[0-9a-f]{{{digits}}}", d[algo]):
-            _fail(path, f"checksums.{name}.{algo}", f"{d[algo]!r} is not {digits} lowercase hex digits")
+        if not isinstance(digest, str) or not re.fullmatch(f"[0-9a-f]{{{digits}}}", digest):
+            _fail(path, f"checksums.{name}.{algo}", f"{digest!r} is not {digits} lowercase hex digits")
 
 
 def _check_layers(path: str, m: dict, model: dict) -> None:

@@ -220,7 +220,7 @@ def prefix_arrays(engine, hits: list[Hit], capacity: int, buffers: PrefixBuffers
     group = 1 if engine.mesh is None else engine.parallel.ring * engine.parallel.ulysses
     m, e = len(hits), len(flat)
     shape = (m, e, capacity, cfg.num_key_value_heads, cfg.head_dim)
-    k, v = (buffers or PrefixBuffers(keep_bytes=0)).zeroed(shape, engine.dtype)
+    k, v = (buffers if buffers is not None else PrefixBuffers(keep_bytes=0)).zeroed(shape, engine.dtype)
     pos = np.full((m, capacity), attn_lib.INVALID_POS, np.int32)
     offsets = np.zeros((m,), np.int32)
     per = capacity // group
