@@ -384,3 +384,74 @@ def test_publish_from_the_host_tier_equals_publishing_the_export(checkpoints, tm
         eng.host_tier.unpin("nothing")  # evicts down to the budget
         hit = kvfmt.read_manifest(kvfmt.resolve(os.path.join(kv_dir, "hit")))
         assert len(eng.host_tier) == 0 and prefix_lib.export_rows(eng.host_tier, hit) is None
+
+
+def test_endpoint_answers_over_nixl_before_its_export_is_written(reader, tmp_path):
+    """The P/D endpoint (one launcher process) answers a request that hands its KV over NIXL as soon as its first
+    token and KV are in memory (`HttpIntake.deliver_early`): `export_pending` in the answer, the record published
+    from the host tier; what the decode side pulls is bitwise the export written after, whose final record then
+    lands in the results file. A request over files waits for its export (on disk when answered); /v1/kv/release of
+    the early one frees its pool entry."""
+    import urllib.request
+
+    from support import SHIPPED, free_port, launcher_env
+
+    port, base = free_port(), tmp_path
+    cmd = [sys.executable, "-m", "slope_jax.launch", "--cpu_devices=1", f"--checkpoint={SHIPPED}", "--dtype=float32",
+           "--q_tile=32", "--kv_tile=32", "--moe_tile=32", f"--http_port={port}", f"--kv_dir={base / 'kv'}",
+           f"--results={base / 'results.jsonl'}", "--prefix_block=16", "--kv_pool_gib=0.0625", "--batch_wait_ms=0"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=launcher_env(), stdout=open(base / "log", "w"),
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def post(path, body):
+        req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return json.loads(r.read())
+
+    try:
+        deadline = time.time() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5):
+                    break
+            except OSError:
+                assert time.time() < deadline and proc.poll() is None, (base / "log").read_text()[-3000:]
+                time.sleep(0.5)
+        rng = np.random.default_rng(11)
+        prompt = rng.integers(0, 1000, 70).tolist()  # 4 blocks of 16 and 6 tokens; crosses the window (32)
+        body = post("/v1/completions", {"prompt": prompt, "request_id": "early",
+                                        "kv_transfer_params": {"do_remote_decode": True}})
+        params = body["kv_transfer_params"]
+        assert body["export_pending"] is True and body["publish_from"] == "host tier", body
+        got = reader.pull(params)
+        path = params["slope_jax_kv_path"]
+        deadline = time.time() + 60
+        while not os.path.exists(os.path.join(path, "manifest.json")):  # the export follows the answer
+            assert time.time() < deadline, "the export was never written"
+            time.sleep(0.05)
+        want = kvfmt.load(path, verify=True)
+        assert sorted(got) == sorted(want)
+        for layer, w in want.items():
+            assert got[layer].kind == w.kind and got[layer].k.dtype == w.k.dtype == np.float32
+            assert got[layer].k.tobytes() == w.k.tobytes() and got[layer].v.tobytes() == w.v.tobytes(), layer
+            assert np.array_equal(got[layer].positions, w.positions)
+        assert params[nt.PARAMS_KEY]["manifest"]["first_token"] == body["choices"][0]["token_ids"][0]
+        # over files: answered once the export is on disk
+        other = rng.integers(0, 1000, 45).tolist()
+        files = post("/v1/completions", {"prompt": other, "request_id": "files", "kv_transfer_params": {
+            "do_remote_decode": True, "slope_jax_transport": "files"}})
+        assert "export_pending" not in files and nt.PARAMS_KEY not in files["kv_transfer_params"]
+        assert os.path.exists(os.path.join(files["kv_transfer_params"]["slope_jax_kv_path"], "manifest.json"))
+        released = post("/v1/kv/release", {"request_id": "early"})
+        assert released["removed"] is False and "prefix reuse" in released["reason"], released
+        with urllib.request.urlopen(url + "/v1/kv/pool", timeout=30) as r:
+            pool = json.loads(r.read())
+        assert pool["entries"] == 0 and pool["used_bytes"] == 0, pool
+        records = {r["id"]: r for r in map(json.loads, (base / "results.jsonl").read_text().splitlines())}
+        assert records["early"]["kv_path"] == path and records["early"]["export_ms"] > 0
+        assert "export_pending" not in records["early"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

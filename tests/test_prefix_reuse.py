@@ -109,6 +109,42 @@ def test_hit_equals_cold_on_every_layout_family(checkpoints, reference_engines, 
         _check(reference_engines["A"], hot, _prompt(n, n), cached)
 
 
+@pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(ring=2, ulysses=4)], ids=["1dev", "cp-1x2x4"])
+def test_on_computed_precedes_the_export_and_carries_its_manifest_and_rows(checkpoints, tmp_path, parallel):
+    """`prefill(on_computed=...)` (what the P/D endpoint answers from before the export is written): called after
+    each step with the first tokens, before the export exists; its manifests equal the written ones but for the
+    files and their checksums; the host tier holds, at that moment, exactly the rows each export then writes
+    (`export_rows`), for a cold prompt and prefix hits (default kv_full with reuse on, and a last_window export)."""
+    eng = _engine(checkpoints, parallel)
+    d = str(tmp_path / "kv")
+    seen = []
+
+    def on_computed(ids, results, manifests):
+        for rid, res, m in zip(ids, results, manifests):
+            assert not os.path.lexists(os.path.join(d, rid)) and res.kv_path is None
+            seen.append((rid, res.first_token, m, prefix_lib.export_rows(eng.host_tier, m)))
+
+    jobs = [(["doc"], [BASE[:40]], None), (["turn", "other"], [_prompt(57, 1), _prompt(23, 2)], None),
+            (["window"], [_prompt(61, 3)], False)]
+    for ids, prompts, full in jobs:
+        out = eng.prefill(prompts, d, ids=ids, kv_full=full, on_computed=on_computed)
+        assert all((r.cached_tokens > 0) == (rid != "doc") for rid, r in zip(ids, out))
+    assert sorted(x[0] for x in seen) == ["doc", "other", "turn", "window"]  # one call per step: steps by bucket
+    for rid, first, early, rows in seen:
+        written = kv.read_manifest(os.path.join(d, rid))
+        assert early["first_token"] == first == written["first_token"]
+        assert early["files"] == [] and early["checksums"] == {} and written["files"]
+        assert {k: v for k, v in early.items() if k not in ("files", "checksums")} == \
+            {k: v for k, v in written.items() if k not in ("files", "checksums")}
+        want = kv.load(os.path.join(d, rid), verify=True)
+        assert rows is not None and sorted(rows) == sorted(want)
+        for i, lkv in want.items():  # bitwise: the same float32 rows the export holds
+            np.testing.assert_array_equal(rows[i].positions, lkv.positions)
+            np.testing.assert_array_equal(rows[i].k, lkv.k)
+            np.testing.assert_array_equal(rows[i].v, lkv.v)
+    assert kv.read_manifest(os.path.join(d, "window"))["sliding_policy"] == "last_window"
+
+
 def test_export_of_a_hit_is_whole_and_reuse_survives_a_restart(checkpoints, reference_engines, tmp_path):
     d = str(tmp_path / "kv")
     first = _engine(checkpoints, host_bytes=0)

@@ -11,7 +11,8 @@ a load closed only by request id). Phases:
 - edges: prompt lengths 2·B and 2·B+1, one shorter than a block, the same prompt twice at once, max_tokens=1 whose
   first token is a stop token (as EOS would be);
 - nixl: the BIG export and a 2·B+1 one published in the driver's NIXL pool and pulled by the connector (XXH3 per
-  layer, background); one whose pull starts after its lease expired, with the file export beside the record: read
+  layer, background); one published with the manifest known before its export is written (no files, no path: as
+  the P/D endpoint answers early); one whose pull starts after its lease expired, with the file export beside the record: read
   from the file instead (the status says so);
 - fail (vLLM's default kv_load_failure_policy): the export's file truncated, or one byte flipped, right after the
   scheduler validated it (the driver's hook in `update_state_after_alloc`), inline and background, a NIXL pull after
@@ -78,6 +79,7 @@ def _phases(exports, tampered, go):
     faults = {p: [_req(rid, name, tampered[rid], tamper=action) for rid, name, action in FAULTS + RACES
                   if rid.startswith(p)] for p in ("fail", "recompute", "race")}
     nixl = [_req("nixl/big", "big", e["big"], nixl={}), _req("nixl/2B1", "2B1", e["2B1"], nixl={}),
+            _req("nixl/pre-export", "mid", e["mid"], nixl={"pre_export": True}),
             _req("nixl/fallback", "mid", e["mid"], nixl={**LEASE, "file": True})]
     faults["fail"] += [_req("fail/nixl-lease", "mid", e["mid"], nixl=LEASE),
                        _req("fail/nixl-flip", "short", e["short"], nixl={"flip": True})]
@@ -200,14 +202,15 @@ def test_export_removed_after_validation_still_loads(run, rid, name, action):
 
 
 def test_nixl_pull_loads_like_a_file(run):
-    """KV pulled over NIXL from the pool (background, XXH3 per layer): n−1 loaded, the plain tokens, transport nixl;
+    """KV pulled over NIXL from the pool (background, XXH3 per layer): n−1 loaded, the plain tokens, transport nixl
+    (also for a record whose manifest lists no files, as the P/D endpoint publishes one before its export is written);
     a pull after the lease expired falls back to the file export when the record has one (status loaded, transport
     says why); every entry a request pulled, or tried to pull (the corrupted one too), is freed once that request
     finished. The staging buffer is the one sized at start-up (`nixl_staging_mib`): no pull grew it."""
     results, data, log = run
     assert data["staging_bytes"] == STAGING_MIB << 20, data["staging_bytes"]
     assert re.search(rf"NIXL staging buffer of {STAGING_MIB} MiB ready", log)
-    for rid, name in (("nixl/big", "big"), ("nixl/2B1", "2B1")):
+    for rid, name in (("nixl/big", "big"), ("nixl/2B1", "2B1"), ("nixl/pre-export", "mid")):
         params = _same_as_plain(results, rid, name, LENGTHS[name] - 1)
         assert params[handoff.TRANSPORT_KEY] == handoff.NIXL, params
     params = _same_as_plain(results, "nixl/fallback", "mid", LENGTHS["mid"] - 1)

@@ -17,10 +17,11 @@ request: {"id", "prompt": [ids], "params": {...} or null, "cache_salt", "max_tok
           "tamper": "delete" | "flip" | "truncate" (done to the export's kv-p0.safetensors right after the scheduler
           validated it and allocated its blocks: `update_state_after_alloc`) | "reclaim" (the whole export removed
           then, as the prefill's /v1/kv/release does),
-          "nixl": {"lease_s", "delay_s", "file": bool, "flip": bool} (the export at params' path is published in the
-          driver's NIXL pool with that lease just before the request is added, after a sleep of delay_s — a decode
-          queue longer than the lease —; params then carry the hand-off record, and the path only with "file";
-          "flip": one byte of the pool entry flipped after publication)}
+          "nixl": {"lease_s", "delay_s", "file": bool, "flip": bool, "pre_export": bool} (the export at params' path
+          is published in the driver's NIXL pool with that lease just before the request is added, after a sleep of
+          delay_s — a decode queue longer than the lease —; params then carry the hand-off record, and the path only
+          with "file"; "flip": one byte of the pool entry flipped after publication; "pre_export": the record's
+          manifest lists no files, as one published before its export is written)}
 Greedy, float32. out: {"results": {id: {"tokens", "logprobs", "finish_reason", "num_cached_tokens",
 "kv_transfer_params", "added", "token_times"}}, "free_blocks": {"start", "end"}, "preemptions": {id: count},
 "pool": the NIXL pool's stats at the end (`KVPool.stats`) or null, "switch_interval_s": the interpreter's GIL switch
@@ -114,7 +115,13 @@ def _publish(r: dict) -> dict:
     if not _POOL:
         _POOL.append(nt.KVPool(256 << 20, name="driver-pool"))
     pool, spec, path = _POOL[0], r["nixl"], r["params"][plan.PATH_KEY]
-    params = pool.publish_export(path, lease_s=spec.get("lease_s"))
+    if spec.get("pre_export"):  # as the endpoint answers before the export is written: its manifest has no files
+        from slope_jax.kv import format as kvfmt
+
+        manifest = {**nt.handoff_manifest(kvfmt.read_manifest(path)), "files": [], "checksums": {}}
+        params = pool.publish(r["id"], kvfmt.load(path), manifest, lease_s=spec.get("lease_s"))
+    else:
+        params = pool.publish_export(path, lease_s=spec.get("lease_s"))
     if spec.get("flip"):
         rec = params[nt.PARAMS_KEY]
         pool._arena[rec["address"] - pool._base + rec["layers"][-1]["offset"] + 1] ^= 0xFF

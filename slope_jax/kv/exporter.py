@@ -52,10 +52,12 @@ class KVExporter:
 
     def export_batch(self, kv_dir: str, ids: list[str], batch: list[np.ndarray], k, v, positions: np.ndarray,
                      full: bool, results: list, overwrite: bool, *, offsets: Sequence[int] | None = None,
-                     prefixes: Sequence | None = None, reuse: Sequence[dict | None] | None = None) -> dict[str, str]:
+                     prefixes: Sequence | None = None, reuse: Sequence[dict | None] | None = None,
+                     started: float | None = None) -> dict[str, str]:
         """Export every request of a step. `batch[j]`: request j's token ids; `positions[i]`: the position of layout
         row i within the step; `results[j]` gets `kv_path` and `export_ms` (first token on the host → this request's
-        export published). Each device shard of K/V is copied to the host once for the whole batch.
+        export published; `started`: the `time.perf_counter()` the first tokens reached the host, default now).
+        Each device shard of K/V is copied to the host once for the whole batch.
         Prefix hits: the step computed request j's tokens from `offsets[j]` on (its rows hold positions
         `positions + offsets[j]`); `prefixes[j]` (`kv.prefix.PrefixKV`) holds its first `offsets[j]` tokens, which
         process 0 writes into its own file, so the export is whole: a decode engine cannot tell it from a cold one.
@@ -67,7 +69,7 @@ class KVExporter:
         single process raises process 0's error itself."""
         import jax
 
-        e0 = time.perf_counter()
+        e0 = time.perf_counter() if started is None else started
         me, multi = jax.process_index(), jax.process_count() > 1
         host = [(sk.index, np.asarray(sk.data), np.asarray(sv.data))
                 for sk, sv in zip(k.addressable_shards, v.addressable_shards)]
@@ -141,18 +143,39 @@ class KVExporter:
             err = f"process {bad} could not write its piece (see its log)"
         return staging, int(codes.max()), err
 
+    def manifests(self, ids: list[str], batch: list[np.ndarray], k, positions: np.ndarray, full: bool,
+                  first_tokens: Sequence[int], *, offsets: Sequence[int] | None = None,
+                  prefixes: Sequence | None = None, reuse: Sequence[dict | None] | None = None) -> list[dict]:
+        """The manifest each request's export will carry (`format.build_manifest`: no files or checksums yet),
+        known before any file is written; arguments as `export_batch`'s, `first_tokens[j]` request j's first token.
+        No I/O and no communication (the records come from the global sharding): any process may ask."""
+        out = []
+        for j, rid in enumerate(ids):
+            req = _Req(batch[j], positions + (0 if offsets is None else int(offsets[j])),
+                       None if prefixes is None else prefixes[j], None if reuse is None else reuse[j])
+            req.sliding_from = self.sliding_from(int(req.tokens.size), full, req.prefix)
+            records = self._records(k, j, req)
+            out.append(kvfmt.build_manifest(request_id=rid, token_ids=req.tokens, cfg=self.cfg, dtype=self.dtype,
+                                            full=full, segments=records, first_token=int(first_tokens[j]),
+                                            run_nonce=self.run_nonce, weights_digest=self.weights_digest,
+                                            prefix=req.reuse, sliding_from=None if full else req.sliding_from))
+        return out
+
+    def _records(self, k, j: int, req: _Req) -> list[dict]:
+        """Segment records of request j's export: every process's pieces and process 0's prefix rows."""
+        n, sf = int(req.tokens.size), req.sliding_from
+        records = self.segment_records(k, j, n, sf, req.positions)
+        return records + [_record(0, layer, a, b) for layer, a, b, _, _ in
+                          self.prefix_segments(req.prefix, n, sf, shapes_only=True)]
+
     def _publish(self, kv_dir, rid, staging, k, j, req: _Req, full, first_token, overwrite) -> None:
         """Process 0: the manifest of every process's pieces, then the atomic publish."""
-        n = int(req.tokens.size)
-        sf = req.sliding_from
-        records = self.segment_records(k, j, n, sf, req.positions)
-        records += [_record(0, layer, a, b) for layer, a, b, _, _ in self.prefix_segments(req.prefix, n, sf,
-                                                                                            shapes_only=True)]
+        records = self._records(k, j, req)
         files = sorted({r["file"] for r in records} | {kvfmt.shard_file_name(0)})
         kvfmt.write_manifest(staging, request_id=rid, token_ids=req.tokens, cfg=self.cfg, dtype=self.dtype,
                              full=full, segments=records, files=files, first_token=first_token,
                              run_nonce=self.run_nonce, weights_digest=self.weights_digest, prefix=req.reuse,
-                             sliding_from=None if full else sf)
+                             sliding_from=None if full else req.sliding_from)
         kvfmt.publish(kv_dir, rid, staging, overwrite=overwrite)
 
     def sliding_from(self, n: int, full: bool, prefix) -> int:

@@ -258,13 +258,6 @@ def write_manifest(directory: str, *, request_id: str, token_ids: np.ndarray, cf
     `sliding_from`: the first position the sliding layers hold without `full` (default: `kept_range`'s; at most
     max(0, n−W): they hold at least the last W tokens). Raises KVFormatError if a file or its digest is missing or
     disagrees; ValueError for a `sliding_from` out of range."""
-    n = len(token_ids)
-    if not full:
-        sliding_from = kept_range(n, SLIDING, cfg.sliding_window, False)[0] if sliding_from is None else sliding_from
-        if not 0 <= sliding_from <= max(0, n - cfg.sliding_window):
-            raise ValueError(f"sliding_from={sliding_from}: sliding layers must hold at least the last W tokens, "
-                             f"from at most {max(0, n - cfg.sliding_window)} (n={n}, W={cfg.sliding_window})")
-    layers = _layer_records(cfg, segments, n, 0 if full else sliding_from)
     checksums = {}
     for name in sorted(set(files)):
         path = os.path.join(directory, name)
@@ -276,9 +269,35 @@ def write_manifest(directory: str, *, request_id: str, token_ids: np.ndarray, cf
         if not os.path.exists(path) or os.path.getsize(path) != digest["bytes"]:
             raise KVFormatError(f"{directory}: {name} is missing or not {digest['bytes']} bytes as its writer reported")
         checksums[name] = digest
+    manifest = build_manifest(request_id=request_id, token_ids=token_ids, cfg=cfg, dtype=dtype, full=full,
+                              segments=segments, first_token=first_token, run_nonce=run_nonce,
+                              weights_digest=weights_digest, prefix=prefix, sliding_from=sliding_from)
+    manifest.update(files=sorted(checksums), checksums=checksums)
+    path = os.path.join(directory, MANIFEST)
+    atomic_json(path, manifest)
+    for name in checksums:
+        os.remove(os.path.join(directory, name) + _DIGEST_SUFFIX)
+    _fsync_dir(directory)
+    _reached("manifest_written")
+    return path
+
+
+def build_manifest(*, request_id: str, token_ids: np.ndarray, cfg, dtype: str, full: bool, segments: list[dict],
+                   first_token: int | None = None, run_nonce: str | None = None, weights_digest: str | None = None,
+                   prefix: dict | None = None, sliding_from: int | None = None) -> dict:
+    """The manifest dict `write_manifest` writes, less its `files` and `checksums` (empty here): what an export
+    holds and for which prompt, model and weights, known before any file is written. The NIXL hand-off record
+    carries it (`nixl_transport.handoff_manifest`) while the files are still being written; arguments as
+    `write_manifest`'s. Raises ValueError for a `sliding_from` out of range."""
+    n = len(token_ids)
+    if not full:
+        sliding_from = kept_range(n, SLIDING, cfg.sliding_window, False)[0] if sliding_from is None else sliding_from
+        if not 0 <= sliding_from <= max(0, n - cfg.sliding_window):
+            raise ValueError(f"sliding_from={sliding_from}: sliding layers must hold at least the last W tokens, "
+                             f"from at most {max(0, n - cfg.sliding_window)} (n={n}, W={cfg.sliding_window})")
     manifest = {
         "format": FORMAT, "version": VERSION, "request_id": request_id,
-        "num_tokens": int(len(token_ids)), "token_ids_sha256": token_hash(token_ids),
+        "num_tokens": int(n), "token_ids_sha256": token_hash(token_ids),
         "first_token": first_token, "run_nonce": run_nonce or new_run_nonce(),
         "model": {"fingerprint": cfg.fingerprint(), "num_hidden_layers": cfg.num_hidden_layers,
                   "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
@@ -286,7 +305,7 @@ def write_manifest(directory: str, *, request_id: str, token_ids: np.ndarray, cf
         "dtype": dtype, "axes": {"k": AXES, "v": AXES, "positions": ["token"]},
         "rope_applied": True, "token_order": "natural",
         "sliding_policy": "full" if full else "last_window",
-        "files": sorted(checksums), "checksums": checksums, "layers": layers,
+        "files": [], "checksums": {}, "layers": _layer_records(cfg, segments, n, 0 if full else sliding_from),
     }
     if not full:
         manifest["sliding_from"] = int(sliding_from)
@@ -296,13 +315,7 @@ def write_manifest(directory: str, *, request_id: str, token_ids: np.ndarray, cf
         manifest["prefix"] = {"block_size": int(prefix["block_size"]), "hashes": list(prefix["hashes"]),
                               "identity": prefix.get("identity"),
                               "token_ids": {"file": shard_file_name(0), "tensor": TOKEN_IDS}}
-    path = os.path.join(directory, MANIFEST)
-    atomic_json(path, manifest)
-    for name in checksums:
-        os.remove(os.path.join(directory, name) + _DIGEST_SUFFIX)
-    _fsync_dir(directory)
-    _reached("manifest_written")
-    return path
+    return manifest
 
 
 def _layer_records(cfg, segments: list[dict], n: int, sliding_start: int) -> list[dict]:

@@ -77,11 +77,12 @@ class BatchItem:
 
 
 def prefill_isolated(engine, items: list[BatchItem], *, kv_store=None, kv_full: bool | None = None,
-                     top_k: int = 5) -> list:
+                     top_k: int = 5, on_computed=None) -> list:
     """Run a batch so that a failure is attributed to the request that causes it: items go in the engine steps of
     `steps.group_steps` (one length bucket, at most `parallel.in_flight` prompts each, as the engine groups them); a
     step that fails (on any process) is retried one request at a time, and only a request that fails alone gets an
     error. `kv_store` (`kv.store.KVStore` or None): where the exports go and whether they may replace earlier ones.
+    `on_computed`: the engine's callback after each step, before its exports (`PrefillEngine.prefill`).
     Returns a PrefillResult or an error string per item, in order."""
     from slope_jax.serve.requests import RequestError
 
@@ -94,7 +95,8 @@ def prefill_isolated(engine, items: list[BatchItem], *, kv_store=None, kv_full: 
         try:
             out = engine.prefill([x.tokens for x in part], ids=[x.id for x in part],
                                  arrival_times=None if None in arrivals else arrivals, kv_full=kv_full,
-                                 return_kv=False, top_k=top_k, cache_salt=[x.cache_salt for x in part], **export)
+                                 return_kv=False, top_k=top_k, cache_salt=[x.cache_salt for x in part],
+                                 on_computed=on_computed, **export)
         except Exception as e:  # noqa: BLE001 - attributed below; a dead peer is reported by the peer watch
             err = e
             if not isinstance(e, RequestError):
@@ -131,7 +133,8 @@ def compute_loop(engine, broadcast, front, *, kv_store=None, kv_full: bool | Non
         items = [BatchItem.from_wire(w, pending[w[0]].arrival_s if front is not None else None) for w in payload]
         ids = [x.id for x in items]
         t_batch, compiled_before = time.perf_counter(), set(engine.compile_ms)
-        outcomes = prefill_isolated(engine, items, kv_store=kv_store, kv_full=kv_full, top_k=top_k)
+        outcomes = prefill_isolated(engine, items, kv_store=kv_store, kv_full=kv_full, top_k=top_k,
+                                    on_computed=None if front is None else front.early_answers(pending))
         if front is not None:
             # the engine's busy time for the cost model's online correction: wall time less first-time compilation
             busy_ms = (time.perf_counter() - t_batch) * 1e3 - sum(ms for key, ms in engine.compile_ms.items()

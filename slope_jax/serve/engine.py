@@ -404,7 +404,7 @@ class PrefillEngine:
                 ids: Sequence[str] | None = None, kv_full: bool | None = None, return_kv: bool | None = None,
                 top_k: int = 5, arrival_times: Sequence[float] | None = None, overwrite: bool = False,
                 cache_salt: str | Sequence[str | None] | None = None,
-                prefix_reuse: bool | None = None) -> list[PrefillResult]:
+                prefix_reuse: bool | None = None, on_computed=None) -> list[PrefillResult]:
         """Prefill a batch of prompts (token ids); one PrefillResult per prompt, in order.
 
         Args:
@@ -424,6 +424,11 @@ class PrefillEngine:
           cache_salt: one string for every prompt, or one per prompt (None: no salt): prompts share cached prefixes
             only with prompts of the same salt (vLLM's `cache_salt`; tenants).
           prefix_reuse: look up and reuse cached prefixes, and cache these prompts' KV (default: `reuse.enabled`).
+          on_computed: called as `on_computed(ids, results, manifests)` after each compiled step, once its first
+            tokens are on the host and its prompts' KV is in the host tier, before its exports are written: the
+            step's ids and PrefillResults (`kv_path` still None) and, with `kv_dir`, the manifest each export will
+            carry (`KVExporter.manifests`; else None). The P/D endpoint answers from it (`serve.http`); an exception
+            it raises fails the step.
         Raises:
           RequestError (naming the prompt) before any compute if a prompt or id is invalid, or its export exists
           and `overwrite` is False; under several processes
@@ -448,15 +453,16 @@ class PrefillEngine:
         arrival = list(arrival_times) if arrival_times is not None else [now] * len(tokens)
         try:
             return self._run_steps(tokens, ids, arrival, hits, kv_dir=kv_dir, kv_full=kv_full, overwrite=overwrite,
-                                   cache=on, return_kv=return_kv, top_k=top_k)
+                                   cache=on, return_kv=return_kv, top_k=top_k, on_computed=on_computed)
         finally:
             for h in hits:
                 if h.release is not None:
                     h.release()
 
-    def _run_steps(self, tokens, ids, arrival, hits, *, kv_dir, kv_full, overwrite, cache, return_kv, top_k
-                   ) -> list[PrefillResult]:
-        """`prefill`'s batch path: group into steps (`steps.group_steps` on `step_key`), run, export, keep."""
+    def _run_steps(self, tokens, ids, arrival, hits, *, kv_dir, kv_full, overwrite, cache, return_kv, top_k,
+                   on_computed=None) -> list[PrefillResult]:
+        """`prefill`'s batch path: group into steps (`steps.group_steps` on `step_key`), run, keep, tell
+        `on_computed`, export."""
         results: list[PrefillResult | None] = [None] * len(tokens)
         per_step = 1 if self.mesh is None else self.parallel.in_flight
         keys = [self.step_key(x.size, h.cached) for x, h in zip(tokens, hits)]
@@ -464,9 +470,11 @@ class PrefillEngine:
             step = Step(t, cap, [tokens[i] for i in members], [ids[i] for i in members],
                         [arrival[i] for i in members], [hits[i] for i in members])
             out = self.run_step(step, top_k=top_k)
+            self._keep(step, out, cache=cache, return_kv=return_kv)
+            if on_computed is not None:
+                on_computed(step.ids, out, None if kv_dir is None else self.export_manifests(step, out, kv_full))
             if kv_dir is not None:
                 self.export_step(step, out, kv_dir, kv_full=kv_full, overwrite=overwrite)
-            self._keep(step, out, cache=cache, return_kv=return_kv)
             for i, res in zip(members, out):
                 results[i] = res
         return results  # type: ignore[return-value]
@@ -549,7 +557,7 @@ class PrefillEngine:
         t0 = time.perf_counter()
         logits, step.k, step.v = fn(self.params, *self._step_inputs(step))
         logits = np.asarray(logits.addressable_shards[0].data) if self.mesh is not None else np.asarray(logits)
-        t1 = time.perf_counter()
+        t1 = step.first_tokens_at = time.perf_counter()
         out = []
         for j, x in enumerate(step.tokens):
             lg = logits[j]
@@ -562,19 +570,29 @@ class PrefillEngine:
                                      cached_tokens=step.hits[j].cached))
         return out
 
+    def export_manifests(self, step: Step, results: list[PrefillResult], kv_full: bool) -> list[dict]:
+        """The manifest each of a run step's exports will carry (`KVExporter.manifests`), before any is written."""
+        self._exporter.weights_digest = self.weights_digest
+        return self._exporter.manifests(
+            step.ids, step.tokens, step.k, self._layout_positions(step.bucket), kv_full,
+            [r.first_token for r in results], offsets=[h.cached for h in step.hits],
+            prefixes=[h.prefix for h in step.hits], reuse=self._reuse_records(step))
+
+    def _reuse_records(self, step: Step) -> list[dict]:
+        return [{"block_size": self.reuse.block_size, "hashes": h.hashes, "identity": h.identity} for h in step.hits]
+
     def export_step(self, step: Step, results: list[PrefillResult], kv_dir: str, *, kv_full: bool,
                     overwrite: bool) -> None:
         """Export a finished step's requests to `kv_dir/<id>/` (whole prompts: a hit's cached rows are written
         beside the computed ones), and hand them to the directory's store (indexed for prefix reuse when they carry
         block hashes; retention). RequestError if an export fails, except where the directory takes no writes and
         its store lets the requests succeed without their export (`PrefillResult.export_error`; one warning)."""
-        block = self.reuse.block_size
         self._exporter.weights_digest = self.weights_digest
         try:
             refused = self._exporter.export_batch(
                 kv_dir, step.ids, step.tokens, step.k, step.v, self._layout_positions(step.bucket), kv_full, results,
                 overwrite, offsets=[h.cached for h in step.hits], prefixes=[h.prefix for h in step.hits],
-                reuse=[{"block_size": block, "hashes": h.hashes, "identity": h.identity} for h in step.hits])
+                reuse=self._reuse_records(step), started=step.first_tokens_at)
         except ExportFailed as e:  # a request's error: RequestError like every other
             raise RequestError(str(e)) from e
         store = self.kv_store(kv_dir)
@@ -636,7 +654,8 @@ class PrefillEngine:
 class Step:
     """One compiled step of a batch: `bucket` (padded length of the tokens it computes), `prefix_rows` (cached-prefix
     capacity S, 0 for cold prompts), and per prompt its token ids (whole prompt), export id, arrival time and
-    `serve.reuse.Hit`; `k`, `v` hold the step's K/V (device arrays, layout order of the computed tokens) once it ran."""
+    `serve.reuse.Hit`; `k`, `v` hold the step's K/V (device arrays, layout order of the computed tokens) once it ran,
+    and `first_tokens_at` the `time.perf_counter()` its first tokens reached the host."""
 
     bucket: int
     prefix_rows: int
@@ -646,6 +665,7 @@ class Step:
     hits: list
     k: object = None
     v: object = None
+    first_tokens_at: float | None = None
 
 
 def _salts(cache_salt, count: int) -> list[str | None]:
