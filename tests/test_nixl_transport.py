@@ -388,10 +388,11 @@ def test_publish_from_the_host_tier_equals_publishing_the_export(checkpoints, tm
 
 def test_endpoint_answers_over_nixl_before_its_export_is_written(reader, tmp_path):
     """The P/D endpoint (one launcher process) answers a request that hands its KV over NIXL as soon as its first
-    token and KV are in memory (`HttpIntake.deliver_early`): `export_pending` in the answer, the record published
-    from the host tier; what the decode side pulls is bitwise the export written after, whose final record then
-    lands in the results file. A request over files waits for its export (on disk when answered); /v1/kv/release of
-    the early one frees its pool entry."""
+    token is on the host (`HttpIntake.deliver_early`): `export_pending` in the answer, the record published from
+    the step's KV in memory; what the decode side pulls is bitwise the export written after, whose final record then
+    lands in the results file. A prompt shorter than a reuse block is answered so too, and released before its
+    export is written, that export is removed once written. A request over files waits for its export (on disk when
+    answered); /v1/kv/release frees the pool entries."""
     import urllib.request
 
     from support import SHIPPED, free_port, launcher_env
@@ -424,7 +425,7 @@ def test_endpoint_answers_over_nixl_before_its_export_is_written(reader, tmp_pat
         body = post("/v1/completions", {"prompt": prompt, "request_id": "early",
                                         "kv_transfer_params": {"do_remote_decode": True}})
         params = body["kv_transfer_params"]
-        assert body["export_pending"] is True and body["publish_from"] == "host tier", body
+        assert body["export_pending"] is True and body["publish_from"] == "memory", body
         got = reader.pull(params)
         path = params["slope_jax_kv_path"]
         deadline = time.time() + 60
@@ -446,6 +447,16 @@ def test_endpoint_answers_over_nixl_before_its_export_is_written(reader, tmp_pat
         assert os.path.exists(os.path.join(files["kv_transfer_params"]["slope_jax_kv_path"], "manifest.json"))
         released = post("/v1/kv/release", {"request_id": "early"})
         assert released["removed"] is False and "prefix reuse" in released["reason"], released
+        # shorter than a block (no reuse blocks): released at once, its export goes once written
+        short = post("/v1/completions", {"prompt": prompt[:13], "request_id": "short",
+                                         "kv_transfer_params": {"do_remote_decode": True}})
+        assert short["export_pending"] is True, short
+        released = post("/v1/kv/release", {"request_id": "short"})
+        assert released["removed"] is True or "reclaimed once written" in released["reason"], released
+        deadline = time.time() + 60
+        while os.path.lexists(short["kv_transfer_params"]["slope_jax_kv_path"]):
+            assert time.time() < deadline, "the released export was not reclaimed once written"
+            time.sleep(0.05)
         with urllib.request.urlopen(url + "/v1/kv/pool", timeout=30) as r:
             pool = json.loads(r.read())
         assert pool["entries"] == 0 and pool["used_bytes"] == 0, pool

@@ -112,24 +112,25 @@ def test_hit_equals_cold_on_every_layout_family(checkpoints, reference_engines, 
 @pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(ring=2, ulysses=4)], ids=["1dev", "cp-1x2x4"])
 def test_on_computed_precedes_the_export_and_carries_its_manifest_and_rows(checkpoints, tmp_path, parallel):
     """`prefill(on_computed=...)` (what the P/D endpoint answers from before the export is written): called after
-    each step with the first tokens, before the export exists; its manifests equal the written ones but for the
-    files and their checksums; the host tier holds, at that moment, exactly the rows each export then writes
-    (`export_rows`), for a cold prompt and prefix hits (default kv_full with reuse on, and a last_window export)."""
+    each step with the first tokens, before the export exists; each `PendingExport`'s manifest equals the written
+    one but for the files and their checksums, and its rows are bitwise the rows the export then holds, for a cold
+    prompt and prefix hits (default kv_full with reuse on, and a last_window export), with reuse on and off."""
     eng = _engine(checkpoints, parallel)
     d = str(tmp_path / "kv")
     seen = []
 
-    def on_computed(ids, results, manifests):
-        for rid, res, m in zip(ids, results, manifests):
+    def on_computed(ids, results, exports):
+        for rid, res, x in zip(ids, results, exports):
             assert not os.path.lexists(os.path.join(d, rid)) and res.kv_path is None
-            seen.append((rid, res.first_token, m, prefix_lib.export_rows(eng.host_tier, m)))
+            seen.append((rid, res.first_token, x.manifest, x.rows()))
 
     jobs = [(["doc"], [BASE[:40]], None), (["turn", "other"], [_prompt(57, 1), _prompt(23, 2)], None),
             (["window"], [_prompt(61, 3)], False)]
     for ids, prompts, full in jobs:
         out = eng.prefill(prompts, d, ids=ids, kv_full=full, on_computed=on_computed)
         assert all((r.cached_tokens > 0) == (rid != "doc") for rid, r in zip(ids, out))
-    assert sorted(x[0] for x in seen) == ["doc", "other", "turn", "window"]  # one call per step: steps by bucket
+    eng.prefill([_prompt(45, 4)], d, ids=["no-reuse"], prefix_reuse=False, on_computed=on_computed)
+    assert sorted(x[0] for x in seen) == ["doc", "no-reuse", "other", "turn", "window"]  # one call per step
     for rid, first, early, rows in seen:
         written = kv.read_manifest(os.path.join(d, rid))
         assert early["first_token"] == first == written["first_token"]

@@ -13,11 +13,12 @@ One device runs the single-device reference path (`model.forward`). More devices
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import os
 import time
-from typing import Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -424,11 +425,11 @@ class PrefillEngine:
           cache_salt: one string for every prompt, or one per prompt (None: no salt): prompts share cached prefixes
             only with prompts of the same salt (vLLM's `cache_salt`; tenants).
           prefix_reuse: look up and reuse cached prefixes, and cache these prompts' KV (default: `reuse.enabled`).
-          on_computed: called as `on_computed(ids, results, manifests)` after each compiled step, once its first
-            tokens are on the host and its prompts' KV is in the host tier, before its exports are written: the
-            step's ids and PrefillResults (`kv_path` still None) and, with `kv_dir`, the manifest each export will
-            carry (`KVExporter.manifests`; else None). The P/D endpoint answers from it (`serve.http`); an exception
-            it raises fails the step.
+          on_computed: called as `on_computed(ids, results, exports)` after each compiled step, once its first
+            tokens are on the host, before its KV is kept or exported: the step's ids and PrefillResults (`kv_path`
+            still None) and, with `kv_dir`, one `PendingExport` per prompt (the manifest its export will carry and
+            the rows it will hold; else None). The P/D endpoint answers from it (`serve.http`); an exception it
+            raises fails the step.
         Raises:
           RequestError (naming the prompt) before any compute if a prompt or id is invalid, or its export exists
           and `overwrite` is False; under several processes
@@ -470,9 +471,10 @@ class PrefillEngine:
             step = Step(t, cap, [tokens[i] for i in members], [ids[i] for i in members],
                         [arrival[i] for i in members], [hits[i] for i in members])
             out = self.run_step(step, top_k=top_k)
-            self._keep(step, out, cache=cache, return_kv=return_kv)
             if on_computed is not None:
-                on_computed(step.ids, out, None if kv_dir is None else self.export_manifests(step, out, kv_full))
+                on_computed(step.ids, out, None if kv_dir is None else self.pending_exports(step, out, kv_full))
+            self._keep(step, out, cache=cache, return_kv=return_kv)
+            step.host_kv = None  # a multi-device gather is a copy: not held through the export
             if kv_dir is not None:
                 self.export_step(step, out, kv_dir, kv_full=kv_full, overwrite=overwrite)
             for i, res in zip(members, out):
@@ -570,13 +572,41 @@ class PrefillEngine:
                                      cached_tokens=step.hits[j].cached))
         return out
 
-    def export_manifests(self, step: Step, results: list[PrefillResult], kv_full: bool) -> list[dict]:
-        """The manifest each of a run step's exports will carry (`KVExporter.manifests`), before any is written."""
+    def pending_exports(self, step: Step, results: list[PrefillResult], kv_full: bool) -> list[PendingExport]:
+        """What each of a run step's exports will be, before any is written: its manifest (`KVExporter.manifests`)
+        and its rows (`export_rows`; None under several processes, where this process holds only its shards)."""
         self._exporter.weights_digest = self.weights_digest
-        return self._exporter.manifests(
+        manifests = self._exporter.manifests(
             step.ids, step.tokens, step.k, self._layout_positions(step.bucket), kv_full,
             [r.first_token for r in results], offsets=[h.cached for h in step.hits],
             prefixes=[h.prefix for h in step.hits], reuse=self._reuse_records(step))
+        local = jax.process_count() == 1
+        return [PendingExport(m, functools.partial(self.export_rows, step, j, m) if local else None)
+                for j, m in enumerate(manifests)]
+
+    def export_rows(self, step: Step, j: int, manifest: dict) -> dict[int, LayerKV]:
+        """The rows request j's export holds (the manifest's `token_range` per layer), from the step's K/V on the
+        host (views where they are whole; a prefix hit's cached rows joined before the computed ones): global layer
+        id → LayerKV `[b − a, K, H]`, int32 positions. One process only (the gather is collective otherwise)."""
+        kh, vh = self._host_kv(step)
+        entry_of = {layer: e for e, layer in enumerate(self.plan.flat) if layer >= 0}
+        hit = step.hits[j]
+        p, out = hit.cached, {}
+        for rec in manifest["layers"]:
+            i, (a, b) = int(rec["layer"]), (int(x) for x in rec["token_range"])
+            e = entry_of[i]
+            k, v = kh[j, e, max(a, p) - p:b - p], vh[j, e, max(a, p) - p:b - p]
+            if a < p:
+                pk, pv = hit.prefix.rows(i, a, p)
+                k, v = np.concatenate([pk, k]), np.concatenate([pv, v])
+            out[i] = LayerKV(k, v, np.arange(a, b, dtype=np.int32), rec["kind"])
+        return out
+
+    def _host_kv(self, step: Step):
+        """The step's whole K/V on the host (`_gather_kv`), gathered once per step."""
+        if step.host_kv is None:
+            step.host_kv = self._gather_kv(step.k, step.v)
+        return step.host_kv
 
     def _reuse_records(self, step: Step) -> list[dict]:
         return [{"block_size": self.reuse.block_size, "hashes": h.hashes, "identity": h.identity} for h in step.hits]
@@ -610,7 +640,7 @@ class PrefillEngine:
         tier = self.host_tier if cache else None
         if not return_kv and tier is None:
             return
-        kh, vh = self._gather_kv(step.k, step.v)
+        kh, vh = self._host_kv(step)
         for j, (res, hit) in enumerate(zip(results, step.hits)):
             n, p = res.num_tokens, hit.cached
             ks, vs = {}, {}
@@ -666,6 +696,16 @@ class Step:
     k: object = None
     v: object = None
     first_tokens_at: float | None = None
+    host_kv: tuple | None = None  # (k, v) on the host, natural order: `PrefillEngine._host_kv`
+
+
+class PendingExport(NamedTuple):
+    """A computed prompt's export before it is written (`PrefillEngine.prefill`'s `on_computed`): `manifest`, the one
+    it will carry (`kv.format.build_manifest`: no files or checksums yet), and `rows`, None or a function returning
+    the rows it will hold (global layer id → `kv.format.LayerKV`, as `kv.format.load` returns them)."""
+
+    manifest: dict
+    rows: Callable[[], dict] | None
 
 
 def _salts(cache_salt, count: int) -> list[str | None]:

@@ -266,23 +266,23 @@ class Front:
     def early_answers(self, pending: dict):
         """The engine's `on_computed` for a batch (None when the source answers only from records): each computed
         request's record, without its export (`kv_path` where it will be, `"export_pending": true`), goes to the
-        source's `deliver_early` with the manifest its export will carry, before the export is written. Not
-        written to the results: the request's record follows once its export is."""
+        source's `deliver_early` with its `engine.PendingExport` (manifest and rows), before the export is written.
+        Not written to the results: the request's record follows once its export is."""
         deliver = getattr(self.source, "deliver_early", None)
         if deliver is None or self.kv_store is None:
             return None
 
-        def on_computed(ids, results, manifests) -> None:
-            for rid, res, manifest in zip(ids, results, manifests or [None] * len(ids)):
+        def on_computed(ids, results, exports) -> None:
+            for rid, res, export in zip(ids, results, exports or [None] * len(ids)):
                 item = pending.get(rid)
-                if item is None or manifest is None:
+                if item is None or export is None or export.rows is None:
                     continue
                 rec = result_record(item.request, res, self.engine, self.tokenizer, self.config.ttft_slo_ms, item)
                 if "error" in rec:
                     continue  # its record says why
                 rec.pop("export_ms", None)
                 rec.update(kv_path=os.path.join(self.kv_store.kv_dir, rid), export_pending=True)
-                deliver(rec, manifest)
+                deliver(rec, export)
 
         return on_computed
 

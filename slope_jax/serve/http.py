@@ -13,9 +13,10 @@ r"""The prefill endpoint of a prefill/decode (P/D) deployment: an OpenAI-style c
            offsets and XXH3-128 digests, manifest): the same KV, copied into process 0's registered pool
            ($SLOPE_JAX_KV_POOL_GIB, default 1 GiB; lease $SLOPE_JAX_KV_LEASE_S, default 60 s) and pulled by the
            decode side over NIXL (UCX) without a shared filesystem; `publish_ms` says what the copy took. When the
-           engine's host prefix tier holds the prompt (one process, reuse on, at least one block) this answer goes
-           out as soon as the first token is on the host, before the export is written (`"export_pending": true`;
-           the record's manifest is the one the export will have, less its file checksums). Absent if
+           endpoint runs in one process (the step's KV is then on its host) this answer goes
+           out as soon as the first token is on the host, before the export is written (`"export_pending": true`,
+           `"publish_from": "memory"`; the record's manifest is the one the export will have, less its file
+           checksums). Absent if
            NIXL is not installed, the pool is off (0 GiB) or full of held entries, and unless the request's
            kv_transfer_params say {"do_remote_decode": true} (a P/D proxy's: the KV goes to a remote decoder) without
            "slope_jax_transport": "files".
@@ -455,6 +456,7 @@ class HttpIntake:
         self.host_tier = host_tier  # the engine's host prefix tier: what the pool is filled from when it can be
         self._entries: dict[str, str] = {}  # request id → its pool entry (discarded on release)
         self._exporting: set[str] = set()  # ids answered over NIXL before their export was written (`deliver_early`)
+        self._reclaim_when_written: set[str] = set()  # of those, ids released meanwhile
         self._limits = dict(model_name=model_name, vocab_size=vocab_size, max_tokens=max_tokens, top_k=top_k,
                             kv_store=kv_store)
         self._tokenizer_path = tokenizer_path
@@ -508,56 +510,42 @@ class HttpIntake:
         logging.info("prefill endpoint: NIXL pool %s of %.2f GiB, lease %.0f s (allocated and touched in %.1f s)",
                      self.kv_pool.name, self.kv_pool_gib, self.kv_lease_s, time.perf_counter() - t0)
 
-    def deliver_early(self, record: dict, manifest: dict | None) -> None:
-        """The launcher's loop (process 0) has a request's first token and its KV in the host tier, and is about to
-        write its export (`PrefillEngine.prefill`'s `on_computed`): a waiting HTTP request that hands its KV over
-        NIXL is answered now, from the pool, instead of after the export (1-2 s per GiB on this machine's disk).
-        `record`: its result record without the export (`kv_path` where it will be); `manifest`: the manifest the
-        export will carry. The copy into the pool runs here, on the loop's thread, before the export starts: the
-        export would otherwise compete with it for the cores and delay the answer. A request it cannot serve so
-        (not over NIXL, no pool or host tier, the tier lacks the prompt, the pool is full) is answered from its
-        record as before."""
+    def deliver_early(self, record: dict, export) -> None:
+        """The launcher's loop (process 0) has a request's first token and is about to keep and export its KV
+        (`PrefillEngine.prefill`'s `on_computed`): a waiting HTTP request that hands its KV over NIXL is answered
+        now, from the pool, instead of after the export (1-2 s per GiB on this machine's disk). `record`: its
+        result record without the export (`kv_path` where it will be); `export`: its `engine.PendingExport` (the
+        manifest the export will carry, the rows it will hold). The copy into the pool runs here, on the loop's
+        thread, before the export starts: the export would otherwise compete with it for the cores and delay the
+        answer. A request not over NIXL, or one the pool has no room for (logged), is answered from its record."""
         from slope_jax.kv import nixl_transport as nt
 
         rid = record.get("id")
-        if self.kv_pool is None or self.host_tier is None or manifest is None:
+        if self.kv_pool is None or export is None or export.rows is None:
             return
         with self._lock:
             waiter = self._waiters.get(rid)
         if waiter is None or not waiter[1].nixl:
             return
-        handoff = self._publish_rows(rid, manifest)
-        if handoff is None:
+        t0 = time.perf_counter()
+        try:
+            params = self.kv_pool.publish(rid, export.rows(), nt.handoff_manifest(export.manifest))
+        except (nt.KVPoolFull, ValueError) as e:
+            logging.info("request %s: not published before its export (%s: %s)", rid, type(e).__name__, e)
             return
+        handoff = {**params, "publish_ms": round((time.perf_counter() - t0) * 1e3, 3), "publish_from": "memory"}
         with self._lock:
             waiter = self._waiters.pop(rid, None)
             if waiter is not None:
-                self._entries[rid] = handoff[nt.PARAMS_KEY]["entry"]
+                self._entries[rid] = params[nt.PARAMS_KEY]["entry"]
                 self._exporting.add(rid)
         if waiter is None:  # its client left meanwhile: nobody reads this entry
-            self.kv_pool.discard(handoff[nt.PARAMS_KEY]["entry"])
+            self.kv_pool.discard(params[nt.PARAMS_KEY]["entry"])
             return
         logging.info("request %s: answered over NIXL before its export is written (%s ms to publish)", rid,
                      handoff["publish_ms"])
         if self._loop is not None:
             self._loop.call_soon_threadsafe(_resolve, waiter[0], {**record, "_handoff": handoff})
-
-    def _publish_rows(self, rid: str, manifest: dict) -> dict | None:
-        """`publish` from the host tier only (no file read): its answer, or None when the tier lacks the prompt or
-        the pool has no room (logged)."""
-        from slope_jax.kv import nixl_transport as nt
-        from slope_jax.kv import prefix as prefix_lib
-
-        t0 = time.perf_counter()
-        kv = prefix_lib.export_rows(self.host_tier, manifest)
-        if kv is None:
-            return None
-        try:
-            params = self.kv_pool.publish(rid, kv, nt.handoff_manifest(manifest))
-        except (nt.KVPoolFull, ValueError) as e:
-            logging.info("request %s: not published before its export (%s: %s)", rid, type(e).__name__, e)
-            return None
-        return {**params, "publish_ms": round((time.perf_counter() - t0) * 1e3, 3), "publish_from": "host tier"}
 
     def publish(self, rid: str, kv_path: str) -> dict | None:
         """Publish the export of `rid` in the NIXL pool: its hand-off kv_transfer_params (`KVPool.publish`'s, plus
@@ -610,12 +598,14 @@ class HttpIntake:
             self._abandoned.discard(rid)
             answered_early = rid in self._exporting
             self._exporting.discard(rid)
+            released = rid in self._reclaim_when_written
+            self._reclaim_when_written.discard(rid)
         if answered_early and not record.get("kv_path"):
             logging.warning("request %s was answered over NIXL, but its export then failed: %s", rid,
                             record.get("error") or record.get("export_error"))
         if waiter is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(_resolve, waiter[0], record)
-        elif abandoned and "kv_path" in record:
+        elif (abandoned or released) and record.get("kv_path"):
             self._pool.submit(self.reclaim, rid)
 
     def reclaim(self, rid: str) -> tuple[bool, str]:
@@ -625,11 +615,13 @@ class HttpIntake:
         with self._lock:
             entry = self._entries.pop(rid, None)
             exporting = rid in self._exporting
+            if exporting:  # answered over NIXL before its export: `deliver` reclaims it once its record comes
+                self._reclaim_when_written.add(rid)
         if entry is not None and not self.kv_pool.discard(entry):
             logging.info("request %s: pool entry %s is held by a reader (or gone): the reader's release or the lease "
                          "frees it", rid, entry)
-        if exporting:  # answered over NIXL before its export: an export holding reuse blocks, kept once written
-            return False, "its export is still being written; kept for prefix reuse (it holds reusable blocks)"
+        if exporting:
+            return False, "its export is still being written: reclaimed once written"
         path = os.path.join(self._limits["kv_store"].kv_dir, rid)
         try:
             m = kvfmt.read_manifest(path)
