@@ -462,8 +462,8 @@ class PrefillEngine:
 
     def _run_steps(self, tokens, ids, arrival, hits, *, kv_dir, kv_full, overwrite, cache, return_kv, top_k,
                    on_computed=None) -> list[PrefillResult]:
-        """`prefill`'s batch path: group into steps (`steps.group_steps` on `step_key`), run, keep, tell
-        `on_computed`, export."""
+        """`prefill`'s batch path: group into steps (`steps.group_steps` on `step_key`), run, tell `on_computed`,
+        keep, export."""
         results: list[PrefillResult | None] = [None] * len(tokens)
         per_step = 1 if self.mesh is None else self.parallel.in_flight
         keys = [self.step_key(x.size, h.cached) for x, h in zip(tokens, hits)]

@@ -528,12 +528,16 @@ class HttpIntake:
         if waiter is None or not waiter[1].nixl:
             return
         t0 = time.perf_counter()
-        rows = export.rows()
-        t1 = time.perf_counter()
         try:
+            rows = export.rows()
+            t1 = time.perf_counter()
             params = self.kv_pool.publish(rid, rows, nt.handoff_manifest(export.manifest))
-        except (nt.KVPoolFull, ValueError) as e:
-            logging.info("request %s: not published before its export (%s: %s)", rid, type(e).__name__, e)
+        except nt.KVPoolFull as e:
+            logging.info("request %s: not published before its export (%s)", rid, e)
+            return
+        except Exception as e:  # noqa: BLE001 - never fails the step: the request's record answers it as before
+            logging.warning("request %s: early publish failed (%s: %s); answered after its export", rid,
+                            type(e).__name__, e)
             return
         handoff = {**params, "publish_ms": round((time.perf_counter() - t0) * 1e3, 3), "publish_from": "memory"}
         with self._lock:
