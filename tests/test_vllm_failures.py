@@ -12,8 +12,8 @@ a load closed only by request id). Phases:
   first token is a stop token (as EOS would be);
 - nixl: the BIG export and a 2·B+1 one published in the driver's NIXL pool and pulled by the connector (XXH3 per
   layer, background); one published with the manifest known before its export is written (no files, no path: as
-  the P/D endpoint answers early); one whose pull starts after its lease expired, with the file export beside the record: read
-  from the file instead (the status says so);
+  the P/D endpoint answers early); one whose pull starts after its lease expired, with the file export beside the
+  record: read from the file instead (the status says so);
 - fail (vLLM's default kv_load_failure_policy): the export's file truncated, or one byte flipped, right after the
   scheduler validated it (the driver's hook in `update_state_after_alloc`), inline and background, a NIXL pull after
   the lease expired (no file) and a pool entry with a flipped byte: that request ends with an error and no token; a
