@@ -75,9 +75,7 @@ class KVExporter:
                 for sk, sv in zip(k.addressable_shards, v.addressable_shards)]
         status, reasons = [], {}
         for j, (rid, res) in enumerate(zip(ids, results)):
-            req = _Req(batch[j], positions + (0 if offsets is None else int(offsets[j])),
-                       None if prefixes is None else prefixes[j], None if reuse is None else reuse[j])
-            req.sliding_from = self.sliding_from(int(req.tokens.size), full, req.prefix)
+            req = self._request(j, batch, positions, full, offsets, prefixes, reuse)
             staging, code, err = self._write_own_pieces(kv_dir, rid, host, j, req, full, me, multi)
             if me == 0 and code == OK:
                 try:
@@ -143,23 +141,24 @@ class KVExporter:
             err = f"process {bad} could not write its piece (see its log)"
         return staging, int(codes.max()), err
 
-    def manifests(self, ids: list[str], batch: list[np.ndarray], k, positions: np.ndarray, full: bool,
-                  first_tokens: Sequence[int], *, offsets: Sequence[int] | None = None,
-                  prefixes: Sequence | None = None, reuse: Sequence[dict | None] | None = None) -> list[dict]:
-        """The manifest each request's export will carry (`format.build_manifest`: no files or checksums yet),
-        known before any file is written; arguments as `export_batch`'s, `first_tokens[j]` request j's first token.
-        No I/O and no communication (the records come from the global sharding): any process may ask."""
-        out = []
-        for j, rid in enumerate(ids):
-            req = _Req(batch[j], positions + (0 if offsets is None else int(offsets[j])),
-                       None if prefixes is None else prefixes[j], None if reuse is None else reuse[j])
-            req.sliding_from = self.sliding_from(int(req.tokens.size), full, req.prefix)
-            records = self._records(k, j, req)
-            out.append(kvfmt.build_manifest(request_id=rid, token_ids=req.tokens, cfg=self.cfg, dtype=self.dtype,
-                                            full=full, segments=records, first_token=int(first_tokens[j]),
-                                            run_nonce=self.run_nonce, weights_digest=self.weights_digest,
-                                            prefix=req.reuse, sliding_from=None if full else req.sliding_from))
-        return out
+    def manifest(self, j: int, rid: str, batch: list[np.ndarray], k, positions: np.ndarray, full: bool,
+                 first_token: int, *, offsets: Sequence[int] | None = None, prefixes: Sequence | None = None,
+                 reuse: Sequence[dict | None] | None = None) -> dict:
+        """The manifest request j's export will carry (`format.build_manifest`: no files or checksums yet), known
+        before any file is written; arguments as `export_batch`'s. No I/O and no communication (the records come
+        from the global sharding): any process may ask."""
+        req = self._request(j, batch, positions, full, offsets, prefixes, reuse)
+        return kvfmt.build_manifest(request_id=rid, token_ids=req.tokens, cfg=self.cfg, dtype=self.dtype, full=full,
+                                    segments=self._records(k, j, req), first_token=int(first_token),
+                                    run_nonce=self.run_nonce, weights_digest=self.weights_digest, prefix=req.reuse,
+                                    sliding_from=None if full else req.sliding_from)
+
+    def _request(self, j, batch, positions, full, offsets, prefixes, reuse) -> _Req:
+        """Request j of a step as its export sees it (positions shifted past a reused prefix, `sliding_from`)."""
+        req = _Req(batch[j], positions + (0 if offsets is None else int(offsets[j])),
+                   None if prefixes is None else prefixes[j], None if reuse is None else reuse[j])
+        req.sliding_from = self.sliding_from(int(req.tokens.size), full, req.prefix)
+        return req
 
     def _records(self, k, j: int, req: _Req) -> list[dict]:
         """Segment records of request j's export: every process's pieces and process 0's prefix rows."""

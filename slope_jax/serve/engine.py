@@ -18,7 +18,7 @@ import itertools
 import logging
 import os
 import time
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -573,16 +573,18 @@ class PrefillEngine:
         return out
 
     def pending_exports(self, step: Step, results: list[PrefillResult], kv_full: bool) -> list[PendingExport]:
-        """What each of a run step's exports will be, before any is written: its manifest (`KVExporter.manifests`)
-        and its rows (`export_rows`; None under several processes, where this process holds only its shards)."""
+        """What each of a run step's exports will be, before any is written (`PendingExport`: nothing is computed
+        until asked)."""
         self._exporter.weights_digest = self.weights_digest
-        manifests = self._exporter.manifests(
-            step.ids, step.tokens, step.k, self._layout_positions(step.bucket), kv_full,
-            [r.first_token for r in results], offsets=[h.cached for h in step.hits],
-            prefixes=[h.prefix for h in step.hits], reuse=self._reuse_records(step))
-        local = jax.process_count() == 1
-        return [PendingExport(m, functools.partial(self.export_rows, step, j, m) if local else None)
-                for j, m in enumerate(manifests)]
+
+        def manifest(j: int) -> dict:
+            return self._exporter.manifest(
+                j, step.ids[j], step.tokens, step.k, self._layout_positions(step.bucket), kv_full,
+                results[j].first_token, offsets=[h.cached for h in step.hits],
+                prefixes=[h.prefix for h in step.hits], reuse=self._reuse_records(step))
+
+        return [PendingExport(functools.partial(manifest, j), functools.partial(self.export_rows, step, j),
+                              jax.process_count() == 1) for j in range(len(step.ids))]
 
     def export_rows(self, step: Step, j: int, manifest: dict) -> dict[int, LayerKV]:
         """The rows request j's export holds (the manifest's `token_range` per layer), from the step's K/V on the
@@ -699,13 +701,23 @@ class Step:
     host_kv: tuple | None = None  # (k, v) on the host, natural order: `PrefillEngine._host_kv`
 
 
-class PendingExport(NamedTuple):
-    """A computed prompt's export before it is written (`PrefillEngine.prefill`'s `on_computed`): `manifest`, the one
-    it will carry (`kv.format.build_manifest`: no files or checksums yet), and `rows`, None or a function returning
-    the rows it will hold (global layer id → `kv.format.LayerKV`, as `kv.format.load` returns them)."""
+class PendingExport:
+    """A computed prompt's export before it is written (`PrefillEngine.prefill`'s `on_computed`), computed only when
+    asked: `manifest`, the one it will carry (`kv.format.build_manifest`: no files or checksums yet), and `rows()`,
+    the rows it will hold (global layer id → `kv.format.LayerKV`, as `kv.format.load` returns them). `local`:
+    whether `rows()` may be asked (one process; under several, this one holds only its shards)."""
 
-    manifest: dict
-    rows: Callable[[], dict] | None
+    def __init__(self, manifest: Callable[[], dict], rows: Callable[[dict], dict], local: bool):
+        self._manifest, self._rows, self.local = manifest, rows, local
+
+    @functools.cached_property
+    def manifest(self) -> dict:
+        return self._manifest()
+
+    def rows(self) -> dict:
+        if not self.local:
+            raise RuntimeError("the rows of a multi-process step are spread over its processes")
+        return self._rows(self.manifest)
 
 
 def _salts(cache_salt, count: int) -> list[str | None]:

@@ -275,8 +275,8 @@ class Front:
         def on_computed(ids, results, exports) -> None:
             for rid, res, export in zip(ids, results, exports or [None] * len(ids)):
                 item = pending.get(rid)
-                if item is None or export is None or export.rows is None:
-                    continue
+                if item is None or export is None or not export.local or not self.source.wants_early(rid):
+                    continue  # nothing computed for a request that will not be answered early
                 rec = result_record(item.request, res, self.engine, self.tokenizer, self.config.ttft_slo_ms, item)
                 if "error" in rec:
                     continue  # its record says why

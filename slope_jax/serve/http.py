@@ -510,6 +510,12 @@ class HttpIntake:
         logging.info("prefill endpoint: NIXL pool %s of %.2f GiB, lease %.0f s (allocated and touched in %.1f s)",
                      self.kv_pool.name, self.kv_pool_gib, self.kv_lease_s, time.perf_counter() - t0)
 
+    def wants_early(self, rid: str) -> bool:
+        """Whether request `rid` waits here for an answer over NIXL (`deliver_early` would serve it)."""
+        with self._lock:
+            waiter = self._waiters.get(rid)
+        return self.kv_pool is not None and waiter is not None and waiter[1].nixl
+
     def deliver_early(self, record: dict, export) -> None:
         """The launcher's loop (process 0) has a request's first token and is about to keep and export its KV
         (`PrefillEngine.prefill`'s `on_computed`): a waiting HTTP request that hands its KV over NIXL is answered
@@ -521,11 +527,7 @@ class HttpIntake:
         from slope_jax.kv import nixl_transport as nt
 
         rid = record.get("id")
-        if self.kv_pool is None or export is None or export.rows is None:
-            return
-        with self._lock:
-            waiter = self._waiters.get(rid)
-        if waiter is None or not waiter[1].nixl:
+        if export is None or not export.local or not self.wants_early(rid):
             return
         t0 = time.perf_counter()
         try:
