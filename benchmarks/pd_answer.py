@@ -4,9 +4,12 @@ on disk, which the decode side then reads).
 
     python benchmarks/pd_answer.py                                # 64 / 128 / 256 MiB of KV, 2 prompts each
     python benchmarks/pd_answer.py --mib=64 --repeats=1 --out=/tmp/pd_answer.json        # smoke, ~1 minute
+    python benchmarks/pd_answer.py --processes=2 --out=benchmarks/measured/cpu/pd_answer_2proc.json
 
 One launcher process (`slope_jax.launch --http_port`, ONE CPU device, bf16, every other flag its default: prefix
-reuse on, 128-token blocks, whole-prompt exports) on the gpt-oss-20b KV cut of benchmarks/handoff_e2e.py
+reuse on, 128-token blocks, whole-prompt exports), or `--processes` of them with ring attention over their devices
+(as `launch/pd_vllm.sh` starts it: a NIXL answer then gathers the step's K/V to every process first), on the
+gpt-oss-20b KV cut of benchmarks/handoff_e2e.py
 (gpt-oss-20b's 24 layers, 8 KV heads of 64: 48 KiB of KV per token; the rest cut small). Per size, `--repeats`
 pairs of requests, each a fresh random prompt (no prefix hit) of the size's token count, sent one at a time with
 `kv_transfer_params={"do_remote_decode": true}` and then with `"slope_jax_transport": "files"` as well. Per request:
@@ -54,22 +57,29 @@ def _ask(url: str, rid: str, prompt: list[int], transport: str) -> dict:
             "nixl": "slope_jax_nixl" in body["kv_transfer_params"]}
 
 
-def _start(ckpt: str, port: int, work: str) -> subprocess.Popen:
+def _start(ckpt: str, port: int, work: str, processes: int) -> list[subprocess.Popen]:
+    """The endpoint: `processes` launcher processes of one CPU device each (ring attention over them when 2+)."""
+    from common import free_port
+
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env.setdefault("UCX_NET_DEVICES", "lo")
-    cmd = [sys.executable, "-m", "slope_jax.launch", "--cpu_devices=1", f"--checkpoint={ckpt}", "--dtype=bfloat16",
-           f"--http_port={port}", f"--kv_dir={os.path.join(work, 'kv')}", "--overwrite",
-           f"--results={os.path.join(work, 'results.jsonl')}", "--kv_pool_gib=1", "--batch_wait_ms=0"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(os.path.join(work, "launcher.log"), "w"),
-                            stderr=subprocess.STDOUT)
+    coord, procs = free_port(), []
+    for i in reversed(range(processes)):
+        multi = [f"--num_processes={processes}", f"--process_id={i}", f"--coordinator_address=127.0.0.1:{coord}",
+                 f"--ring={processes}"] if processes > 1 else []
+        cmd = [sys.executable, "-m", "slope_jax.launch", "--cpu_devices=1", f"--checkpoint={ckpt}", *multi,
+               "--dtype=bfloat16", f"--http_port={port}", f"--kv_dir={os.path.join(work, 'kv')}", "--overwrite",
+               f"--results={os.path.join(work, 'results.jsonl')}", "--kv_pool_gib=1", "--batch_wait_ms=0"]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(os.path.join(work, f"launcher{i}.log"), "w"),
+                                      stderr=subprocess.STDOUT))
     deadline = time.time() + 600
     while True:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
-                return proc
+                return procs
         except OSError:
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError("the endpoint did not start; see " + os.path.join(work, "launcher.log")) from None
+            if any(p.poll() is not None for p in procs) or time.time() > deadline:
+                raise RuntimeError("the endpoint did not start; see " + os.path.join(work, "launcher0.log")) from None
             time.sleep(1)
 
 
@@ -85,7 +95,7 @@ def main(argv):
     ckpt = make_cut(F.checkpoint_dir)
     os.makedirs(F.work_dir, exist_ok=True)
     port = free_port()
-    proc = _start(ckpt, port, F.work_dir)
+    procs = _start(ckpt, port, F.work_dir, F.processes)
     url = f"http://127.0.0.1:{port}"
     rng = np.random.default_rng(F.seed)
     rows = []
@@ -111,8 +121,10 @@ def main(argv):
             row["ratio_nixl_vs_files"] = (row["nixl"]["after_first_token_ms"] / row["files"]["after_first_token_ms"])
             rows.append(row)
     finally:
-        proc.terminate()
-        proc.wait(timeout=120)
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=120)
     records = [json.loads(x) for x in open(os.path.join(F.work_dir, "results.jsonl"))]
     export_ms = {r["id"]: r.get("export_ms") for r in records}
     for row in rows:
@@ -121,7 +133,8 @@ def main(argv):
                 x["export_ms"] = export_ms.get(x["id"])  # the export's write, from the results file
     payload = {"what": "P/D endpoint: client wall time minus the endpoint's TTFT (what the answer waited for after "
                        "the first token), NIXL (answered before the export) vs files (after it)",
-               "checkpoint": "gpt-oss-20b KV cut (handoff_e2e.make_cut)", "dtype": "bfloat16", "devices": 1,
+               "checkpoint": "gpt-oss-20b KV cut (handoff_e2e.make_cut)", "dtype": "bfloat16",
+               "processes": F.processes, "devices": F.processes,
                "repeats": F.repeats, "rows": rows}
     write_result(F.out, payload, load_start=load0)
     print(f"\nwrote {F.out}")
@@ -132,6 +145,8 @@ def _define_flags():
 
     flags.DEFINE_list("mib", ["64", "128", "256"], "KV sizes (MiB) of the prompts (48 KiB per token).")
     flags.DEFINE_integer("repeats", 2, "Timed requests per size and transport.")
+    flags.DEFINE_integer("processes", 1, "Launcher processes of one CPU device each (2+: ring attention over them, "
+                         "the step's K/V gathered to process 0 for a NIXL answer).")
     flags.DEFINE_integer("seed", 0, "Random prompts.")
     flags.DEFINE_string("checkpoint_dir", "/tmp/slope_jax_20b_kv_cut", "The gpt-oss-20b KV cut (written if absent).")
     flags.DEFINE_string("work_dir", "/tmp/slope_jax_pd_answer", "The endpoint's kv_dir, results and log.")

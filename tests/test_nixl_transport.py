@@ -386,23 +386,31 @@ def test_publish_from_the_host_tier_equals_publishing_the_export(checkpoints, tm
         assert len(eng.host_tier) == 0 and prefix_lib.export_rows(eng.host_tier, hit) is None
 
 
-def test_endpoint_answers_over_nixl_before_its_export_is_written(reader, tmp_path):
-    """The P/D endpoint (one launcher process) answers a request that hands its KV over NIXL as soon as its first
-    token is on the host (`HttpIntake.deliver_early`): `export_pending` in the answer, the record published from
-    the step's KV in memory; what the decode side pulls is bitwise the export written after, whose final record then
-    lands in the results file. A prompt shorter than a reuse block is answered so too, and released before its
-    export is written, that export is removed once written. A request over files waits for its export (on disk when
-    answered); /v1/kv/release frees the pool entries."""
+@pytest.mark.parametrize("processes", [1, 2])
+def test_endpoint_answers_over_nixl_before_its_export_is_written(reader, tmp_path, processes):
+    """The P/D endpoint (one launcher process, or two: ring 2, each holding half the sequence) answers a request that
+    hands its KV over NIXL as soon as its first token is on the host (`HttpIntake.deliver_early`; under two
+    processes the step's K/V is gathered first, as the broadcast batch marks the request `early`): `export_pending`
+    in the answer, the record published from the step's KV in memory; what the decode side pulls is bitwise the
+    export written after, whose final record then lands in the results file; so too for a prefix hit (its cached
+    rows joined to the computed ones). A prompt shorter than a reuse block is answered so too, and released before
+    its export is written, that export is removed once written. A request over files waits for its export (on disk
+    when answered); /v1/kv/release frees the pool entries."""
     import urllib.request
 
     from support import SHIPPED, free_port, launcher_env
 
-    port, base = free_port(), tmp_path
-    cmd = [sys.executable, "-m", "slope_jax.launch", "--cpu_devices=1", f"--checkpoint={SHIPPED}", "--dtype=float32",
-           "--q_tile=32", "--kv_tile=32", "--moe_tile=32", f"--http_port={port}", f"--kv_dir={base / 'kv'}",
-           f"--results={base / 'results.jsonl'}", "--prefix_block=16", "--kv_pool_gib=0.0625", "--batch_wait_ms=0"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=launcher_env(), stdout=open(base / "log", "w"),
-                            stderr=subprocess.STDOUT)
+    port, base, coord = free_port(), tmp_path, free_port()
+    procs = []
+    for i in reversed(range(processes)):
+        multi = [f"--num_processes={processes}", f"--process_id={i}", f"--coordinator_address=127.0.0.1:{coord}",
+                 f"--ring={processes}"] if processes > 1 else []
+        cmd = [sys.executable, "-m", "slope_jax.launch", "--cpu_devices=1", f"--checkpoint={SHIPPED}", *multi,
+               "--dtype=float32", "--q_tile=32", "--kv_tile=32", "--moe_tile=32", f"--http_port={port}",
+               f"--kv_dir={base / 'kv'}", f"--results={base / 'results.jsonl'}", "--prefix_block=16",
+               "--kv_pool_gib=0.0625", "--batch_wait_ms=0"]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=launcher_env(), stdout=open(base / f"log{i}", "w"),
+                                      stderr=subprocess.STDOUT))
     url = f"http://127.0.0.1:{port}"
 
     def post(path, body):
@@ -411,21 +419,7 @@ def test_endpoint_answers_over_nixl_before_its_export_is_written(reader, tmp_pat
         with urllib.request.urlopen(req, timeout=300) as r:
             return json.loads(r.read())
 
-    try:
-        deadline = time.time() + 300
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5):
-                    break
-            except OSError:
-                assert time.time() < deadline and proc.poll() is None, (base / "log").read_text()[-3000:]
-                time.sleep(0.5)
-        rng = np.random.default_rng(11)
-        prompt = rng.integers(0, 1000, 70).tolist()  # 4 blocks of 16 and 6 tokens; crosses the window (32)
-        body = post("/v1/completions", {"prompt": prompt, "request_id": "early",
-                                        "kv_transfer_params": {"do_remote_decode": True}})
-        params = body["kv_transfer_params"]
-        assert body["export_pending"] is True and body["publish_from"] == "memory", body
+    def pulled_equals_export(params):
         got = reader.pull(params)
         path = params["slope_jax_kv_path"]
         deadline = time.time() + 60
@@ -438,7 +432,32 @@ def test_endpoint_answers_over_nixl_before_its_export_is_written(reader, tmp_pat
             assert got[layer].kind == w.kind and got[layer].k.dtype == w.k.dtype == np.float32
             assert got[layer].k.tobytes() == w.k.tobytes() and got[layer].v.tobytes() == w.v.tobytes(), layer
             assert np.array_equal(got[layer].positions, w.positions)
+        return path
+
+    try:
+        deadline = time.time() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5):
+                    break
+            except OSError:
+                assert time.time() < deadline and all(p.poll() is None for p in procs), (
+                    (base / "log0").read_text()[-3000:])
+                time.sleep(0.5)
+        rng = np.random.default_rng(11)
+        prompt = rng.integers(0, 1000, 70).tolist()  # 4 blocks of 16 and 6 tokens; crosses the window (32)
+        body = post("/v1/completions", {"prompt": prompt, "request_id": "early",
+                                        "kv_transfer_params": {"do_remote_decode": True}})
+        params = body["kv_transfer_params"]
+        assert body["export_pending"] is True and body["publish_from"] == "memory", body
+        path = pulled_equals_export(params)
         assert params[nt.PARAMS_KEY]["manifest"]["first_token"] == body["choices"][0]["token_ids"][0]
+        # a prefix hit of it (its first 64 tokens from the export just written), answered early too
+        hit = post("/v1/completions", {"prompt": prompt + rng.integers(0, 1000, 9).tolist(), "request_id": "hit",
+                                       "kv_transfer_params": {"do_remote_decode": True}})
+        assert hit["export_pending"] is True and hit["usage"]["prompt_tokens_details"]["cached_tokens"] == 64, hit
+        pulled_equals_export(hit["kv_transfer_params"])
+        post("/v1/kv/release", {"request_id": "hit"})
         # over files: answered once the export is on disk
         other = rng.integers(0, 1000, 45).tolist()
         files = post("/v1/completions", {"prompt": other, "request_id": "files", "kv_transfer_params": {
@@ -462,7 +481,37 @@ def test_endpoint_answers_over_nixl_before_its_export_is_written(reader, tmp_pat
         assert pool["entries"] == 0 and pool["used_bytes"] == 0, pool
         records = {r["id"]: r for r in map(json.loads, (base / "results.jsonl").read_text().splitlines())}
         assert records["early"]["kv_path"] == path and records["early"]["export_ms"] > 0
-        assert "export_pending" not in records["early"]
+        assert "export_pending" not in records["early"] and records["hit"]["cached_tokens"] == 64
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=60)
+
+
+def test_peer_rows_join_tiles_each_layer_from_pieces_in_any_order():
+    """`serve.peer_rows.join` (process 0 joining every process's pieces of a request): layers come out whole and in
+    token order whatever order the pieces arrive in (zigzag ring pieces interleave), a layer of one piece is that
+    piece unchanged, the joined rows land in the given buffer (views), and a missing or overlapping piece is a
+    ValueError naming the layer and its rows."""
+    from slope_jax.serve import peer_rows
+
+    rng = np.random.default_rng(5)
+    k, v = (rng.standard_normal((23, 3, 5)).astype(np.float32) for _ in range(2))
+    manifest = {"layers": [{"layer": 0, "kind": "sliding_attention", "token_range": [7, 23]},
+                           {"layer": 1, "kind": "full_attention", "token_range": [0, 23]}]}
+    pieces = [(1, 12, 18, k[12:18], v[12:18]), (0, 7, 23, k[7:], v[7:]), (1, 18, 23, k[18:], v[18:]),
+              (1, 0, 5, k[:5], v[:5]), (1, 5, 12, k[5:12], v[5:12])]
+    buf = np.zeros(1 << 12, np.uint8)
+    for out in (None, buf):
+        got = peer_rows.join(manifest, pieces[::-1] if out is None else pieces, out=out)
+        assert sorted(got) == [0, 1] and got[0].kind == "sliding_attention" and got[1].kind == "full_attention"
+        assert got[0].k is pieces[1][3]  # one piece: itself
+        np.testing.assert_array_equal(got[0].positions, np.arange(7, 23))
+        np.testing.assert_array_equal(got[1].k, k)  # exact: copies of the same float32 rows
+        np.testing.assert_array_equal(got[1].v, v)
+        np.testing.assert_array_equal(got[1].positions, np.arange(23))
+    assert np.shares_memory(got[1].k, buf) and np.shares_memory(got[1].v, buf)
+    for bad in (pieces[:-1], pieces + [(1, 4, 6, k[4:6], v[4:6])], [p for p in pieces if p[0] == 1]):
+        with pytest.raises(ValueError, match=r"layer \d: pieces .* do not tile its rows \[\d+, 23\)"):
+            peer_rows.join(manifest, bad)

@@ -71,8 +71,7 @@ class KVExporter:
 
         e0 = time.perf_counter() if started is None else started
         me, multi = jax.process_index(), jax.process_count() > 1
-        host = [(sk.index, np.asarray(sk.data), np.asarray(sv.data))
-                for sk, sv in zip(k.addressable_shards, v.addressable_shards)]
+        host = self.host_shards(k, v)
         status, reasons = [], {}
         for j, (rid, res) in enumerate(zip(ids, results)):
             req = self._request(j, batch, positions, full, offsets, prefixes, reuse)
@@ -153,6 +152,26 @@ class KVExporter:
                                     run_nonce=self.run_nonce, weights_digest=self.weights_digest, prefix=req.reuse,
                                     sliding_from=None if full else req.sliding_from)
 
+    @staticmethod
+    def host_shards(k, v) -> list:
+        """This process's shards of a step's K/V on the host: `(index into [M, stack, T, K, H], k, v)` each."""
+        return [(sk.index, np.asarray(sk.data), np.asarray(sv.data))
+                for sk, sv in zip(k.addressable_shards, v.addressable_shards)]
+
+    def own_pieces(self, j: int, batch: list[np.ndarray], host: list, positions: np.ndarray, full: bool, *,
+                   offsets: Sequence[int] | None = None, prefixes: Sequence | None = None) -> list:
+        """The pieces of request j's export that this process writes — `(layer, start, end, k, v)` in natural token
+        order from its shards (`host_shards`), and on process 0 a prefix hit's reused rows — without writing them
+        (`serve.peer_rows`); arguments as `export_batch`'s."""
+        import jax
+
+        req = self._request(j, batch, positions, full, offsets, prefixes, None)
+        n, sf = int(req.tokens.size), req.sliding_from
+        out = [seg for index, hk, hv in host for seg in self.segments(index, hk, hv, j, n, sf, req.positions)]
+        if jax.process_index() == 0:
+            out += list(self.prefix_segments(req.prefix, n, sf))
+        return out
+
     def _request(self, j, batch, positions, full, offsets, prefixes, reuse) -> _Req:
         """Request j of a step as its export sees it (positions shifted past a reused prefix, `sliding_from`)."""
         req = _Req(batch[j], positions + (0 if offsets is None else int(offsets[j])),
@@ -223,6 +242,8 @@ class KVExporter:
             sel = sel[np.argsort(pos_local[sel], kind="stable")]
             for row0, a, b in kvfmt.runs(pos_local[sel]):
                 rows = sel[row0:row0 + (b - a)]
+                if rows.size and np.all(np.diff(rows) == 1):  # consecutive rows (every layout's runs): a view
+                    rows = slice(int(rows[0]), int(rows[-1]) + 1)
                 yield layer, a, b, rows_k[j, e, rows], rows_v[j, e, rows]
 
     def segment_records(self, k, j: int, n: int, sliding_from: int, positions: np.ndarray) -> list[dict]:

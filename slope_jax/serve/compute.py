@@ -58,22 +58,25 @@ def _failure_text(err: BaseException) -> str:
 @dataclasses.dataclass(frozen=True)
 class BatchItem:
     """One request of a batch, as every process runs it: its id, token ids (int32 `[n]`), arrival
-    (`time.perf_counter()` on process 0; None elsewhere) and `cache_salt` (None: none)."""
+    (`time.perf_counter()` on process 0; None elsewhere), `cache_salt` (None: none) and `early`: process 0 will ask
+    for its rows before the export (an HTTP request answered over NIXL, `serve.http.HttpIntake.wants_early`), so
+    under several processes its step's K/V is gathered (`PrefillEngine.prefill`'s `rows_for`)."""
 
     id: str
     tokens: object
     arrival: float | None = None
     cache_salt: str | None = None
+    early: bool = False
 
     def to_wire(self) -> list:
         """The JSON-able form `Broadcast` sends (the arrival stays on process 0)."""
-        return [self.id, [int(t) for t in self.tokens], self.cache_salt]
+        return [self.id, [int(t) for t in self.tokens], self.cache_salt, self.early]
 
     @classmethod
     def from_wire(cls, wire: list, arrival: float | None = None) -> BatchItem:
         import numpy as np
 
-        return cls(wire[0], np.asarray(wire[1], np.int32), arrival, wire[2])
+        return cls(wire[0], np.asarray(wire[1], np.int32), arrival, wire[2], bool(wire[3]))
 
 
 def prefill_isolated(engine, items: list[BatchItem], *, kv_store=None, kv_full: bool | None = None,
@@ -96,7 +99,7 @@ def prefill_isolated(engine, items: list[BatchItem], *, kv_store=None, kv_full: 
             out = engine.prefill([x.tokens for x in part], ids=[x.id for x in part],
                                  arrival_times=None if None in arrivals else arrivals, kv_full=kv_full,
                                  return_kv=False, top_k=top_k, cache_salt=[x.cache_salt for x in part],
-                                 on_computed=on_computed, **export)
+                                 on_computed=on_computed, rows_for=[x.id for x in part if x.early], **export)
         except Exception as e:  # noqa: BLE001 - attributed below; a dead peer is reported by the peer watch
             err = e
             if not isinstance(e, RequestError):
@@ -126,7 +129,8 @@ def compute_loop(engine, broadcast, front, *, kv_store=None, kv_full: bool | Non
             batch = front.intake.next_batch()
             if batch is not None:
                 pending = {p.id: p for p in batch}
-                payload = [BatchItem(p.id, p.request.tokens, None, p.request.cache_salt).to_wire() for p in batch]
+                payload = [BatchItem(p.id, p.request.tokens, None, p.request.cache_salt,
+                                     front.wants_early(p.id)).to_wire() for p in batch]
         payload = broadcast(payload)
         if payload is None:
             break

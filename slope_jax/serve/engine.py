@@ -18,7 +18,7 @@ import itertools
 import logging
 import os
 import time
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -163,6 +163,10 @@ class PrefillEngine:
         # the host tier holds whole prompts' KV gathered to this process: single-process runs only
         self.host_tier = (prefix_lib.HostTier(self.reuse.host_bytes)
                           if self.reuse.enabled and self.reuse.host_bytes and jax.process_count() == 1 else None)
+        # several processes: how `rows_for` prompts' rows reach process 0 (`serve.peer_rows.PeerRows`, over NIXL;
+        # None: the step's K/V is all-gathered). The same choice on every process (the launcher agrees on it).
+        self.peer_rows = None
+        self._offers = 0  # steps whose rows were offered, advanced identically on every process
 
     @property
     def weights_digest(self) -> str:
@@ -404,8 +408,8 @@ class PrefillEngine:
     def prefill(self, prompts: Sequence[Sequence[int]], kv_dir: str | None = None, *,
                 ids: Sequence[str] | None = None, kv_full: bool | None = None, return_kv: bool | None = None,
                 top_k: int = 5, arrival_times: Sequence[float] | None = None, overwrite: bool = False,
-                cache_salt: str | Sequence[str | None] | None = None,
-                prefix_reuse: bool | None = None, on_computed=None) -> list[PrefillResult]:
+                cache_salt: str | Sequence[str | None] | None = None, prefix_reuse: bool | None = None,
+                on_computed=None, rows_for: Collection[str] = ()) -> list[PrefillResult]:
         """Prefill a batch of prompts (token ids); one PrefillResult per prompt, in order.
 
         Args:
@@ -416,8 +420,7 @@ class PrefillEngine:
           kv_full: export every token of sliding layers too (default: True while prefix reuse is on — a later
             request can then reuse the export from any block boundary — else their last W tokens).
           return_kv: fill `PrefillResult.kv` (default: True without `kv_dir` in a single-process run, else False:
-            in a multi-process run it gathers the whole cache to every process, ~10 GB per 128K-token request of
-            gpt-oss-120b).
+            under several processes it gathers the whole cache to each, ~10 GB per 128K tokens of gpt-oss-120b).
           top_k: how many (token, logit) pairs to report.
           arrival_times: `time.perf_counter()` of each prompt's arrival, for queue_ms (default: now).
           overwrite: replace an existing export `kv_dir/<id>/` (atomically: a reader sees the old or the new one);
@@ -430,11 +433,13 @@ class PrefillEngine:
             still None) and, with `kv_dir`, one `PendingExport` per prompt (the manifest its export will carry and
             the rows it will hold; else None). The P/D endpoint answers from it (`serve.http`); an exception it
             raises fails the step.
+          rows_for: ids of the prompts whose `PendingExport.rows()` `on_computed` may ask for (the same on every
+            process; how their rows reach process 0: `_share_rows`). No effect in a single-process run.
         Raises:
           RequestError (naming the prompt) before any compute if a prompt or id is invalid, or its export exists
-          and `overwrite` is False; under several processes
-          also when the processes did not all pass the same prompts, ids and options (checked by an all-gather of a
-          hash before any step, so a mismatch is an error on every process instead of mixed results or a hang).
+          and `overwrite` is False; under several processes also when the processes did not all pass the same
+          prompts, ids and options (checked by an all-gather of a hash before any step, so a mismatch is an error on
+          every process instead of mixed results or a hang).
         """
         now = time.perf_counter()
         salts = _salts(cache_salt, len(prompts))
@@ -442,7 +447,7 @@ class PrefillEngine:
         kv_full = on if kv_full is None else bool(kv_full)
         if jax.process_count() > 1:
             agreement.check_same_on_all_processes(prompts, ids, kv_dir is not None, kv_full, return_kv, top_k,
-                                                  overwrite, salts, on)
+                                                  overwrite, salts, on, sorted(map(str, rows_for)))
         tokens = [self.validate_prompt(i, p) for i, p in enumerate(prompts)]
         ids = self._check_ids(ids, len(tokens), kv_dir, overwrite)
         if return_kv is None:
@@ -454,16 +459,18 @@ class PrefillEngine:
         arrival = list(arrival_times) if arrival_times is not None else [now] * len(tokens)
         try:
             return self._run_steps(tokens, ids, arrival, hits, kv_dir=kv_dir, kv_full=kv_full, overwrite=overwrite,
-                                   cache=on, return_kv=return_kv, top_k=top_k, on_computed=on_computed)
+                                   cache=on, return_kv=return_kv, top_k=top_k, on_computed=on_computed,
+                                   rows_for=frozenset(map(str, rows_for)))
         finally:
             for h in hits:
                 if h.release is not None:
                     h.release()
 
     def _run_steps(self, tokens, ids, arrival, hits, *, kv_dir, kv_full, overwrite, cache, return_kv, top_k,
-                   on_computed=None) -> list[PrefillResult]:
-        """`prefill`'s batch path: group into steps (`steps.group_steps` on `step_key`), run, tell `on_computed`,
-        keep, export."""
+                   on_computed=None, rows_for=frozenset()) -> list[PrefillResult]:
+        """`prefill`'s batch path: group into steps (`steps.group_steps` on `step_key`), run, tell `on_computed`
+        (after gathering the step's K/V when it holds a prompt of `rows_for` under several processes), keep,
+        export."""
         results: list[PrefillResult | None] = [None] * len(tokens)
         per_step = 1 if self.mesh is None else self.parallel.in_flight
         keys = [self.step_key(x.size, h.cached) for x, h in zip(tokens, hits)]
@@ -471,15 +478,59 @@ class PrefillEngine:
             step = Step(t, cap, [tokens[i] for i in members], [ids[i] for i in members],
                         [arrival[i] for i in members], [hits[i] for i in members])
             out = self.run_step(step, top_k=top_k)
-            if on_computed is not None:
-                on_computed(step.ids, out, None if kv_dir is None else self.pending_exports(step, out, kv_full))
+            if kv_dir is not None and jax.process_count() > 1 and not rows_for.isdisjoint(step.ids):
+                self._share_rows(step, rows_for, kv_full)
+            try:
+                if on_computed is not None:
+                    on_computed(step.ids, out, None if kv_dir is None else self.pending_exports(step, out, kv_full))
+            finally:
+                for key in step.offers.values():  # offered by the peers, never collected: dropped
+                    self.peer_rows.discard(key)
             self._keep(step, out, cache=cache, return_kv=return_kv)
-            step.host_kv = None  # a multi-device gather is a copy: not held through the export
+            step.host_kv = step.host_shards = None  # copies: not held through the export
             if kv_dir is not None:
                 self.export_step(step, out, kv_dir, kv_full=kv_full, overwrite=overwrite)
             for i, res in zip(members, out):
                 results[i] = res
         return results  # type: ignore[return-value]
+
+    def _share_rows(self, step: Step, rows_for: frozenset, kv_full: bool) -> None:
+        """Several processes, a step holding prompts of `rows_for`, before `on_computed`: make their rows reachable
+        from process 0. With `peer_rows`, every other process offers its pieces of each (`PeerRows.offer`) and
+        process 0 notes the offers' keys (`Step.offers`; collected by `_collected_rows`); without, the step's K/V is
+        all-gathered to every process (`_host_kv`, a collective)."""
+        t0 = time.perf_counter()
+        if self.peer_rows is None:
+            kh, _ = self._host_kv(step)  # collective, on every process alike: the rows are then local everywhere
+            log.info("step of %s: K/V gathered to every process for an early answer (%s in %.0f ms)",
+                     ", ".join(step.ids), _mib(2 * kh.nbytes), (time.perf_counter() - t0) * 1e3)
+            return
+        self._offers += 1
+        step.host_shards = self._exporter.host_shards(step.k, step.v)
+        for j, rid in enumerate(step.ids):
+            if rid not in rows_for:
+                continue
+            key = f"{self.run_nonce}-{self._offers}-{j}"
+            if jax.process_index() == 0:
+                step.offers[j] = key
+            else:
+                self.peer_rows.offer(key, self._own_pieces(step, j, kv_full), self.cfg.layer_types)
+        if jax.process_index() != 0:
+            log.info("step of %s: rows offered to process 0 in %.0f ms", ", ".join(step.ids),
+                     (time.perf_counter() - t0) * 1e3)
+
+    def _own_pieces(self, step: Step, j: int, kv_full: bool) -> list:
+        """This process's pieces of prompt j's export (`KVExporter.own_pieces`)."""
+        return self._exporter.own_pieces(j, step.tokens, step.host_shards, self._layout_positions(step.bucket),
+                                         kv_full, offsets=[h.cached for h in step.hits],
+                                         prefixes=[h.prefix for h in step.hits])
+
+    def _collected_rows(self, step: Step, j: int, kv_full: bool, manifest: dict) -> dict[int, LayerKV]:
+        """Process 0: prompt j's export rows from its own pieces and the ones its peers offered (`_share_rows`).
+        Views into `peer_rows`' buffers, valid until the next prompt's rows are asked. Raises what
+        `PeerRows.collect` and `peer_rows.join` raise."""
+        key = step.offers.pop(j)  # collected, or failed: nothing left to discard
+        return self.peer_rows.joined(manifest, self._own_pieces(step, j, kv_full) + self.peer_rows.collect(key))
 
     def step_key(self, n: int, cached: int = 0) -> tuple[int, int]:
         """(bucket of the tokens the step computes, rows compiled for the cached prefix) of an n-token prompt of
@@ -583,13 +634,20 @@ class PrefillEngine:
                 results[j].first_token, offsets=[h.cached for h in step.hits],
                 prefixes=[h.prefix for h in step.hits], reuse=self._reuse_records(step))
 
-        return [PendingExport(functools.partial(manifest, j), functools.partial(self.export_rows, step, j),
-                              jax.process_count() == 1) for j in range(len(step.ids))]
+        def rows(j: int):  # several processes: gathered or offered (`_share_rows`)
+            if j in step.offers:
+                return functools.partial(self._collected_rows, step, j, kv_full)
+            return functools.partial(self.export_rows, step, j)
+
+        return [PendingExport(functools.partial(manifest, j), rows(j),
+                              jax.process_count() == 1 or step.host_kv is not None or j in step.offers)
+                for j in range(len(step.ids))]
 
     def export_rows(self, step: Step, j: int, manifest: dict) -> dict[int, LayerKV]:
         """The rows request j's export holds (the manifest's `token_range` per layer), from the step's K/V on the
         host (views where they are whole; a prefix hit's cached rows joined before the computed ones): global layer
-        id → LayerKV `[b − a, K, H]`, int32 positions. One process only (the gather is collective otherwise)."""
+        id → LayerKV `[b − a, K, H]`, int32 positions. Under several processes only once the step's K/V is gathered
+        (`prefill`'s `rows_for`): the gather is a collective."""
         kh, vh = self._host_kv(step)
         entry_of = {layer: e for e, layer in enumerate(self.plan.flat) if layer >= 0}
         hit = step.hits[j]
@@ -699,13 +757,17 @@ class Step:
     v: object = None
     first_tokens_at: float | None = None
     host_kv: tuple | None = None  # (k, v) on the host, natural order: `PrefillEngine._host_kv`
+    host_shards: list | None = None  # this process's shards on the host (`KVExporter.host_shards`), when offered
+    offers: dict = dataclasses.field(default_factory=dict)  # process 0: prompt index → key of its peers' offers
 
 
 class PendingExport:
     """A computed prompt's export before it is written (`PrefillEngine.prefill`'s `on_computed`), computed only when
     asked: `manifest`, the one it will carry (`kv.format.build_manifest`: no files or checksums yet), and `rows()`,
     the rows it will hold (global layer id → `kv.format.LayerKV`, as `kv.format.load` returns them). `local`:
-    whether `rows()` may be asked (one process; under several, this one holds only its shards)."""
+    whether `rows()` may be asked (one process, or process 0 of several for `prefill`'s `rows_for`; otherwise this
+    process holds only its shards). The rows are views: of the step's K/V (valid until `on_computed` returns) or,
+    under several processes with `peer_rows`, of its reused buffers (valid until the next `rows()`)."""
 
     def __init__(self, manifest: Callable[[], dict], rows: Callable[[dict], dict], local: bool):
         self._manifest, self._rows, self.local = manifest, rows, local

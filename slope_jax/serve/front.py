@@ -263,6 +263,11 @@ class Front:
         self.predict_ms.observe(lengths, busy_ms)
         self.scheduler.finished(time.perf_counter())
 
+    def wants_early(self, rid: str) -> bool:
+        """Whether the source answers request `rid` before its export (`early_answers`) and so asks for its rows."""
+        wants = getattr(self.source, "wants_early", None)
+        return self.kv_store is not None and wants is not None and bool(wants(rid))
+
     def early_answers(self, pending: dict):
         """The engine's `on_computed` for a batch (None when the source answers only from records): each computed
         request's record, without its export (`kv_path` where it will be, `"export_pending": true`), goes to the

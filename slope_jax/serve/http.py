@@ -12,11 +12,10 @@ r"""The prefill endpoint of a prefill/decode (P/D) deployment: an OpenAI-style c
            hand-off record (`slope_jax.kv.nixl_transport.KVPool.publish`: agent, metadata, address, per-layer
            offsets and XXH3-128 digests, manifest): the same KV, copied into process 0's registered pool
            ($SLOPE_JAX_KV_POOL_GIB, default 1 GiB; lease $SLOPE_JAX_KV_LEASE_S, default 60 s) and pulled by the
-           decode side over NIXL (UCX) without a shared filesystem; `publish_ms` says what the copy took. When the
-           endpoint runs in one process (the step's KV is then on its host) this answer goes
-           out as soon as the first token is on the host, before the export is written (`"export_pending": true`,
-           `"publish_from": "memory"`; the record's manifest is the one the export will have, less its file
-           checksums). Absent if
+           decode side over NIXL (UCX) without a shared filesystem; `publish_ms` says what the copy took. This answer
+           goes out as soon as the first token is on the host, before the export is written (`"export_pending":
+           true`, `"publish_from": "memory"`; under several processes the step's K/V is first gathered to every
+           process; the record's manifest is the one the export will have, less its file checksums). Absent if
            NIXL is not installed, the pool is off (0 GiB) or full of held entries, and unless the request's
            kv_transfer_params say {"do_remote_decode": true} (a P/D proxy's: the KV goes to a remote decoder) without
            "slope_jax_transport": "files".

@@ -68,7 +68,7 @@ def _serve(config: LaunchConfig) -> int:
     status (1: every request failed)."""
     import jax
 
-    from slope_jax.serve import compute
+    from slope_jax.serve import compute, peer_rows
     from slope_jax.serve.engine import PrefillEngine
     from slope_jax.serve.front import Front
 
@@ -83,9 +83,14 @@ def _serve(config: LaunchConfig) -> int:
     kv_store = config.kv_store()  # the one owner of the --kv_dir policy: the intake, the HTTP endpoint, the engine
     if kv_store is not None:
         engine.use_store(kv_store)  # its reuse index (earlier runs' exports too) and retention serve the engine
+    engine.peer_rows = peer_rows.start(config)  # several processes: how early P/D answers get the rows
     front = Front.open(engine, config, cfg, max_tokens, hardware, kv_store) if jax.process_index() == 0 else None
-    compute.compute_loop(engine, compute.Broadcast(jax.process_count() > 1), front, kv_store=kv_store,
-                         kv_full=config.kv_full, top_k=config.top_k)
+    try:
+        compute.compute_loop(engine, compute.Broadcast(jax.process_count() > 1), front, kv_store=kv_store,
+                             kv_full=config.kv_full, top_k=config.top_k)
+    finally:
+        if engine.peer_rows is not None:
+            engine.peer_rows.close()
     return _finish(config, engine, front, t_start)
 
 

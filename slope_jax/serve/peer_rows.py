@@ -1,0 +1,203 @@
+"""A computed request's KV rows collected on process 0 over NIXL, under several processes, before its export is
+written: what the P/D endpoint's early answer publishes (`serve.http.HttpIntake.deliver_early`).
+
+Each process holds only its shards of a step's K/V. Every other process copies its pieces of the request
+(`kv.exporter.KVExporter.own_pieces`: (layer, start, end, K `[b − a, K, H]`, V) in natural token order, the pieces
+its export file will hold) into its own registered host-memory pool (`kv.nixl_transport.KVPool`: one entry, one
+region per piece) and posts the entry's record under a key of JAX's coordination service; process 0 reads that
+record, pulls the pieces with one `KVReader.pull` (one NIXL READ per piece, RDMA between hosts; the pull's release
+frees the peer's entry) and joins them with its own into whole layers (`join`). Each byte crosses the network once,
+to process 0, instead of the whole step going to every process (`PrefillEngine._gather_kv`, an all-gather: over Gloo
+on CPU, ~0.3 GB/s on the 2-core test machine).
+
+A peer that cannot offer its pieces (its pool full, NIXL gone) posts the error instead: process 0's `collect` raises
+RuntimeError naming the process, and the request is answered after its export. An offer process 0 does not collect
+(the client left) is dropped by `discard`.
+
+Imports JAX (the coordination service) and `kv.nixl_transport` (numpy, xxhash); `nixl` when a pool or reader starts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from absl import logging
+
+from slope_jax.kv import nixl_transport as nt
+from slope_jax.kv.format import LayerKV
+
+KEY_PREFIX = "slope_jax/peer_rows/"
+
+
+def _client():
+    """JAX's coordination-service client (the one `jax.distributed.initialize` made)."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("peer rows need jax.distributed (several processes)")
+    return client
+
+
+class PeerRows:
+    """The processes' side of collecting a request's pieces on process 0 (module doc). Process 0 holds a NIXL
+    reader, every other process a pool of `pool_bytes`; `timeout_s` bounds process 0's wait for a peer's record and
+    its pull. Raises what `KVPool` / `KVReader` raise when NIXL cannot start (the launcher then gathers instead)."""
+
+    def __init__(self, pool_bytes: int, *, timeout_s: float = 60.0, lease_s: float = 60.0):
+        import jax
+
+        self.me, self.count = jax.process_index(), jax.process_count()
+        self.timeout_s = float(timeout_s)
+        self.pool = nt.KVPool(pool_bytes, lease_s=lease_s, prefault=True) if self.me != 0 else None
+        self.reader = nt.KVReader(hold_s=timeout_s, timeout_s=timeout_s) if self.me == 0 else None
+        # process 0's buffers, reused (registered once; their pages touched once, not per request): one per peer to
+        # pull into, one the layers are joined in (`join`)
+        self._staging: dict[int, np.ndarray] = {}
+        self._joined: np.ndarray | None = None
+
+    def offer(self, key: str, pieces: list, kinds: list[str]) -> None:
+        """A peer: publish its pieces of one request (`(layer, a, b, k, v)`; `kinds[layer]`: the layer's kind) under
+        `key` (the same on every process) and post the record, or the error that prevented it. Never raises."""
+        try:
+            if pieces:
+                kv = {i: LayerKV(k, v, np.arange(a, b, dtype=np.int32), kinds[layer])
+                      for i, (layer, a, b, k, v) in enumerate(pieces)}
+                rec = self.pool.publish(key, kv, {"pieces": [[int(x) for x in p[:3]] for p in pieces]})[nt.PARAMS_KEY]
+            else:
+                rec = {"pieces": []}
+        except Exception as e:  # noqa: BLE001 - reported to process 0, which answers after the export instead
+            logging.warning("rows of %s not offered to process 0: %s: %s", key, type(e).__name__, e)
+            rec = {"error": f"{type(e).__name__}: {e}"}
+        _client().key_value_set(self._key(key, self.me), json.dumps(rec))
+
+    def collect(self, key: str) -> list:
+        """Process 0: every peer's pieces of `key` (`(layer, a, b, k, v)`, views into buffers the next `collect`
+        reuses). Raises RuntimeError naming the process whose offer failed or did not come within `timeout_s`,
+        KVTransferError for a failed pull."""
+        out = []
+        for pid, rec in self._records(key):
+            if "error" in rec:
+                raise RuntimeError(f"process {pid} could not offer its rows of {key}: {rec['error']}")
+            if not rec.get("layers"):
+                continue
+            buf = self._staging[pid] = self._grown(self._staging.get(pid), int(rec["nbytes"]))
+            got = self.reader.pull({nt.PARAMS_KEY: rec}, out=buf)  # its release frees the peer's entry
+            for i, (layer, a, b) in enumerate(rec["manifest"]["pieces"]):
+                out.append((layer, a, b, got[i].k, got[i].v))
+        return out
+
+    def joined(self, manifest: dict, pieces: list) -> dict[int, LayerKV]:
+        """Process 0: `join` into this object's reused buffer (views valid until the next `joined`)."""
+        need = sum(2 * p[3].nbytes for p in pieces) + 128 * len(manifest["layers"])  # K and V, each aligned
+        self._joined = self._grown(self._joined, need, register=False)
+        return join(manifest, pieces, out=self._joined)
+
+    def _grown(self, buf: np.ndarray | None, need: int, register: bool = True) -> np.ndarray:
+        """`buf`, or a buffer of at least 1.5× its size holding `need` bytes, its pages touched now (and the old one
+        deregistered from the reader)."""
+        if buf is not None and buf.nbytes >= need:
+            return buf
+        if buf is not None and register:
+            self.reader.drop_buffer(buf)
+        size = max(need, 0 if buf is None else buf.nbytes * 3 // 2)
+        out = np.empty(size, np.uint8)
+        out.fill(0)
+        return out
+
+    def discard(self, key: str) -> None:
+        """Process 0: drop the peers' offers of `key` without pulling them (their entries freed). Never raises."""
+        try:
+            for _, rec in self._records(key):
+                if rec.get("layers"):
+                    self.reader.done({nt.PARAMS_KEY: rec})
+        except Exception as e:  # noqa: BLE001 - the peers' leases free what is left
+            logging.warning("peer rows of %s not discarded: %s", key, e)
+
+    def _records(self, key: str):
+        """(process, its posted record) for every peer, each key deleted once read."""
+        client = _client()
+        for pid in range(1, self.count):
+            name = self._key(key, pid)
+            try:
+                raw = client.blocking_key_value_get(name, int(self.timeout_s * 1e3))
+            except Exception as e:  # noqa: BLE001 - the coordination service's timeout or error, named
+                raise RuntimeError(f"process {pid} posted no rows of {key} within {self.timeout_s:g} s ({e})") from e
+            client.key_value_delete(name)
+            yield pid, json.loads(raw)
+
+    @staticmethod
+    def _key(key: str, pid: int) -> str:
+        return f"{KEY_PREFIX}{key}/{pid}"
+
+    def close(self) -> None:
+        for x in (self.pool, self.reader):
+            if x is not None:
+                x.close()
+
+
+def join(manifest: dict, pieces: list, out: np.ndarray | None = None) -> dict[int, LayerKV]:
+    """Whole layers from pieces (`(layer, a, b, k, v)`, any order, every process's): global layer id → LayerKV over
+    the manifest's `token_range` of that layer (its `kind`), in token order; a layer of one piece is that piece, the
+    others are joined in `out` (a uint8 buffer large enough: views into it) or fresh arrays. Raises ValueError when
+    the pieces do not tile a layer's range exactly (a piece missing or overlapping)."""
+    by_layer: dict[int, list] = {}
+    for p in pieces:
+        by_layer.setdefault(int(p[0]), []).append(p)
+    result, at = {}, 0
+    for rec in manifest["layers"]:
+        layer, (a, b) = int(rec["layer"]), (int(x) for x in rec["token_range"])
+        have = sorted(by_layer.get(layer, []), key=lambda p: p[1])
+        spans = [(int(p[1]), int(p[2])) for p in have]
+        if not have or [lo for lo, _ in spans] != [a] + [hi for _, hi in spans[:-1]] or spans[-1][1] != b:
+            raise ValueError(f"layer {layer}: pieces {spans} do not tile its rows [{a}, {b})")
+        kv = []
+        for i in (3, 4):
+            parts = [p[i] for p in have]
+            if len(parts) == 1:
+                kv.append(parts[0])
+                continue
+            shape, dtype = (b - a, *parts[0].shape[1:]), parts[0].dtype
+            dst = None
+            if out is not None:
+                n = int(np.prod(shape)) * dtype.itemsize
+                dst = out[at:at + n].view(dtype).reshape(shape)
+                at = -(-(at + n) // 64) * 64
+            kv.append(np.concatenate(parts, out=dst))
+        result[layer] = LayerKV(kv[0], kv[1], np.arange(a, b, dtype=np.int32), rec["kind"])
+    return result
+
+
+def start(config) -> PeerRows | None:
+    """The launcher's PeerRows (`serve.launch_config.LaunchConfig`): several processes serving HTTP with a NIXL pool
+    (`--kv_pool_gib` > 0, the endpoint's default) and `--kv_dir`, each peer's pool as large as process 0's. None
+    otherwise, or when NIXL could not start on some process (logged; every process then gathers instead: the choice
+    must be the same everywhere)."""
+    import os
+    import time
+
+    import jax
+
+    from slope_jax.serve.compute import any_process
+    from slope_jax.serve.http import LEASE_ENV, POOL_GIB_ENV
+
+    if jax.process_count() == 1 or config.http_port is None or not config.kv_dir:
+        return None
+    gib = float(os.environ.get(POOL_GIB_ENV, 1.0) if config.kv_pool_gib is None else config.kv_pool_gib)
+    lease = float(os.environ.get(LEASE_ENV, 60.0) if config.kv_lease_s is None else config.kv_lease_s)
+    if gib <= 0:
+        return None
+    out, t0 = None, time.perf_counter()
+    try:
+        out = PeerRows(int(gib * 2**30), lease_s=lease)
+    except Exception as e:  # noqa: BLE001 - no NIXL here: every process gathers instead
+        logging.warning("process %d: no NIXL for peer rows (%s: %s)", jax.process_index(), type(e).__name__, e)
+    if any_process(out is None):
+        if out is not None:
+            out.close()
+        logging.info("early P/D answers gather each step's K/V to every process (NIXL is missing on a process)")
+        return None
+    logging.info("early P/D answers: process 0 pulls the other processes' rows over NIXL (%s ready in %.1f s)",
+                 "reader" if out.me == 0 else f"pool of {gib:g} GiB", time.perf_counter() - t0)
+    return out
