@@ -14,8 +14,9 @@ r"""The prefill endpoint of a prefill/decode (P/D) deployment: an OpenAI-style c
            ($SLOPE_JAX_KV_POOL_GIB, default 1 GiB; lease $SLOPE_JAX_KV_LEASE_S, default 60 s) and pulled by the
            decode side over NIXL (UCX) without a shared filesystem; `publish_ms` says what the copy took. This answer
            goes out as soon as the first token is on the host, before the export is written (`"export_pending":
-           true`, `"publish_from": "memory"`; under several processes the step's K/V is first gathered to every
-           process; the record's manifest is the one the export will have, less its file checksums). Absent if
+           true`, `"publish_from": "memory"`; under several processes process 0 first pulls the others' pieces from
+           their own pools, `serve.peer_rows`; the record's manifest is the one the export will have, less its file
+           checksums). Absent if
            NIXL is not installed, the pool is off (0 GiB) or full of held entries, and unless the request's
            kv_transfer_params say {"do_remote_decode": true} (a P/D proxy's: the KV goes to a remote decoder) without
            "slope_jax_transport": "files".

@@ -126,7 +126,8 @@ flags.DEFINE_string("http_model_name", None, "--http_port: the model name client
                     "--checkpoint directory's name).")
 flags.DEFINE_float("kv_pool_gib", None, "--http_port: GiB of registered host memory (process 0) in which each P/D "
                    "request's KV is also published for the decode side to pull over NIXL (0: off, the export files "
-                   "alone serve). Default: $SLOPE_JAX_KV_POOL_GIB, else 1.")
+                   "alone serve); under several processes each other process holds a pool of this size for its "
+                   "pieces, which process 0 pulls. Default: $SLOPE_JAX_KV_POOL_GIB, else 1.")
 flags.DEFINE_float("kv_lease_s", None, "--http_port: seconds an unread NIXL pool entry lives after its publication or "
                    "its last hold (a reader that reports it received frees it at once). Default: "
                    "$SLOPE_JAX_KV_LEASE_S, else 60.")
