@@ -1,0 +1,31 @@
+"""`serve.peer_rows` between two real processes (jax.distributed on 127.0.0.1, NIXL over UCX): what process 0
+collects is bitwise what the peer offered; a peer that cannot offer (its pool too small) and a peer that never posts
+are RuntimeErrors naming the process and the cause, within the timeout (the endpoint then answers after the export);
+offers process 0 drops or pulls leave the peer's pool empty."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from support import REPO, free_port, launcher_env
+
+pytest.importorskip("nixl")
+
+
+def test_peer_rows_collect_offer_failures_and_discard(tmp_path):
+    port = free_port()
+    script = os.path.join(REPO, "tests", "peer_rows_driver.py")
+    procs = [subprocess.Popen([sys.executable, script, str(i), str(port)], cwd=REPO, env=launcher_env(),
+                              stdout=subprocess.PIPE, stderr=open(tmp_path / f"p{i}.log", "w"), text=True)
+             for i in (1, 0)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [(tmp_path / f"p{i}.log").read_text()[-2000:] for i in (1, 0)]
+    lines = {d["case"]: d for d in (json.loads(x) for x in "".join(outs).splitlines() if x.startswith('{"case"'))}
+    assert lines["ok"]["same"] is True
+    assert "process 1 could not offer its rows of too-big: KVPoolFull" in lines["too-big"]["error"]
+    assert "process 1 posted no rows of never within 2 s" in lines["never"]["error"]
+    assert lines["empty"]["got"] == []
+    assert lines["pool"]["entries"] == 0 and lines["pool"]["used_bytes"] == 0, lines["pool"]
