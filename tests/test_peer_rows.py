@@ -29,3 +29,25 @@ def test_peer_rows_collect_offer_failures_and_discard(tmp_path):
     assert "process 1 posted no rows of never within 2 s" in lines["never"]["error"]
     assert lines["empty"]["got"] == []
     assert lines["pool"]["entries"] == 0 and lines["pool"]["used_bytes"] == 0, lines["pool"]
+
+
+@pytest.mark.parametrize("mode", ["nixl", "gather"])
+def test_engine_rows_for_under_two_processes_equal_the_export(tmp_path, mode):
+    """`PrefillEngine.prefill(rows_for=...)` under two processes (ring 2: each holds half of every layer's rows, in
+    zigzag order): the rows process 0's `on_computed` gets are bitwise the export written after, for a cold prompt
+    and a prefix hit (its cached rows joined), sliding layers cut to their kept range — with the other process
+    offering its pieces over NIXL (`peer_rows`) and with the all-gather fallback; a prompt whose rows were not
+    asked for leaves nothing in the peer's pool."""
+    port = free_port()
+    script = os.path.join(REPO, "tests", "rows_for_driver.py")
+    procs = [subprocess.Popen([sys.executable, script, str(i), str(port), str(tmp_path / "kv"), mode], cwd=REPO,
+                              env=launcher_env(), stdout=subprocess.PIPE, stderr=open(tmp_path / f"p{i}.log", "w"),
+                              text=True) for i in (1, 0)]
+    outs = [p.communicate(timeout=400)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [(tmp_path / f"p{i}.log").read_text()[-2000:] for i in (1, 0)]
+    lines = [json.loads(x) for x in "".join(outs).splitlines() if x.startswith("{")]
+    rows = {d["id"]: d for d in lines if "id" in d}
+    assert rows == {"cold": {"id": "cold", "same": True, "cached": 0},
+                    "hit": {"id": "hit", "same": True, "cached": 64}}, lines
+    pools = [d["pool"] for d in lines if "pool" in d]
+    assert pools == ([] if mode == "gather" else [pools[0]]) and all(p["entries"] == 0 for p in pools), pools
