@@ -60,7 +60,7 @@ class BatchItem:
     """One request of a batch, as every process runs it: its id, token ids (int32 `[n]`), arrival
     (`time.perf_counter()` on process 0; None elsewhere), `cache_salt` (None: none) and `early`: process 0 will ask
     for its rows before the export (an HTTP request answered over NIXL, `serve.http.HttpIntake.wants_early`), so
-    under several processes its step's K/V is gathered (`PrefillEngine.prefill`'s `rows_for`)."""
+    under several processes every process helps bring them to process 0 (`PrefillEngine.prefill`'s `rows_for`)."""
 
     id: str
     tokens: object

@@ -469,8 +469,8 @@ class PrefillEngine:
     def _run_steps(self, tokens, ids, arrival, hits, *, kv_dir, kv_full, overwrite, cache, return_kv, top_k,
                    on_computed=None, rows_for=frozenset()) -> list[PrefillResult]:
         """`prefill`'s batch path: group into steps (`steps.group_steps` on `step_key`), run, tell `on_computed`
-        (after gathering the step's K/V when it holds a prompt of `rows_for` under several processes), keep,
-        export."""
+        (under several processes, once the rows of its `rows_for` prompts can reach process 0: `_share_rows`),
+        keep, export."""
         results: list[PrefillResult | None] = [None] * len(tokens)
         per_step = 1 if self.mesh is None else self.parallel.in_flight
         keys = [self.step_key(x.size, h.cached) for x, h in zip(tokens, hits)]
