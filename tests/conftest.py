@@ -56,17 +56,22 @@ def reference_engines(checkpoints):
             for name, c in checkpoints.items()}
 
 
-# Longest files first (cold-cache seconds on 2 cores, measured): with `-n 2 --dist loadfile --no-loadscope-reorder`
-# (pyproject addopts; without the last flag xdist would order files by test count) each
-# worker takes the next whole file when it is free, so starting the long ones first keeps one long file from running
-# alone at the end. Order only: every collected test still runs.
-# test_pd_transformers.py comes after test_context_parallel.py so that it starts once test_launcher.py has finished
-# (measured: launcher ~130 s, CP ~115 s after pd_vllm's ~55 s): its 2-process worker then loads the programs the
-# launcher's 2-process run compiled (same layout, dtype, tiles) instead of compiling them at the same time.
-LONG_FILES = ("test_determinism.py", "test_vllm_connector.py", "test_pd_vllm.py", "test_launcher.py",
-              "test_context_parallel.py", "test_pd_transformers.py", "test_pipeline.py", "test_flash_attention.py",
-              "test_traffic.py", "test_device_benchmark.py", "test_request_loop.py", "test_plan.py",
-              "test_compile_cache.py", "test_expert_parallel.py")
+# Longest files first (cold-cache seconds on 2 cores, measured with --durations on a fresh compilation cache,
+# 2026-12-04, an AVX2-only 2-core EPYC: prefix_reuse 189, launcher 185, vllm_connector 136, vllm_failures_sync 122,
+# pd_vllm 122, context_parallel 112, pd_transformers 94, pipeline 92, determinism 86, peer_rows 67, …): with
+# `-n 2 --dist loadfile --no-loadscope-reorder` (pyproject addopts; without the last flag xdist would order files by
+# test count) each worker takes the next whole file when it is free, so starting the long ones first keeps one long
+# file from running alone at the end. Order only: every collected test still runs.
+# test_pd_transformers.py comes well after test_launcher.py so that it starts once the launcher's 2-process run has
+# compiled its programs: its 2-process worker then loads them (same layout, dtype, tiles) instead of compiling them
+# at the same time.
+LONG_FILES = ("test_prefix_reuse.py", "test_launcher.py", "test_vllm_connector.py", "test_vllm_failures_sync.py",
+              "test_pd_vllm.py", "test_context_parallel.py", "test_pd_transformers.py", "test_pipeline.py",
+              "test_determinism.py", "test_peer_rows.py", "test_vllm_last_window.py", "test_vllm_failures.py",
+              "test_request_loop.py", "test_http_endpoint.py", "test_nixl_transport.py", "test_traffic.py",
+              "test_flash_attention.py", "test_kv_export.py", "test_plan.py", "test_slo_launcher.py",
+              "test_kv_dir_degrade.py", "test_expert_parallel.py", "test_seq_pipeline.py", "test_compile_cache.py",
+              "test_device_benchmark.py")
 
 
 def pytest_collection_modifyitems(config, items):

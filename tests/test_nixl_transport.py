@@ -386,16 +386,18 @@ def test_publish_from_the_host_tier_equals_publishing_the_export(checkpoints, tm
         assert len(eng.host_tier) == 0 and prefix_lib.export_rows(eng.host_tier, hit) is None
 
 
-@pytest.mark.parametrize("processes", [1, 2])
+# two processes under -m slow (68 s of a cold suite): the default suite covers them with tests/test_pd_vllm.py (a
+# 2-process endpoint answering vLLM over NIXL) and tests/test_peer_rows.py (the offered rows bitwise the export)
+@pytest.mark.parametrize("processes", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_endpoint_answers_over_nixl_before_its_export_is_written(reader, tmp_path, processes):
-    """The P/D endpoint (one launcher process, or two: ring 2, each holding half the sequence) answers a request that
-    hands its KV over NIXL as soon as its first token is on the host (`HttpIntake.deliver_early`; under two
-    processes the step's K/V is gathered first, as the broadcast batch marks the request `early`): `export_pending`
-    in the answer, the record published from the step's KV in memory; what the decode side pulls is bitwise the
-    export written after, whose final record then lands in the results file; so too for a prefix hit (its cached
-    rows joined to the computed ones). A prompt shorter than a reuse block is answered so too, and released before
-    its export is written, that export is removed once written. A request over files waits for its export (on disk
-    when answered); /v1/kv/release frees the pool entries."""
+    """The P/D endpoint (one launcher process, or two: ring 2, each holding half the sequence) answers a request
+    that hands its KV over NIXL as soon as its first token is on the host (`HttpIntake.deliver_early`; under two
+    processes the other process offers its rows over NIXL, as the broadcast batch marks the request `early`):
+    `export_pending` in the answer, the record published from the step's KV in memory; what the decode side pulls is
+    bitwise the export written after, whose final record then lands in the results file; so too for a prefix hit
+    (its cached rows joined to the computed ones). A prompt shorter than a reuse block is answered so too, and
+    released before its export is written, that export is removed once written. A request over files waits for its
+    export (on disk when answered); /v1/kv/release frees the pool entries."""
     import urllib.request
 
     from support import SHIPPED, free_port, launcher_env

@@ -130,6 +130,12 @@ def test_pd_over_http_equals_vllm_alone(servers):
         events = [e[len("data: "):] for e in raw.split("\n\n") if e.startswith("data: ")]
         assert events[-1] == "[DONE]"
         assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == ref["text"]
+    # the two-process endpoint answered every NIXL request before writing its export (the other process offered its
+    # rows over NIXL: serve.peer_rows), never falling back to answering after the export
+    log = (base / "prefill.log").read_text()
+    assert log.count("answered over NIXL before its export is written") >= 2 * len(prompts), log[-3000:]
+    assert "early publish failed" not in log and "not published before its export" not in log, log[-3000:]
+    assert "rows offered to process 0" in log and "gathered to every process" not in log, log[-3000:]
     # every prefill went through slope_jax: one result record per P/D request, each with its export, and each export
     # was reclaimed once vLLM had consumed it (these prompts are shorter than a prefix-reuse block)
     records = [json.loads(x) for x in (base / "prefill_results.jsonl").read_text().splitlines()]
