@@ -55,7 +55,7 @@ flags.DEFINE_integer("matmul_n", 8192, "Size of the bf16 matmul peak measurement
 flags.DEFINE_list("attention_impls", ["pallas", "xla"], "Attention implementations to compare (the first one is "
                   "measured first, for the targets).")
 flags.DEFINE_list("moe_impls", ["pallas", "loop", "ragged"], "MoE implementations to compare (the first one is "
-                  "measured first, for the targets).")
+                  "measured first, for the targets); impl@rows sets the tile (loop@4096: 4096-row expert tiles).")
 flags.DEFINE_string("config", None, "Model config JSON (default configs/gpt-oss-20b.json).")
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -146,6 +146,15 @@ def bf16_matmul_peak(n: int, repeats: int) -> dict:
     return {"n": n, "seconds": 2 * n ** 3 / flops_per_s, "bf16_flops_per_s": flops_per_s}
 
 
+def moe_variant(name: str) -> tuple[str, int]:
+    """`--moe_impls` entry → (moe_impl, moe_tile): "loop@4096" is the loop MoE with 4096-row tiles; a bare name
+    keeps StepOptions' default tile."""
+    from slope_jax.model.options import StepOptions
+
+    impl, _, tile = name.partition("@")
+    return impl, int(tile) if tile else StepOptions().moe_tile
+
+
 def model_config(smoke: bool, layers: int):
     from slope_jax.model.config import FULL, SLIDING, ModelConfig
 
@@ -229,23 +238,28 @@ def main(argv):
             cos, sin = rope.cos_sin(cfg, pos, x.dtype)
             h = model_lib.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
             q, k, v = model_lib.qkv(h, p, cos, sin)
-            o = attn_lib.attention(q, k, v, pos, pos, p["sinks"], window=window, impl=impl).astype(x.dtype)
+            o = attn_lib.attention(q, k, v, pos, pos, p["sinks"], window=window, impl=impl, contiguous=True,
+                                   windows=(window,)).astype(x.dtype)
             return x + model_lib.project(o, p["wo"]).astype(x.dtype)
         return f
 
     def moe_step(impl):
+        impl, tile = moe_variant(impl)
+
         def f(x, p):
             h = model_lib.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
             valid = jnp.ones((x.shape[0],), bool)
             y = moe_lib.moe(h, valid, p, experts_per_token=cfg.experts_per_token, alpha=cfg.swiglu_alpha,
-                            limit=cfg.swiglu_limit, impl=impl)
+                            limit=cfg.swiglu_limit, impl=impl, tile=tile)
             return x + y.astype(x.dtype)
         return f
 
     def forward_fn(a_impl, m_impl):
+        m_impl, tile = moe_variant(m_impl)
+
         def f(params, tokens, n):
             logits, k, v = model_lib.forward(params, cfg, tokens, n,
-                                             StepOptions(attention_impl=a_impl, moe_impl=m_impl))
+                                             StepOptions(attention_impl=a_impl, moe_impl=m_impl, moe_tile=tile))
             return logits, k, v
         return f
 
@@ -281,7 +295,8 @@ def main(argv):
     def core_attention(impl):
         def f(q, k, v, sinks):
             pos = jnp.arange(q.shape[0], dtype=jnp.int32)
-            return attn_lib.attention(q, k, v, pos, pos, sinks, impl=impl)
+            return attn_lib.attention(q, k, v, pos, pos, sinks, impl=impl, contiguous=True,
+                                      windows=(attn_lib.NO_WINDOW,))
         return f
 
     subs: dict[int, dict] = {t: {} for t in lengths}

@@ -32,7 +32,8 @@ flags.DEFINE_float("tol", 1e-5, "float32 tolerance (attention: max |Δ| of the f
                    "max(1, max |reference|)).")
 flags.DEFINE_float("budget_s", 150.0, "Cases that would start after this many seconds are skipped.")
 flags.DEFINE_bool("smoke", False, "Tiny shapes in interpret mode (CPU): checks the script, not the device.")
-flags.DEFINE_list("parts", ["attention", "moe"], "Which kernels to check.")
+flags.DEFINE_list("parts", ["sdpa", "attention", "moe"], "Which kernels to check (sdpa: attention_impl "
+                  "\"cudnn\", cuDNN's fused attention).")
 
 
 def attention_cases(smoke: bool) -> dict:
@@ -93,6 +94,56 @@ def check_attention(name, case, dtype, smoke):
     return row, bad, msg
 
 
+def sdpa_cases(smoke: bool) -> dict:
+    # name: (T, n, kh, window, prefix tokens before the block): contiguous self-attention blocks (`contiguous=True`)
+    if smoke:
+        return {"causal_12_4_T45": (45, 12, 4, None, 0), "sliding_W9_T37_prefix11": (37, 16, 4, 9, 11)}
+    return {"causal_64_8_T1000": (1000, 64, 8, None, 0), "sliding_W128_T1000": (1000, 64, 8, 128, 0),
+            "sliding_W129_T700_prefix300": (700, 64, 8, 129, 300), "causal_12_4_T333_prefix77": (333, 12, 4, None, 77),
+            "causal_64_8_T4096": (4096, 64, 8, None, 0)}
+
+
+def check_sdpa(name, case, dtype, smoke):
+    """attention_impl "cudnn" (cuDNN's fused attention; JAX's XLA version of the call on the CPU) vs the blockwise
+    reference on the same inputs, alone and continuing a prefix's state. Half precision only (cuDNN's rule): the
+    float32 rows are skipped; a bf16 error above 5e-2 (a wrong log-sum-exp convention shows as O(0.1–1)) fails."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from slope_jax.model import attention as attn
+
+    if dtype == jnp.float32:
+        return {"skipped": "cuDNN's fused attention takes bf16/fp16 only"}, False, "skipped (float32)"
+    t, n, kh, w, off = case
+    w = attn.NO_WINDOW if w is None else w
+    d = 16 if smoke else 64
+    r = np.random.default_rng(len(name))
+    q, k, v = (jnp.asarray(r.standard_normal(s), dtype) for s in ((t, n, d), (t, kh, d), (t, kh, d)))
+    kp_, vp_ = (jnp.asarray(r.standard_normal((max(off, 1), kh, d)), dtype) for _ in range(2))
+    pos = jnp.arange(t, dtype=jnp.int32) + off
+    ppos = jnp.arange(max(off, 1), dtype=jnp.int32) if off else jnp.full((1,), attn.INVALID_POS, jnp.int32)
+    sinks = jnp.linspace(-1.0, 1.0, n)
+
+    @jax.jit
+    def both(window):
+        st0 = attn.attend(q, kp_, vp_, pos, ppos, window=window, impl="xla")
+        ref = attn.attend(q, k, v, pos, pos, window=window, state=st0, impl="xla")
+        got = attn.attend(q, k, v, pos, pos, window=window, state=st0, impl="cudnn", contiguous=True,
+                          windows=(w, attn.NO_WINDOW) if w != attn.NO_WINDOW else (w,))
+        return attn.finalize(ref, sinks), attn.finalize(got, sinks)
+
+    t0 = time.perf_counter()
+    ref, got = jax.block_until_ready(both(jnp.int32(w)))
+    dt = time.perf_counter() - t0
+    err = float(jnp.abs(ref - got).max())
+    finite = bool(jnp.isfinite(got).all())
+    entry = attn.SDPA_ENTRY.get("cudnn" if jax.default_backend() in ("gpu", "cuda") else "xla")
+    row = {"max_abs_diff": err, "finite": finite, "entry": entry, "first_call_s": dt}
+    bad = not finite or err > 5e-2
+    return row, bad, f"max|Δ| {err:.2e}  finite {finite}  entry {entry}"
+
+
 def moe_cases(smoke: bool) -> dict:
     # name: (E, D, I, k, T, valid tokens, skew)
     if smoke:
@@ -149,7 +200,8 @@ def main(argv):
     t_start = time.perf_counter()
     doc = {"jax": jax.__version__, "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
            "smoke": FLAGS.smoke, "tol_f32": FLAGS.tol, "ok": True, "cases": {}, "skipped": []}
-    parts = {"attention": (attention_cases, check_attention), "moe": (moe_cases, check_moe)}
+    parts = {"attention": (attention_cases, check_attention), "moe": (moe_cases, check_moe),
+             "sdpa": (sdpa_cases, check_sdpa)}
     for part in FLAGS.parts:
         cases, check = parts[part]
         for dtype in (jnp.float32, jnp.bfloat16):

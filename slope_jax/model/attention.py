@@ -222,7 +222,8 @@ def _attend_pallas(q, k, v, q_pos, k_pos, window, state, q_tile, kv_tile) -> Att
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, *,
            window: int | jax.Array = NO_WINDOW, state: AttnState | None = None,
-           q_tile: int = 256, kv_tile: int = 256, impl: str = "xla") -> AttnState:
+           q_tile: int = 256, kv_tile: int = 256, impl: str = "xla", contiguous: bool = False,
+           windows: tuple[int, ...] | None = None) -> AttnState:
     """Accumulate attention of `q` over the keys `k, v` into an online-softmax state (no sinks yet).
 
     Args:
@@ -235,14 +236,27 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: ja
       q_tile, kv_tile: tile sizes (clipped to the lengths; the Pallas kernel also caps them at
         PALLAS_MAX_BLOCK_Q / PALLAS_MAX_BLOCK_K, and q_tile·G at PALLAS_MAX_ROWS score rows per program).
       impl: "xla" (this module's `lax.map` × `fori_loop` over tiles: the reference), "pallas" (the fused kernel of
-        `slope_jax.kernels.flash_attention`; its partial is merged into `state`); "auto" is resolved before
-        (`options.StepOptions.resolve`) and raises ValueError here.
+        `slope_jax.kernels.flash_attention`; its partial is merged into `state`), "cudnn" (`attend_sdpa`: the
+        fused attention of `jax.nn.dot_product_attention` for `contiguous` calls with a static window, "pallas" on
+        GPUs and "xla" elsewhere for the others); "auto" is resolved before (`options.StepOptions.resolve`) and raises
+        ValueError here.
+      contiguous: the caller guarantees that the keys are the queries' own tokens in order at consecutive positions
+        (`k_pos = q_pos = q_pos[0] + arange(Tq)`), so index-based causal and window masks equal the position masks.
+      windows: the static values a traced `window` can take (e.g. the model's layer windows); "cudnn" needs a static
+        window and switches over these.
     Returns:
       Updated AttnState for the `Tq` queries. Scale `D^-0.5` is applied to q·k (docs/model.md §2.3).
     """
-    if impl not in ("xla", "pallas"):
-        raise ValueError(f"attention_impl={impl!r}: the step runs a concrete core, 'xla' or 'pallas' "
+    if impl not in ("xla", "pallas", "cudnn"):
+        raise ValueError(f"attention_impl={impl!r}: the step runs a concrete core, 'xla', 'pallas' or 'cudnn' "
                          "(resolve 'auto' with StepOptions.resolve)")
+    if impl == "cudnn":
+        gpu = jax.default_backend() in options_lib.GPU_PLATFORMS
+        choices = (int(window),) if isinstance(window, int) else windows
+        if contiguous and choices and (not gpu or sdpa_supported(q.dtype, q.shape[-1])) and _COUNTER.get() is None:
+            part = attend_sdpa(q, k, v, window, windows=choices, implementation="cudnn" if gpu else "xla")
+            return part if state is None else merge(state, part)
+        impl = "pallas" if gpu else "xla"
     window = jnp.asarray(window, jnp.int32)
     if impl == "pallas":
         return _attend_pallas(q, k, v, q_pos, k_pos, window, state, q_tile, kv_tile)
@@ -301,6 +315,86 @@ def _attend_xla(q, k, v, q_pos, k_pos, window, state: AttnState | None, *, q_til
 _attend_xla_call = jax.jit(_attend_xla, static_argnames=("q_tile", "kv_tile"))
 
 
-def attention(q, k, v, q_pos, k_pos, sinks, *, window=NO_WINDOW, q_tile=256, kv_tile=256, impl="xla") -> jax.Array:
+def attention(q, k, v, q_pos, k_pos, sinks, *, window=NO_WINDOW, q_tile=256, kv_tile=256, impl="xla",
+              contiguous=False, windows=None) -> jax.Array:
     """Complete sink attention: `finalize(attend(...), sinks)` → `[Tq, N, D]` float32."""
-    return finalize(attend(q, k, v, q_pos, k_pos, window=window, q_tile=q_tile, kv_tile=kv_tile, impl=impl), sinks)
+    return finalize(attend(q, k, v, q_pos, k_pos, window=window, q_tile=q_tile, kv_tile=kv_tile, impl=impl,
+                           contiguous=contiguous, windows=windows), sinks)
+
+
+# --- the fused attention of jax.nn.dot_product_attention (cuDNN on NVIDIA GPUs) -------------------------------------
+
+SDPA_DTYPES = ("bfloat16", "float16")  # cuDNN's fused attention takes half precision only
+SDPA_ENTRY: dict[str, str] = {}  # implementation → the entry point last traced ("cudnn_private" / "public"): benchmarks
+
+
+def sdpa_supported(dtype, head_dim: int) -> bool:
+    """Whether cuDNN's fused attention takes these inputs: bf16/fp16, head_dim a multiple of 8 up to 256 (cuDNN
+    frontend's SDPA support surface); other inputs take the "pallas" core."""
+    return jnp.dtype(dtype).name in SDPA_DTYPES and head_dim % 8 == 0 and head_dim <= 256
+
+
+def _sdpa_call(q, k, v, window: int, implementation: str) -> tuple[jax.Array, jax.Array]:
+    """Causal (and, if `window` < Tq, sliding-window) attention of `q [T, N, D]` over `k, v [T, K, D]` without sinks
+    → `(out [T, N, D] in q's dtype, lse [T, N] float32)`, `lse` the natural-log log-sum-exp of each row's scaled
+    logits. cuDNN: JAX's cuDNN binding is called directly for its float32 softmax statistics (the public
+    `jax.nn.dot_product_attention` rounds them to the output dtype, which would put a bf16 error into every sink
+    weight); where that private entry point differs (another jax), the public one is used."""
+    t, _, d = q.shape
+    scale = d ** -0.5
+    sliding = window if window < t else None
+    if implementation == "cudnn":
+        try:
+            from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
+
+            out, lse = cudnn_fa.dot_product_attention(
+                q[None], k[None], v[None], scale=scale, mask_type=cudnn_fa.MaskType.CAUSAL,
+                sliding_window_length=sliding, return_residual=True)
+            SDPA_ENTRY[implementation] = "cudnn_private"
+            return out[0], lse[0].T.astype(jnp.float32)  # stats come as [B, N, T]
+        except (ImportError, AttributeError, TypeError):
+            pass
+    SDPA_ENTRY[implementation] = "public"
+    out, lse = jax.nn.dot_product_attention(
+        q, k, v, scale=scale, is_causal=True, local_window_size=None if sliding is None else (sliding - 1, 0),
+        implementation=implementation, return_residual=True)
+    return out, lse.astype(jnp.float32)
+
+
+def attend_sdpa(q: jax.Array, k: jax.Array, v: jax.Array, window: int | jax.Array, *, windows: tuple[int, ...],
+                implementation: str = "cudnn") -> AttnState:
+    """`attend` of contiguous tokens (`contiguous=True`) through `jax.nn.dot_product_attention`'s fused core.
+
+    The fused call returns the normalised output `out` and the log-sum-exp `lse` of each row; as an online-softmax
+    state that is `(o, m, l) = (out, lse, 1)`: `Σ_j e^(s_j − lse)·v_j = out` and `Σ_j e^(s_j − lse) = 1` (Milakov &
+    Gimelshein 2018), so `merge` and the sink of `finalize` consume it unchanged. Every query sees at least itself,
+    so no row is empty.
+
+    Args:
+      q: `[T, N, D]` bf16/fp16 on cuDNN (any float with implementation="xla"); k, v: `[T, K, D]`, the same tokens.
+      window: keys visible to a query, itself included: a static int, or a traced scalar taking one of `windows`
+        (then one fused call per choice under `lax.switch`).
+      windows: the static choices of a traced `window`.
+      implementation: "cudnn" (NVIDIA GPUs) or "xla" (JAX's reference of the same call: the whole `[N, T, T]`
+        score matrix; tests only).
+    Returns:
+      AttnState for the T queries (float32). Raises ValueError if a traced window has no `windows`.
+    """
+    tq, n, d = q.shape
+    kh = k.shape[1]
+
+    def call(w):
+        out, lse = _sdpa_call(q, k, v.astype(q.dtype), int(w), implementation)
+        return out.astype(jnp.float32), lse
+
+    if isinstance(window, int):
+        out, lse = call(window)
+    elif not windows:
+        raise ValueError("attend_sdpa: a traced window needs its static choices (windows=...)")
+    elif len(windows) == 1:
+        out, lse = call(windows[0])
+    else:
+        idx = jnp.argmax(jnp.asarray(windows, jnp.int32) == jnp.asarray(window, jnp.int32))
+        out, lse = jax.lax.switch(idx, [lambda w=w: call(w) for w in windows])
+    g = n // kh
+    return AttnState(out.reshape(tq, kh, g, d), lse.reshape(tq, kh, g), jnp.ones((tq, kh, g), jnp.float32))

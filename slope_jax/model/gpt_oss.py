@@ -369,7 +369,9 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax.A
         positions = positions + prefix.offset
     x = params["embed"][tokens]
     cos, sin = rope.cos_sin(cfg, positions, x.dtype)
-    tiles = dict(q_tile=options.q_tile, kv_tile=options.kv_tile, impl=options.attention_impl)
+    # the self-attention of the new tokens: consecutive positions (the fused cuDNN core may take it), layer windows
+    tiles = dict(q_tile=options.q_tile, kv_tile=options.kv_tile, impl=options.attention_impl, contiguous=True,
+                 windows=tuple(sorted({int(w) for w in layer_windows(cfg)})))
 
     def body(x, xs):
         i, window = xs[0], xs[1]

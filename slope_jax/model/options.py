@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-ATTENTION_IMPLS = ("auto", "pallas", "xla")
+ATTENTION_IMPLS = ("auto", "pallas", "xla", "cudnn")
 MOE_IMPLS = ("auto", "ragged", "loop", "pallas")
 EP_DISPATCHES = ("auto", "all_to_all", "all_gather")
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
@@ -34,7 +34,9 @@ FIELD_HELP = {
     "moe_tile": "Rows per expert matmul tile: the loop MoE's tallest tile (each expert's last rows run in 4x and "
                 "16x shorter tiles, none under 8 rows); the Pallas kernel caps it at 128.",
     "attention_impl": "Local attention core: auto = the fused Pallas kernel on GPUs (Triton) and the pure-JAX "
-                      "blockwise reference elsewhere; pallas on CPU runs in interpret mode (slow, for testing).",
+                      "blockwise reference elsewhere; pallas on CPU runs in interpret mode (slow, for testing); "
+                      "cudnn = cuDNN's fused attention (NVIDIA GPUs, bf16/fp16) for a device's own causal block "
+                      "of the prompt, pallas for the rest (ring blocks, a reused prefix's keys).",
     "moe_impl": "MoE grouped expert compute: loop = per-expert tile loop, ragged = jax.lax.ragged_dot, pallas = one "
                 "grouped matmul kernel over expert-sorted row tiles with MXFP4 dequantized in the kernel (Triton on "
                 "GPUs; interpret mode on CPU, slow, for testing); auto = pallas on GPUs, loop elsewhere (XLA runs "
@@ -53,6 +55,8 @@ def resolve_attention(impl: str, platform: str) -> str:
     Raises ValueError naming the field for an unknown value."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl={impl!r}: expected one of {ATTENTION_IMPLS}")
+    if impl == "cudnn" and platform == "rocm":
+        raise ValueError("attention_impl='cudnn' needs an NVIDIA GPU (cuDNN); on ROCm use 'pallas' or 'xla'")
     if impl != "auto":
         return impl
     return "pallas" if platform in GPU_PLATFORMS else "xla"
