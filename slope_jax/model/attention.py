@@ -325,6 +325,7 @@ def attention(q, k, v, q_pos, k_pos, sinks, *, window=NO_WINDOW, q_tile=256, kv_
 # --- the fused attention of jax.nn.dot_product_attention (cuDNN on NVIDIA GPUs) -------------------------------------
 
 SDPA_DTYPES = ("bfloat16", "float16")  # cuDNN's fused attention takes half precision only
+SDPA_PRIVATE_STATS = True  # take cuDNN's float32 stats from JAX's cuDNN binding (False: the public call only)
 SDPA_ENTRY: dict[str, str] = {}  # implementation → the entry point last traced ("cudnn_private" / "public"): benchmarks
 
 
@@ -343,7 +344,7 @@ def _sdpa_call(q, k, v, window: int, implementation: str) -> tuple[jax.Array, ja
     t, _, d = q.shape
     scale = d ** -0.5
     sliding = window if window < t else None
-    if implementation == "cudnn":
+    if implementation == "cudnn" and SDPA_PRIVATE_STATS:
         try:
             from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
 
