@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared GPU run (< 8 minutes on one H200; jax with CUDA already installed, no pip, no network):
-#   1. kernel parity on the device (benchmarks/kernel_parity.py): the Triton flash-attention kernel (one program per
-#      KV head) vs the XLA reference, and the grouped MXFP4 MoE kernel vs the tile loop, float32 and bf16;
+#   1. kernel parity on the device (benchmarks/kernel_parity.py): cuDNN's fused attention (attention_impl=cudnn) and
+#      the Triton flash-attention kernel (one program per KV head) vs the XLA reference, and the grouped MXFP4 MoE
+#      kernel vs the tile loop, float32 and bf16;
 #   2. the prefill benchmark (benchmarks/device_prefill.py): gpt-oss-20b dims cut to 2 layers at 8K and 32K tokens,
 #      same-run bf16 matmul peak, prefill MFU, one MoE layer's fraction of the peak, the full-attention core's
 #      TFLOP/s, then the XLA / loop implementations side by side as the budget allows; issue 21's bars are checked
@@ -23,8 +24,9 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c 'import jax; print("jax", jax.__version__, jax.devices())' 2>&1 | tail -n 3
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>/dev/null || true
-# ragged is left out: XLA runs it as dense work over all experts (measured, options.resolve_moe)
-IMPLS=(--attention_impls=pallas,xla --moe_impls=pallas,loop)
+# ragged and the XLA attention are left out: measured far slower on an H200 (benchmarks/measured/h200/README.md);
+# the first of each list is measured first (the targets): cuDNN's attention and 4096-row loop MoE tiles
+IMPLS=(--attention_impls=cudnn,pallas --moe_impls=loop@4096,loop,pallas)
 if [[ $DRY == 1 ]]; then
   export JAX_PLATFORMS=cpu
   PARITY_ARGS=(--smoke --budget_s=240)

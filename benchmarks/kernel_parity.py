@@ -1,5 +1,6 @@
-"""On-device parity of the Pallas kernels against the pure-JAX references: flash attention (`attention.attend`,
-impl "pallas" vs "xla") and the grouped MXFP4 MoE (`moe.moe`, impl "pallas" vs "loop").
+"""On-device parity of the fused kernels against the pure-JAX references: cuDNN's fused attention (`sdpa`:
+`attention.attend`, impl "cudnn" on contiguous blocks, bf16 only, alone and after a prefix's state), the Pallas flash
+attention (impl "pallas" vs "xla") and the grouped MXFP4 MoE (`moe.moe`, impl "pallas" vs "loop").
 
     PYTHONPATH=. python3 benchmarks/kernel_parity.py --out /tmp/kernel_parity.json          # GPU
     PYTHONPATH=. python3 benchmarks/kernel_parity.py --smoke --out /tmp/kernel_parity.json  # CPU dry run, tiny
@@ -115,6 +116,8 @@ def check_sdpa(name, case, dtype, smoke):
 
     if dtype == jnp.float32:
         return {"skipped": "cuDNN's fused attention takes bf16/fp16 only"}, False, "skipped (float32)"
+    if jax.default_backend() != "cpu" and attn.on_rocm():
+        return {"skipped": "cuDNN's fused attention: NVIDIA GPUs only"}, False, "skipped (ROCm)"
     t, n, kh, w, off = case
     w = attn.NO_WINDOW if w is None else w
     d = 16 if smoke else 64

@@ -54,8 +54,11 @@ def test_device_check_dry_run(tmp_path):
                           capture_output=True, text=True, timeout=700)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     parity = json.loads((tmp_path / "kernel_parity.json").read_text())
-    assert parity["ok"] and not parity["skipped"] and len(parity["cases"]) == 8
+    assert parity["ok"] and not parity["skipped"] and len(parity["cases"]) == 12
     parts = {k.split("/")[0] for k in parity["cases"]}
-    assert parts == {"moe", "attention"}
+    assert parts == {"sdpa", "moe", "attention"}
+    assert all(parity["cases"][f"sdpa/{n}/bfloat16"]["max_abs_diff"] < 5e-2 for n in ("causal_12_4_T45",
+                                                                                       "sliding_W9_T37_prefix11"))
     doc = json.loads((tmp_path / "device_prefill.json").read_text())
-    assert doc["status"] == "done" and doc["moe_impls"] == ["pallas", "loop"]
+    assert doc["status"] == "done" and doc["moe_impls"] == ["loop@4096", "loop", "pallas"]
+    assert doc["attention_impls"] == ["cudnn", "pallas"]

@@ -130,8 +130,9 @@ def test_unknown_impl_names_the_field():
     with pytest.raises(ValueError, match="moe_impl"):
         moe.resolve_impl("dense")
     assert attn.resolve_impl("auto", "cpu") == "xla" and attn.resolve_impl("auto", "gpu") == "pallas"
-    assert moe.resolve_impl("auto", "cpu") == "loop" and moe.resolve_impl("auto", "cuda") == "pallas"
-    assert moe.resolve_impl("auto", "rocm") == "pallas" and moe.resolve_impl("ragged", "gpu") == "ragged"
+    assert moe.resolve_impl("auto", "cpu") == "loop" and moe.resolve_impl("auto", "cuda") == "loop"
+    assert moe.resolve_impl("auto", "rocm") == "loop" and moe.resolve_impl("ragged", "gpu") == "ragged"
+    assert moe.resolve_impl("pallas", "gpu") == "pallas"
 
 
 def test_group_padding_of_the_gpu_path():

@@ -253,7 +253,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: ja
     if impl == "cudnn":
         gpu = jax.default_backend() in options_lib.GPU_PLATFORMS
         choices = (int(window),) if isinstance(window, int) else windows
-        if contiguous and choices and (not gpu or sdpa_supported(q.dtype, q.shape[-1])) and _COUNTER.get() is None:
+        usable = not gpu or (sdpa_supported(q.dtype, q.shape[-1]) and not on_rocm())
+        if contiguous and choices and usable and _COUNTER.get() is None:
             part = attend_sdpa(q, k, v, window, windows=choices, implementation="cudnn" if gpu else "xla")
             return part if state is None else merge(state, part)
         impl = "pallas" if gpu else "xla"
@@ -327,6 +328,16 @@ def attention(q, k, v, q_pos, k_pos, sinks, *, window=NO_WINDOW, q_tile=256, kv_
 SDPA_DTYPES = ("bfloat16", "float16")  # cuDNN's fused attention takes half precision only
 SDPA_PRIVATE_STATS = True  # take cuDNN's float32 stats from JAX's cuDNN binding (False: the public call only)
 SDPA_ENTRY: dict[str, str] = {}  # implementation → the entry point last traced ("cudnn_private" / "public"): benchmarks
+
+
+def on_rocm() -> bool:
+    """Whether JAX's GPU backend is ROCm (its client's platform_version names ROCm/HIP; CUDA otherwise): cuDNN's
+    attention exists on NVIDIA GPUs only, and ROCm reports its platform as "gpu" too."""
+    try:
+        version = str(getattr(jax.devices()[0].client, "platform_version", "")).lower()
+    except Exception:  # noqa: BLE001 - no backend detail: assume CUDA (the cuDNN call then names its own error)
+        return False
+    return "rocm" in version or "hip" in version
 
 
 def sdpa_supported(dtype, head_dim: int) -> bool:

@@ -39,8 +39,8 @@ FIELD_HELP = {
                       "of the prompt, pallas for the rest (ring blocks, a reused prefix's keys).",
     "moe_impl": "MoE grouped expert compute: loop = per-expert tile loop, ragged = jax.lax.ragged_dot, pallas = one "
                 "grouped matmul kernel over expert-sorted row tiles with MXFP4 dequantized in the kernel (Triton on "
-                "GPUs; interpret mode on CPU, slow, for testing); auto = pallas on GPUs, loop elsewhere (XLA runs "
-                "ragged_dot as dense work over all experts on CPU and, measured, on H200).",
+                "GPUs; interpret mode on CPU, slow, for testing); auto = loop (measured fastest on an H200 and the "
+                "CPU; on GPUs pass --moe_tile=4096: 0.71x the 512-row tiles' time at 32K tokens).",
     "ep_dispatch": "Expert-parallel dispatch: all_to_all = each token only to the devices that hold one of its "
                    "experts, in rounds of static capacity (dropless); all_gather = every token to every device of "
                    "the group; auto = all_to_all (plain all-to-alls: every backend).",
@@ -63,18 +63,16 @@ def resolve_attention(impl: str, platform: str) -> str:
 
 
 def resolve_moe(impl: str, platform: str) -> str:
-    """`moe_impl` → the concrete grouped compute. "auto" is "pallas" on GPUs (cuda, rocm: the grouped MXFP4 kernel
-    `kernels.grouped_moe`, one launch per projection instead of a loop of per-expert matmuls; its GPU timing is still
-    to be measured by benchmarks/device_check.sh) and "loop" elsewhere (on the CPU the kernel only runs in interpret
-    mode, and ragged_dot is masked dense work). "ragged" stays selectable: on an H200 (jax 0.11.2,
-    benchmarks/device_prefill.py, gpt-oss-20b layer, 8192 tokens) one layer's MoE took 69.9 ms with "ragged" against
-    16.5 ms with "loop" — XLA's GPU ragged_dot did dense work over all E experts (7.8 GB program vs 0.7 GB).
+    """`moe_impl` → the concrete grouped compute: "auto" is "loop" on every platform. Measured on an H200 (jax
+    0.11.2, benchmarks/device_prefill.py, one gpt-oss-20b MoE layer, benchmarks/measured/h200/): the loop took
+    10.3 / 26.6 ms at 8192 / 32768 tokens (8.8 / 18.9 ms with `moe_tile=4096`), the grouped MXFP4 Pallas kernel
+    (`kernels.grouped_moe`: 64-wide weight tiles dequantized per row tile) 13.5 / 48.1 ms, and "ragged" 69.9 ms at 8192
+    (XLA's GPU ragged_dot did dense work over all E experts); on the CPU the kernel only runs in interpret mode and
+    ragged_dot is masked dense work. "pallas" and "ragged" stay selectable.
     Raises ValueError naming the field for an unknown value."""
     if impl not in MOE_IMPLS:
         raise ValueError(f"moe_impl={impl!r}: expected one of {MOE_IMPLS}")
-    if impl != "auto":
-        return impl
-    return "pallas" if platform in GPU_PLATFORMS else "loop"
+    return "loop" if impl == "auto" else impl
 
 
 def experts_read_from_stack(moe_impl: str) -> bool:
