@@ -175,7 +175,22 @@ async def _prefill(application, body: dict, client_id: str, chat: bool):
     logging.info("%s: prefill %d tokens into export %s, first token %s, TTFT %.1f ms", client_id,
                  params.get("num_tokens", -1), export, params.get("slope_jax_first_token"),
                  first.get("ttft_ms", float("nan")))
+    _note_files_fallback(application, params, client_id)
     return _Prefilled(params, first, export)
+
+
+def _note_files_fallback(application, params: dict, client_id: str) -> None:
+    """Warn (the first time, then every 100th) when the proxy asks for NIXL but the prefill's answer carries no NIXL
+    record: that request's KV goes by files, which needs a filesystem both servers share (the prefill endpoint says
+    why at its start-up or per request: NIXL not installed in its environment, its pool full, ...)."""
+    if application["kv_transport"] != "nixl" or _NIXL_KEY in params:
+        return
+    n = application["files_fallbacks"] = application.get("files_fallbacks", 0) + 1
+    if n == 1 or n % 100 == 0:
+        logging.warning("%s: the prefill server answered without a NIXL record (%d such answers so far): the KV goes "
+                        "to the decode server by files, which needs a shared filesystem. Check that NIXL is "
+                        "installed where the prefill endpoint runs and read its log; --kv_transport=files "
+                        "silences this.", client_id, n)
 
 
 def _release(application, exports: list[str], consumed: bool) -> None:
