@@ -306,6 +306,14 @@ def test_moe_loop_ladder_pads_less_than_its_second_height():
         options.moe_loop_tiles(0, 10)
 
 
+def test_prefix_key_tile_widens_for_short_query_tiles():
+    o = options.StepOptions()  # prefix tiles 512 x 256
+    assert [o.prefix_kv_tile_for(n) for n in (1, 16, 64, 65, 128, 512, 4096)] == [1024, 1024, 1024, 256, 256,
+                                                                                    256, 256]
+    o = options.StepOptions(prefix_q_tile=16, prefix_kv_tile=24)
+    assert (o.prefix_kv_tile_for(2), o.prefix_kv_tile_for(3), o.prefix_kv_tile_for(40)) == (96, 24, 24)
+
+
 @pytest.mark.parametrize("t,tile", [(23, 4), (97, 40)])  # ladders (4,) and (40, 10): ~42 rows per expert at 97
 def test_grouped_moe_equals_per_token_loop(t, tile):
     rng = np.random.default_rng(2)

@@ -330,6 +330,21 @@ def layer_windows(cfg: ModelConfig) -> np.ndarray:
                        for i in range(cfg.num_hidden_layers)], np.int32)
 
 
+def _prefix_state(q, k, v, q_pos, k_pos, window, windows: tuple[int, ...], options: StepOptions):
+    """The new tokens' state over a prefix's cached keys: full layers in `options.prefix_kv_tile_for` key tiles,
+    sliding layers in kv_tile ones (they see at most W − 1 cached keys), as `context_parallel.prefix_attention` and
+    the planner (`plan.flops.cached_prefix_attention`) tile them; `window` traced, one of `windows` (a switch)."""
+    def state(w: int):
+        kv = options.prefix_kv_tile_for(q.shape[0]) if w >= attn_lib.NO_WINDOW else options.kv_tile
+        return attn_lib.attend(q, k, v, q_pos, k_pos, window=w, q_tile=options.prefix_q_tile, kv_tile=kv,
+                               impl=options.attention_impl)
+
+    if len(windows) == 1:
+        return state(windows[0])
+    idx = jnp.argmax(jnp.asarray(windows, jnp.int32) == window)
+    return jax.lax.switch(idx, [lambda w=w: state(w) for w in windows])
+
+
 class CachedPrefix(NamedTuple):
     """KV of a prompt's first `offset` tokens, computed earlier (prefix reuse): keys the new tokens attend to.
 
@@ -381,9 +396,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax.A
             # Pad keys sit at positions >= num_tokens, after every real query: causality hides them.
             if prefix is None:
                 return attn_lib.attention(q, k, v, positions, positions, sinks, window=window, **tiles)
-            st = attn_lib.attend(q, xs[2], xs[3], positions, prefix.positions, window=window,
-                                 q_tile=options.prefix_q_tile, kv_tile=options.prefix_kv_tile,
-                                 impl=options.attention_impl)
+            st = _prefix_state(q, xs[2], xs[3], positions, prefix.positions, window, tiles["windows"], options)
             st = attn_lib.attend(q, k, v, positions, positions, window=window, state=st, **tiles)
             return attn_lib.finalize(st, sinks)
 

@@ -23,6 +23,7 @@ GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 # measured with benchmarks/breakdown.py's unembed part). Zero rows are cheap on every backend; the planner's compiled
 # work (`plan.flops.per_device`) counts them.
 UNEMBED_MIN_ROWS = 8
+PREFIX_KV_WIDEN_MAX = 4  # `StepOptions.prefix_kv_tile_for`: a short prefix hit's wider key tile
 
 # one line of help per field (the launcher defines one flag per field from these)
 FIELD_HELP = {
@@ -30,7 +31,8 @@ FIELD_HELP = {
     "kv_tile": "Attention key/value tile (tokens).",
     "prefix_q_tile": "Query tile (tokens) of the attention over a reused prefix's cached keys.",
     "prefix_kv_tile": "Key/value tile (tokens) of the attention over a reused prefix's cached keys on full layers "
-                      "(sliding layers keep kv_tile: they see at most window - 1 cached keys).",
+                      "(sliding layers keep kv_tile: they see at most window - 1 cached keys); 4x wider when a "
+                      "hit's query tile is at most prefix_q_tile / 8 (64 new tokens at the defaults).",
     "moe_tile": "Rows per expert matmul tile: the loop MoE's tallest tile (each expert's last rows run in 4x and "
                 "16x shorter tiles, none under 8 rows); the Pallas kernel caps it at 128.",
     "attention_impl": "Local attention core: auto = the fused Pallas kernel on GPUs (Triton) and the pure-JAX "
@@ -175,7 +177,8 @@ class StepOptions:
       attention 98 ms at 512 × 256 vs 160 ms at 512 × 2048 and 141 ms at 256 × 1024; the whole hit 0.87× as long
       alternated in one process (`benchmarks/prefix_tile_ab.py`; a hit of ~100 new tokens over 16K, whose
       attention is a smaller share, within the scatter). Short key tiles lose only for a handful of queries (16 over
-      16384: 18 vs 15 ms). benchmarks/measured/cpu/README.md, fifth session.
+      16384: 18 vs 15 ms). benchmarks/measured/cpu/README.md, fifth session. A hit of a handful of new tokens
+      (query tile <= prefix_q_tile / 8) takes 4x wider key tiles on full layers: `prefix_kv_tile_for`.
     moe_tile: rows per expert matmul tile (clipped to tokens × experts_per_token): the "loop" MoE's tallest tile, it
       ends each expert's group with shorter ones (`moe_loop_tiles`); the Pallas kernel pads each group to whole tiles
       of this height capped at `MOE_KERNEL_MAX_TILE`. Default 512: on 2 CPU cores a 512-row bf16 expert matmul of the
@@ -224,6 +227,18 @@ class StepOptions:
     @property
     def resolved(self) -> bool:
         return "auto" not in (self.attention_impl, self.moe_impl, self.ep_dispatch)
+
+    def prefix_kv_tile_for(self, queries: int) -> int:
+        """Key tile (tokens) of a prefix hit's attention over its cached keys on full layers, for `queries` new
+        tokens per device: `prefix_kv_tile`, times PREFIX_KV_WIDEN_MAX when the query tile is at most 1/8 of
+        prefix_q_tile (64 new tokens at the defaults), where tiny score tiles pay the key loop's per-tile cost.
+        Measured on 2 AVX2 cores, peer config, bf16, one device: one full layer's cached-key attention of 56 queries
+        over 16384 keys 128 ms at 256-key tiles, 84 ms at 1024, 113 ms at 4096 (448 queries: 654 / 658 / 750 ms); the
+        whole hit alternated in one process (`benchmarks/prefix_tile_ab.py`): 56 new tokens over 16384, median 794 ms
+        at 1024-key tiles vs 869 ms at 256; 100 new (query tile 128), 1081 vs 1054 ms (scatter 837–1419), so tiles
+        of 128 queries keep 256 keys. benchmarks/measured/cpu/README.md, 2026-12-04."""
+        bq = max(1, min(self.prefix_q_tile, queries))
+        return self.prefix_kv_tile * (PREFIX_KV_WIDEN_MAX if 8 * bq <= self.prefix_q_tile else 1)
 
     def ep_rows(self, tokens_local: int, experts_per_token: int, expert_degree: int) -> int:
         """`ep_rows` with this `ep_capacity`."""

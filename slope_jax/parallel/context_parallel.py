@@ -284,11 +284,12 @@ def prefix_attention(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array,
     """
     t, n, h = q.shape
     group = ring * ulysses
-    # full layers: every cached key is visible, so tiles as large as options.prefix_kv_tile; a sliding layer sees
+    # full layers: every cached key is visible, so tiles as large as options.prefix_kv_tile (widened for few local
+    # queries: `StepOptions.prefix_kv_tile_for`); a sliding layer sees
     # at most W − 1 of them, which one or two kv_tile tiles cover
     full = isinstance(window, int) and window == attn_lib.NO_WINDOW
     attend = functools.partial(attn_lib.attend, window=window, q_tile=options.prefix_q_tile,
-                               kv_tile=options.prefix_kv_tile if full else options.kv_tile,
+                               kv_tile=options.prefix_kv_tile_for(t) if full else options.kv_tile,
                                impl=options.attention_impl)
 
     def flat(st):

@@ -342,7 +342,8 @@ def cached_prefix_attention(cfg: ModelConfig, pipeline: int, ring: int, ulysses:
     and every query of the stage visits every device (`context_parallel.prefix_attention`: queries travel, keys stay),
     so each device scores all t queries against its ⌈cached/g⌉ rows on a full layer; on a sliding layer only the last
     W − 1 cached keys are visible (one or two key tiles). Tiles are rounded as the engine visits them (the
-    options' prefix_q_tile, prefix_kv_tile on full layers, kv_tile on sliding ones); a stage runs
+    options' prefix_q_tile, `prefix_kv_tile_for` the local queries on full layers, kv_tile on sliding ones); a
+    stage runs
     its slots (half sliding, half full) for each of the m requests."""
     if cached <= 0:
         return 0.0
@@ -352,7 +353,7 @@ def cached_prefix_attention(cfg: ModelConfig, pipeline: int, ring: int, ulysses:
     bq = min(tiles.prefix_q_tile, tq)
     q_tiles = g * -(-tq // bq)
     # full layers: prefix_kv_tile tiles over all rows; sliding layers: kv_tile tiles over the last W − 1 rows
-    bk_full, bk_sliding = min(tiles.prefix_kv_tile, rows), min(tiles.kv_tile, rows)
+    bk_full, bk_sliding = min(tiles.prefix_kv_tile_for(tq), rows), min(tiles.kv_tile, rows)
     full = -(-rows // bk_full) * bk_full
     sliding = min(-(-rows // bk_sliding), -(-(max(cfg.sliding_window - 1, 1)) // bk_sliding) + 1) * bk_sliding
     if g * pipeline == 1:
