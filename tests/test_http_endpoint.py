@@ -242,7 +242,7 @@ def test_proxy_flow_stream_and_errors():
         try:
             await _check_one_prompt(proxy, seen)
             # the stand-in prefill publishes no NIXL record: the proxy (asking for NIXL) counts and warns
-            assert proxy.server.app["files_fallbacks"] >= 1
+            assert proxy.server.app["fallbacks"]["files"] >= 1
             await _check_lists(proxy, seen)
             await _check_chat_and_disconnect(proxy, seen)
             r = await proxy.post("/v1/completions", json={"prompt": "bad", "max_tokens": 4})

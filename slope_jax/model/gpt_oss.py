@@ -333,14 +333,19 @@ def layer_windows(cfg: ModelConfig) -> np.ndarray:
 def _prefix_state(q, k, v, q_pos, k_pos, window, windows: tuple[int, ...], options: StepOptions):
     """The new tokens' state over a prefix's cached keys: full layers in `options.prefix_kv_tile_for` key tiles,
     sliding layers in kv_tile ones (they see at most W − 1 cached keys), as `context_parallel.prefix_attention` and
-    the planner (`plan.flops.cached_prefix_attention`) tile them; `window` traced, one of `windows` (a switch)."""
-    def state(w: int):
-        kv = options.prefix_kv_tile_for(q.shape[0]) if w >= attn_lib.NO_WINDOW else options.kv_tile
+    the planner (`plan.flops.cached_prefix_attention`) tile them; `window` traced, one of `windows` (a switch, unless
+    both kinds take the same key tile)."""
+    full_tile = options.prefix_kv_tile_for(q.shape[0])
+
+    def state(w):
+        kv = full_tile if isinstance(w, int) and w >= attn_lib.NO_WINDOW else options.kv_tile
         return attn_lib.attend(q, k, v, q_pos, k_pos, window=w, q_tile=options.prefix_q_tile, kv_tile=kv,
                                impl=options.attention_impl)
 
     if len(windows) == 1:
         return state(windows[0])
+    if full_tile == options.kv_tile:  # one tiling for both kinds: one traced call (a smaller program to compile)
+        return state(window)
     idx = jnp.argmax(jnp.asarray(windows, jnp.int32) == window)
     return jax.lax.switch(idx, [lambda w=w: state(w) for w in windows])
 

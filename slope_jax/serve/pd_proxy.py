@@ -185,7 +185,8 @@ def _note_files_fallback(application, params: dict, client_id: str) -> None:
     why at its start-up or per request: NIXL not installed in its environment, its pool full, ...)."""
     if application["kv_transport"] != "nixl" or _NIXL_KEY in params:
         return
-    n = application["files_fallbacks"] = application.get("files_fallbacks", 0) + 1
+    counts = application["fallbacks"]  # a dict made with the app: a started app's own keys are frozen
+    n = counts["files"] = counts["files"] + 1
     if n == 1 or n % 100 == 0:
         logging.warning("%s: the prefill server answered without a NIXL record (%d such answers so far): the KV goes "
                         "to the decode server by files, which needs a shared filesystem. Check that NIXL is "
@@ -408,6 +409,7 @@ def make_app(prefill_url: str, decode_url: str, timeout_s: float = 3600.0, relea
         raise ValueError(f"kv_transport={kv_transport!r}: expected 'nixl' or 'files'")
     application["kv_transport"] = kv_transport
     application["releases"] = set()
+    application["fallbacks"] = {"files": 0}  # answers without the NIXL record the proxy asked for
 
     async def session_context(a):
         a["session"] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
