@@ -32,7 +32,10 @@ def test_peer_rows_collect_offer_failures_and_discard(tmp_path):
 
 
 # the all-gather fallback (no NIXL) under -m slow: 26 s of a cold suite for the path a deployment without NIXL takes
-@pytest.mark.parametrize("mode", ["nixl", pytest.param("gather", marks=pytest.mark.slow)])
+# both under -m slow (83 s and 26 s of a cold suite): the default suite keeps the NIXL offer path end to end in
+# test_pd_vllm (a 2-process endpoint answering every request from offered rows) and test_nixl_transport
+@pytest.mark.parametrize("mode", [pytest.param("nixl", marks=pytest.mark.slow),
+                                  pytest.param("gather", marks=pytest.mark.slow)])
 def test_engine_rows_for_under_two_processes_equal_the_export(tmp_path, mode):
     """`PrefillEngine.prefill(rows_for=...)` under two processes (ring 2: each holds half of every layer's rows, in
     zigzag order): the rows process 0's `on_computed` gets are bitwise the export written after, for a cold prompt

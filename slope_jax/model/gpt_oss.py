@@ -331,10 +331,11 @@ def layer_windows(cfg: ModelConfig) -> np.ndarray:
 
 
 def _prefix_state(q, k, v, q_pos, k_pos, window, windows: tuple[int, ...], options: StepOptions):
-    """The new tokens' state over a prefix's cached keys: full layers in `options.prefix_kv_tile_for` key tiles,
-    sliding layers in kv_tile ones (they see at most W − 1 cached keys), as `context_parallel.prefix_attention` and
-    the planner (`plan.flops.cached_prefix_attention`) tile them; `window` traced, one of `windows` (a switch, unless
-    both kinds take the same key tile)."""
+    """The new tokens' state over a prefix's cached keys; `window` traced, one of `windows`. A short hit whose key
+    tile `options.prefix_kv_tile_for` widens runs full layers in the wide tiles and sliding layers in kv_tile ones
+    (they see at most W − 1 cached keys) under a switch, as `context_parallel.prefix_attention` and the planner
+    (`plan.flops.cached_prefix_attention`) tile them; otherwise one traced call in prefix_kv_tile tiles serves both
+    kinds (equal to kv_tile at the defaults)."""
     full_tile = options.prefix_kv_tile_for(q.shape[0])
 
     def state(w):
@@ -344,8 +345,10 @@ def _prefix_state(q, k, v, q_pos, k_pos, window, windows: tuple[int, ...], optio
 
     if len(windows) == 1:
         return state(windows[0])
-    if full_tile == options.kv_tile:  # one tiling for both kinds: one traced call (a smaller program to compile)
-        return state(window)
+    if full_tile == options.prefix_kv_tile:  # not widened: one traced call in prefix_kv_tile tiles for both kinds
+        # (a smaller program to compile; sliding layers visit one or two such tiles)
+        return attn_lib.attend(q, k, v, q_pos, k_pos, window=window, q_tile=options.prefix_q_tile,
+                               kv_tile=full_tile, impl=options.attention_impl)
     idx = jnp.argmax(jnp.asarray(windows, jnp.int32) == window)
     return jax.lax.switch(idx, [lambda w=w: state(w) for w in windows])
 
