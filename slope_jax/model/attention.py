@@ -373,6 +373,15 @@ def _sdpa_call(q, k, v, window: int, implementation: str) -> tuple[jax.Array, ja
     return out, lse.astype(jnp.float32)
 
 
+def switch_window(window: jax.Array, windows: tuple[int, ...], fn):
+    """`fn(w)` for the static w of `windows` equal to the traced `window` (one `lax.switch` branch per choice; no
+    switch for a single choice): how a layer scan, whose window is traced, reaches code that needs it static."""
+    if len(windows) == 1:
+        return fn(windows[0])
+    idx = jnp.argmax(jnp.asarray(windows, jnp.int32) == jnp.asarray(window, jnp.int32))
+    return jax.lax.switch(idx, [lambda w=w: fn(w) for w in windows])
+
+
 def attend_sdpa(q: jax.Array, k: jax.Array, v: jax.Array, window: int | jax.Array, *, windows: tuple[int, ...],
                 implementation: str = "cudnn") -> AttnState:
     """`attend` of contiguous tokens (`contiguous=True`) through `jax.nn.dot_product_attention`'s fused core.
@@ -403,10 +412,7 @@ def attend_sdpa(q: jax.Array, k: jax.Array, v: jax.Array, window: int | jax.Arra
         out, lse = call(window)
     elif not windows:
         raise ValueError("attend_sdpa: a traced window needs its static choices (windows=...)")
-    elif len(windows) == 1:
-        out, lse = call(windows[0])
     else:
-        idx = jnp.argmax(jnp.asarray(windows, jnp.int32) == jnp.asarray(window, jnp.int32))
-        out, lse = jax.lax.switch(idx, [lambda w=w: call(w) for w in windows])
+        out, lse = switch_window(window, windows, call)
     g = n // kh
     return AttnState(out.reshape(tq, kh, g, d), lse.reshape(tq, kh, g), jnp.ones((tq, kh, g), jnp.float32))

@@ -343,14 +343,12 @@ def _prefix_state(q, k, v, q_pos, k_pos, window, windows: tuple[int, ...], optio
         return attn_lib.attend(q, k, v, q_pos, k_pos, window=w, q_tile=options.prefix_q_tile, kv_tile=kv,
                                impl=options.attention_impl)
 
-    if len(windows) == 1:
-        return state(windows[0])
-    if full_tile == options.prefix_kv_tile:  # not widened: one traced call in prefix_kv_tile tiles for both kinds
-        # (a smaller program to compile; sliding layers visit one or two such tiles)
+    if len(windows) > 1 and full_tile == options.prefix_kv_tile:
+        # not widened: one traced call in prefix_kv_tile tiles for both kinds (a smaller program to compile;
+        # sliding layers visit one or two such tiles)
         return attn_lib.attend(q, k, v, q_pos, k_pos, window=window, q_tile=options.prefix_q_tile,
                                kv_tile=full_tile, impl=options.attention_impl)
-    idx = jnp.argmax(jnp.asarray(windows, jnp.int32) == window)
-    return jax.lax.switch(idx, [lambda w=w: state(w) for w in windows])
+    return attn_lib.switch_window(window, windows, state)
 
 
 class CachedPrefix(NamedTuple):
