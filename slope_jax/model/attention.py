@@ -27,6 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from slope_jax.model import matmul
 from slope_jax.model import options as options_lib
 from slope_jax.model import stack
 
@@ -126,13 +127,14 @@ def finalize(state: AttnState, sinks: jax.Array) -> jax.Array:
     return (state.o * (scale / denom)[..., None]).reshape(tq, kh * g, d)
 
 
-def _tile_update(st: AttnState, q, k, v, qp, kp, window, scale) -> AttnState:
+def _tile_update(st: AttnState, q, k, v, qp, kp, window, scale, p_dtype) -> AttnState:
     """One (query tile × key tile) online-softmax step in the head-major tile layout of `attend`'s XLA core.
 
     q `[K, G·bq, D]` (rows g-major: row g·bq + i is query i of head k·G + g), k `[K, D, bk]` (keys transposed), v
     `[K, bk, D]`, qp `[bq]`, kp `[bk]`; st holds o `[K, G·bq, D]`, m and l `[K, G·bq]`. Both matmuls are plain
     batched GEMMs over the K KV heads (batch axis leading, no transposes inside the loop): XLA:CPU hands them to its
-    bf16/f32 GEMM library as they are.
+    bf16/f32 GEMM library as they are. p_dtype: the dtype the probabilities are rounded to before the PV matmul (the
+    activation dtype; `matmul.through`: k, v widened to float32 by `bf16_matmul` still see bf16 probabilities).
     """
     kh, rows, _ = q.shape
     bq = qp.shape[0]
@@ -144,7 +146,8 @@ def _tile_update(st: AttnState, q, k, v, qp, kp, window, scale) -> AttnState:
     ms = _safe(m_new)
     p = jnp.exp(s - ms[..., None])
     alpha = jnp.exp(st.m - ms)
-    pv = jnp.einsum("kmc,kcd->kmd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    pv = jnp.einsum("kmc,kcd->kmd", matmul.through(p, p_dtype, v.dtype != p_dtype), v,
+                    preferred_element_type=jnp.float32)
     del kh
     return AttnState(st.o * alpha[..., None] + pv, m_new, st.l * alpha + p.sum(axis=-1))
 
@@ -223,7 +226,7 @@ def _attend_pallas(q, k, v, q_pos, k_pos, window, state, q_tile, kv_tile) -> Att
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, *,
            window: int | jax.Array = NO_WINDOW, state: AttnState | None = None,
            q_tile: int = 256, kv_tile: int = 256, impl: str = "xla", contiguous: bool = False,
-           windows: tuple[int, ...] | None = None) -> AttnState:
+           windows: tuple[int, ...] | None = None, upcast: bool = False) -> AttnState:
     """Accumulate attention of `q` over the keys `k, v` into an online-softmax state (no sinks yet).
 
     Args:
@@ -244,6 +247,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: ja
         (`k_pos = q_pos = q_pos[0] + arange(Tq)`), so index-based causal and window masks equal the position masks.
       windows: the static values a traced `window` can take (e.g. the model's layer windows); "cudnn" needs a static
         window and switches over these.
+      upcast: the "xla" core's bf16 q, k, v widened to float32 for its matmuls (`StepOptions.upcast_matmul`,
+        `model.matmul`) when its query tile holds at least `options.UPCAST_MIN_QUERY_TILE` queries; the fused
+        kernels ignore it.
     Returns:
       Updated AttnState for the `Tq` queries. Scale `D^-0.5` is applied to q·k (docs/model.md §2.3).
     """
@@ -263,11 +269,12 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: ja
         return _attend_pallas(q, k, v, q_pos, k_pos, window, state, q_tile, kv_tile)
     if _COUNTER.get() is not None:  # jit's trace cache does not see count_work's context variable: a trace made
         # outside it (no callback) would be reused inside it, so counted programs trace the core inline
-        return _attend_xla(q, k, v, q_pos, k_pos, window, state, q_tile=q_tile, kv_tile=kv_tile)
-    return _attend_xla_call(q, k, v, q_pos, k_pos, window, state, q_tile=q_tile, kv_tile=kv_tile)
+        return _attend_xla(q, k, v, q_pos, k_pos, window, state, q_tile=q_tile, kv_tile=kv_tile, upcast=upcast)
+    return _attend_xla_call(q, k, v, q_pos, k_pos, window, state, q_tile=q_tile, kv_tile=kv_tile, upcast=upcast)
 
 
-def _attend_xla(q, k, v, q_pos, k_pos, window, state: AttnState | None, *, q_tile: int, kv_tile: int) -> AttnState:
+def _attend_xla(q, k, v, q_pos, k_pos, window, state: AttnState | None, *, q_tile: int, kv_tile: int,
+                upcast: bool = False) -> AttnState:
     """`attend`'s XLA core (`lax.map` over query tiles × `fori_loop` over the key tiles they need); same contract,
     `window` an int32 scalar. The empty state is made here, not passed in: as a call argument XLA copies it (+12.5
     MiB of temporaries for the tiny config's 8192-token step)."""
@@ -280,6 +287,9 @@ def _attend_xla(q, k, v, q_pos, k_pos, window, state: AttnState | None, *, q_til
     nq, nk = -(-tq // bq), -(-tk // bk)
     scale = d ** -0.5
 
+    p_dtype = v.dtype  # the probabilities' rounding before the PV matmul, also when v is widened
+    upcast = upcast and bq >= options_lib.UPCAST_MIN_QUERY_TILE
+    q, k, v = (matmul.widen(x, upcast) for x in (q, k, v))  # fused into the tile copies below
     # head-major tiles: queries [nq, K, G·bq, D] (g-major rows), keys [nk, K, D, bk], values [nk, K, bk, D]
     qt = _pad_to(q, nq * bq, 0).reshape(nq, bq, kh, g, d).transpose(0, 2, 3, 1, 4).reshape(nq, kh, g * bq, d)
     qpt = _pad_to(q_pos.astype(jnp.int32), nq * bq, INVALID_POS).reshape(nq, bq)
@@ -297,7 +307,8 @@ def _attend_xla(q, k, v, q_pos, k_pos, window, state: AttnState | None, *, q_til
         qi, qp, s0, rng = args
 
         def body(j, s):
-            return _tile_update(s, qi, stack.take(kt, j), stack.take(vt, j), qp, stack.take(kpt, j), window, scale)
+            return _tile_update(s, qi, stack.take(kt, j), stack.take(vt, j), qp, stack.take(kpt, j), window, scale,
+                                p_dtype)
 
         return jax.lax.fori_loop(rng[0], rng[1], body, s0)
 
@@ -313,14 +324,14 @@ def _attend_xla(q, k, v, q_pos, k_pos, window, state: AttnState | None, *, q_til
 # The core as one traced call: the blocks of a layer (zigzag ring steps, sliding-window slots) that share shapes share
 # one trace and one lowered function (XLA inlines it again), so a step traces and lowers in less time — the part of
 # getting a program that a compilation-cache hit still pays.
-_attend_xla_call = jax.jit(_attend_xla, static_argnames=("q_tile", "kv_tile"))
+_attend_xla_call = jax.jit(_attend_xla, static_argnames=("q_tile", "kv_tile", "upcast"))
 
 
 def attention(q, k, v, q_pos, k_pos, sinks, *, window=NO_WINDOW, q_tile=256, kv_tile=256, impl="xla",
-              contiguous=False, windows=None) -> jax.Array:
+              contiguous=False, windows=None, upcast=False) -> jax.Array:
     """Complete sink attention: `finalize(attend(...), sinks)` → `[Tq, N, D]` float32."""
     return finalize(attend(q, k, v, q_pos, k_pos, window=window, q_tile=q_tile, kv_tile=kv_tile, impl=impl,
-                           contiguous=contiguous, windows=windows), sinks)
+                           contiguous=contiguous, windows=windows, upcast=upcast), sinks)
 
 
 # --- the fused attention of jax.nn.dot_product_attention (cuDNN on NVIDIA GPUs) -------------------------------------

@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from slope_jax.model import attention as attn_lib
+from slope_jax.model import matmul
 from slope_jax.model import moe as moe_lib
 from slope_jax.model import options as options_lib
 from slope_jax.model import rope, stack
@@ -209,12 +210,13 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (w.astype(jnp.float32) * y).astype(x.dtype)
 
 
-def project(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+def project(x: jax.Array, w: jax.Array, b: jax.Array | None = None, upcast: bool = False) -> jax.Array:
     """A linear layer `x·Wᵀ (+ b)` (docs/model.md §2.3, §3.1) as one 2-D matmul, float32 accumulation.
 
     x `[T, I…]` (activation dtype); w `[O…, I…]`: out axes, then x's trailing axes (the checkpoint's (out, in)
     orientation); b `[O…]` or None → float32 `[T, O…]`. A w whose trailing axes do not hold x's `I…` elements raises
-    TypeError (the reshape).
+    TypeError (the reshape). upcast: bf16 x and w widened to float32 for the matmul (`StepOptions.upcast_matmul`,
+    `model.matmul`; the same products and float32 sums).
 
     The weight is flattened to `[O, I]` (a free reshape) and contracted on its last axis: XLA:CPU hands such a dot to
     its GEMM library as stored, where an einsum over several out or in axes is first rewritten to a canonical
@@ -224,16 +226,18 @@ def project(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array
     """
     out_axes = w.shape[:w.ndim - (x.ndim - 1)]
     n_in = math.prod(x.shape[1:])
-    y = jnp.einsum("ti,oi->to", x.reshape(x.shape[0], n_in), w.reshape(-1, n_in), preferred_element_type=jnp.float32)
+    y = jnp.einsum("ti,oi->to", matmul.widen(x.reshape(x.shape[0], n_in), upcast),
+                   matmul.widen(w.reshape(-1, n_in), upcast), preferred_element_type=jnp.float32)
     if b is not None:
         y = y + b.reshape(-1).astype(jnp.float32)
     return y.reshape(x.shape[0], *out_axes)
 
 
-@jax.jit
-def qkv(h: jax.Array, p: dict, cos: jax.Array, sin: jax.Array):
-    """Projections with biases, then RoPE on q and k. h `[T, D]` → q `[T, N, H]`, k, v `[T, K, H]` (post-RoPE k)."""
-    q, k, v = (project(h, p[w], p[b]).astype(h.dtype) for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
+@functools.partial(jax.jit, static_argnames=("upcast",))
+def qkv(h: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, upcast: bool = False):
+    """Projections with biases, then RoPE on q and k. h `[T, D]` → q `[T, N, H]`, k, v `[T, K, H]` (post-RoPE k);
+    upcast as in `project`."""
+    q, k, v = (project(h, p[w], p[b], upcast).astype(h.dtype) for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
     return rope.apply_rope(q, cos, sin), rope.apply_rope(k, cos, sin), v
 
 
@@ -253,16 +257,17 @@ def local_moe(cfg: ModelConfig, options: StepOptions) -> MoeFn:
 
     def fn(h, valid, p):
         return _moe_call(h, valid, p, experts_per_token=cfg.experts_per_token, alpha=cfg.swiglu_alpha,
-                         limit=cfg.swiglu_limit, tile=options.moe_tile, impl=options.moe_impl)
+                         limit=cfg.swiglu_limit, tile=options.moe_tile, impl=options.moe_impl,
+                         upcast=options.upcast_matmul)
 
     return fn
 
 
-_moe_call = jax.jit(moe_lib.moe, static_argnames=("experts_per_token", "alpha", "limit", "tile", "impl"))
+_moe_call = jax.jit(moe_lib.moe, static_argnames=("experts_per_token", "alpha", "limit", "tile", "impl", "upcast"))
 
 
 def layer(x: jax.Array, p: dict, cfg: ModelConfig, *, cos: jax.Array, sin: jax.Array, valid: jax.Array,
-          attend: AttendFn, moe_fn: MoeFn | None = None):
+          attend: AttendFn, moe_fn: MoeFn | None = None, upcast: bool = False):
     """One decoder block (docs/model.md §2 step 2) on local tokens.
 
     Args:
@@ -271,14 +276,15 @@ def layer(x: jax.Array, p: dict, cfg: ModelConfig, *, cos: jax.Array, sin: jax.A
       attend: the attention core (single-device blockwise, or context-parallel).
       moe_fn: the MoE block (default `local_moe` with the default options resolved for JAX's backend; the engine
         passes `local_moe(cfg, options)` or expert parallelism's own).
+      upcast: the projections' bf16 operands widened to float32 (`StepOptions.upcast_matmul`; `project`).
     Returns:
       `(x [T, D], k [T, K, H], v [T, K, H])` — the new residual stream and this layer's post-RoPE K and V.
     """
     with jax.named_scope("attention"):
         h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = qkv(h, p, cos, sin)
+        q, k, v = qkv(h, p, cos, sin, upcast)
         o = attend(q, k, v, p["sinks"]).astype(x.dtype)
-        o = project(o, p["wo"], p["bo"])
+        o = project(o, p["wo"], p["bo"], upcast)
         x = x + o.astype(x.dtype)
     with jax.named_scope("moe"):
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
@@ -341,13 +347,13 @@ def _prefix_state(q, k, v, q_pos, k_pos, window, windows: tuple[int, ...], optio
     def state(w):
         kv = full_tile if isinstance(w, int) and w >= attn_lib.NO_WINDOW else options.kv_tile
         return attn_lib.attend(q, k, v, q_pos, k_pos, window=w, q_tile=options.prefix_q_tile, kv_tile=kv,
-                               impl=options.attention_impl)
+                               impl=options.attention_impl, upcast=options.upcast_matmul)
 
     if len(windows) > 1 and full_tile == options.prefix_kv_tile:
         # not widened: one traced call in prefix_kv_tile tiles for both kinds (a smaller program to compile;
         # sliding layers visit one or two such tiles)
         return attn_lib.attend(q, k, v, q_pos, k_pos, window=window, q_tile=options.prefix_q_tile,
-                               kv_tile=full_tile, impl=options.attention_impl)
+                               kv_tile=full_tile, impl=options.attention_impl, upcast=options.upcast_matmul)
     return attn_lib.switch_window(window, windows, state)
 
 
@@ -392,7 +398,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax.A
     cos, sin = rope.cos_sin(cfg, positions, x.dtype)
     # the self-attention of the new tokens: consecutive positions (the fused cuDNN core may take it), layer windows
     tiles = dict(q_tile=options.q_tile, kv_tile=options.kv_tile, impl=options.attention_impl, contiguous=True,
-                 windows=tuple(sorted({int(w) for w in layer_windows(cfg)})))
+                 windows=tuple(sorted({int(w) for w in layer_windows(cfg)})), upcast=options.upcast_matmul)
 
     def body(x, xs):
         i, window = xs[0], xs[1]
@@ -406,7 +412,8 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax.A
             st = attn_lib.attend(q, k, v, positions, positions, window=window, state=st, **tiles)
             return attn_lib.finalize(st, sinks)
 
-        x, k, v = layer(x, p, cfg, cos=cos, sin=sin, valid=valid, attend=attend, moe_fn=local_moe(cfg, options))
+        x, k, v = layer(x, p, cfg, cos=cos, sin=sin, valid=valid, attend=attend, moe_fn=local_moe(cfg, options),
+                        upcast=options.upcast_matmul)
         return x, (k, v)
 
     xs = (jnp.arange(cfg.num_hidden_layers), jnp.asarray(layer_windows(cfg)))

@@ -35,6 +35,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from slope_jax.model import matmul
 from slope_jax.model import mxfp4
 from slope_jax.model import options as options_lib
 from slope_jax.model import stack
@@ -116,7 +117,7 @@ def grouped_ragged(x: jax.Array, group_sizes: jax.Array, expert: jax.Array, p: d
 
 
 def moe(h: jax.Array, valid: jax.Array, p: dict, *, experts_per_token: int, alpha: float, limit: float,
-        tile: int = 512, impl: str = "loop") -> jax.Array:
+        tile: int = 512, impl: str = "loop", upcast: bool = False) -> jax.Array:
     """Exact dropless MoE block on local tokens (all experts on this device).
 
     Args:
@@ -129,11 +130,13 @@ def moe(h: jax.Array, valid: jax.Array, p: dict, *, experts_per_token: int, alph
         `options.moe_loop_tiles`; pallas: capped at `options.MOE_KERNEL_MAX_TILE`).
       impl: "loop", "ragged" or "pallas" ("auto" is resolved before, `options.StepOptions.resolve`, and raises
         ValueError here); the result is the same up to float32 summation order.
+      upcast: "loop" dequantizes the experts to float32 and widens its bf16 rows for the matmuls
+        (`StepOptions.upcast_matmul`, `model.matmul`); "ragged" and "pallas" ignore it.
     Returns:
       `[T, D]` float32: `Σ_k w_k · (W2 a(W1 h + b1) + b2)` over each token's k experts.
     """
     weights, ids = route_valid(h, valid, p, experts_per_token)
-    return experts(h, weights, ids, p, alpha=alpha, limit=limit, tile=tile, impl=impl)
+    return experts(h, weights, ids, p, alpha=alpha, limit=limit, tile=tile, impl=impl, upcast=upcast)
 
 
 def route_valid(h: jax.Array, valid: jax.Array, p: dict, k: int) -> tuple[jax.Array, jax.Array]:
@@ -147,7 +150,7 @@ def route_valid(h: jax.Array, valid: jax.Array, p: dict, k: int) -> tuple[jax.Ar
 
 
 def experts(h: jax.Array, weights: jax.Array, ids: jax.Array, p: dict, *, alpha: float, limit: float,
-            tile: int = 512, impl: str = "loop") -> jax.Array:
+            tile: int = 512, impl: str = "loop", upcast: bool = False) -> jax.Array:
     """Grouped, dropless compute of the (token, expert) assignments on the experts held in `p`.
 
     Args:
@@ -155,7 +158,7 @@ def experts(h: jax.Array, weights: jax.Array, ids: jax.Array, p: dict, *, alpha:
       ids: int32 `[T, k]`, the index into `p`'s expert axis (size E'); an id outside `[0, E')` does no work (pad
         tokens, or under expert parallelism an expert held by another device).
       p: expert parameters with E' experts (`b1`, `b2`, `w1*`/`w2*` as in `moe`; the router is not read).
-      tile, impl: as in `moe`.
+      tile, impl, upcast: as in `moe`.
     Returns:
       `[T, D]` float32: `Σ_k w_k · (W2 a(W1 h + b1) + b2)` over the assignments with an id in range (0 elsewhere).
     """
@@ -169,7 +172,7 @@ def experts(h: jax.Array, weights: jax.Array, ids: jax.Array, p: dict, *, alpha:
                                limit=limit)
     if impl == "ragged":
         return _experts_ragged(h, flat_ids, flat_w, order, counts, p, k=k, alpha=alpha, limit=limit)
-    return _experts_loop(h, flat_w, order, counts, starts, p, k=k, tile=tile, alpha=alpha, limit=limit)
+    return _experts_loop(h, flat_w, order, counts, starts, p, k=k, tile=tile, alpha=alpha, limit=limit, upcast=upcast)
 
 
 def _group_assignments(weights: jax.Array, ids: jax.Array, n_exp: int) -> tuple[jax.Array, ...]:
@@ -210,7 +213,8 @@ def _experts_ragged(h, flat_ids, flat_w, order, counts, p, *, k, alpha, limit) -
 
 
 class _Expert(NamedTuple):
-    """One expert's operands inside the tile loop: weights in the activation dtype (`w1 [2I, D]`, `w2 [D, I]`),
+    """One expert's operands inside the tile loop: weights in the activation dtype, or float32 when bf16 matmuls are
+    widened (`upcast`; the tile's rows follow them) (`w1 [2I, D]`, `w2 [D, I]`),
     float32 biases (`b1 [2I]`, `b2 [D]`), and its group of sorted assignments (int32 scalars `start`, `count`)."""
     w1: jax.Array
     w2: jax.Array
@@ -220,7 +224,7 @@ class _Expert(NamedTuple):
     count: jax.Array
 
 
-def _experts_loop(h, flat_w, order, counts, starts, p, *, k, tile, alpha, limit) -> jax.Array:
+def _experts_loop(h, flat_w, order, counts, starts, p, *, k, tile, alpha, limit, upcast=False) -> jax.Array:
     """`experts` as a loop over the experts, each running its rows through the tile ladder, same contract.
 
     Args as `_group_assignments` returns them; `h [T, D]`. Returns `[T, D]` float32 (scatter-added per tile).
@@ -234,7 +238,7 @@ def _experts_loop(h, flat_w, order, counts, starts, p, *, k, tile, alpha, limit)
     w_sorted = jnp.concatenate([flat_w[order], jnp.zeros((ladder[0],), flat_w.dtype)])
 
     def per_expert(e, out):
-        w1, w2 = expert_weights(p, e, h.dtype)
+        w1, w2 = expert_weights(p, e, jnp.float32 if upcast and h.dtype == jnp.bfloat16 else h.dtype)
         b1 = stack.take(p["b1"], e).astype(jnp.float32)
         b2 = stack.take(p["b2"], e).astype(jnp.float32)
         count, start = stack.take(counts, e), stack.take(starts, e)
@@ -280,9 +284,9 @@ def _tiles_of(h, tok_sorted, w_sorted, ex: _Expert, size: int, base, *, alpha: f
         first = base + i * size  # the tile's first row in the expert's group
         tok = jax.lax.dynamic_slice(tok_sorted, (ex.start + first,), (size,), allow_negative_indices=False)
         wt = jax.lax.dynamic_slice(w_sorted, (ex.start + first,), (size,), allow_negative_indices=False)
-        x = _gather_rows(h, tok)
+        x = matmul.widen(_gather_rows(h, tok), ex.w1.dtype == jnp.float32)  # rows as the weights: widened or not
         gu = jnp.einsum("td,od->to", x, ex.w1, preferred_element_type=jnp.float32) + ex.b1
-        act = swiglu(gu, alpha=alpha, limit=limit).astype(h.dtype)
+        act = matmul.through(swiglu(gu, alpha=alpha, limit=limit), h.dtype, ex.w1.dtype == jnp.float32)
         y = jnp.einsum("ti,oi->to", act, ex.w2, preferred_element_type=jnp.float32) + ex.b2
         # rows past the group's end hold the next group's assignments (or none): drop their update (index t is out
         # of range)

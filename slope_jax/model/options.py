@@ -16,6 +16,12 @@ import math
 ATTENTION_IMPLS = ("auto", "pallas", "xla", "cudnn")
 MOE_IMPLS = ("auto", "ragged", "loop", "pallas")
 EP_DISPATCHES = ("auto", "all_to_all", "all_gather")
+BF16_MATMULS = ("auto", "native", "float32")
+# `bf16_matmul="float32"` widens the XLA attention core's q, k, v only for query tiles of at least this many queries:
+# with fewer, a tile's score matmuls are bound by reading the keys, which widening doubles. One call of 32 / 64 /
+# 128 / 256 queries (16 heads over 4 KV heads, head_dim 64) over 16384 cached keys, 2-core AVX2 EPYC, median of 12
+# interleaved: 46 / 84 / 135 / 283 ms native vs 62 / 90 / 124 / 236 ms widened.
+UPCAST_MIN_QUERY_TILE = 128
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 # The step's unembedding runs at least this many rows (zero rows padded; `gpt_oss.unembed`): XLA:CPU (jaxlib 0.10.2)
 # lowers a dot with fewer rows to its own loop over a float32 copy of the bfloat16 table (gpt-oss-20b's 201088 × 2880:
@@ -43,13 +49,19 @@ FIELD_HELP = {
                 "grouped matmul kernel over expert-sorted row tiles with MXFP4 dequantized in the kernel (Triton on "
                 "GPUs; interpret mode on CPU, slow, for testing); auto = loop (measured fastest on an H200 and the "
                 "CPU; on GPUs pass --moe_tile=4096: 0.71x the 512-row tiles' time at 32K tokens).",
+    "bf16_matmul": "How bfloat16 matmuls of the attention core (xla), the projections and the loop MoE run: native "
+                   "= bf16 operands, float32 accumulation; float32 = operands widened to float32 first (the same "
+                   "products, float32 accumulation; faster on CPUs without bf16 dot instructions); auto = float32 "
+                   "on CPUs without AVX512_BF16/AMX-BF16 (x86) or BF16 (Arm), native elsewhere. No effect on "
+                   "float32 models.",
     "ep_dispatch": "Expert-parallel dispatch: all_to_all = each token only to the devices that hold one of its "
                    "experts, in rounds of static capacity (dropless); all_gather = every token to every device of "
                    "the group; auto = all_to_all (plain all-to-alls: every backend).",
     "ep_capacity": "All-to-all dispatch: rows per (source, destination) pair and round, as a multiple of the "
                    "balanced share T_local*k/EP (capped at T_local); more rounds run when routing is skewed.",
 }
-CHOICES = {"attention_impl": ATTENTION_IMPLS, "moe_impl": MOE_IMPLS, "ep_dispatch": EP_DISPATCHES}
+CHOICES = {"attention_impl": ATTENTION_IMPLS, "moe_impl": MOE_IMPLS, "ep_dispatch": EP_DISPATCHES,
+           "bf16_matmul": BF16_MATMULS}
 
 
 def resolve_attention(impl: str, platform: str) -> str:
@@ -75,6 +87,33 @@ def resolve_moe(impl: str, platform: str) -> str:
     if impl not in MOE_IMPLS:
         raise ValueError(f"moe_impl={impl!r}: expected one of {MOE_IMPLS}")
     return "loop" if impl == "auto" else impl
+
+
+def resolve_bf16_matmul(choice: str, platform: str) -> str:
+    """`bf16_matmul` → "native" or "float32": "auto" is "float32" on a CPU backend whose CPU has no bfloat16 dot
+    instructions (`cpuinfo.has_bf16_dot`: no AVX512_BF16 / AMX-BF16 on x86, no BF16 on Arm) and "native" everywhere
+    else (GPUs, TPUs, CPUs with them, CPUs whose flags are unknown).
+
+    Why: XLA:CPU's GEMM library multiplies bfloat16 without such instructions by widening in its inner loop, slower
+    than its float32 GEMM on operands widened once. Measured on a 2-core AVX2-only AMD EPYC (jaxlib 0.10.2, best of
+    10): a `[R, 1152] × [1152, 2304]ᵀ` expert matmul ran at 64 / 83 / 88 GFLOP/s in bf16 and 75 / 105 / 113 GFLOP/s
+    widened, at R = 32 / 128 / 512 rows; the peer config's whole prefill (one device, bf16 weights, KV and
+    activations) of a 4096-token prompt took 6.7-7.2 s widened vs 9.2-10.4 s native (benchmarks/measured/cpu/
+    README.md, 2026-12-04). On the AVX512_BF16 + AMX machine the CPU profile was calibrated on, XLA's bf16 GEMM ran
+    at 2.0x its float32 rate (`configs/hardware/cpu.json: machine_reference`), so "native" stays there.
+    The numbers are the same up to float32 summation order: a bfloat16 × bfloat16 product is exact in float32 and
+    both accumulate in float32; what is rounded to bf16 between the matmuls (projections' outputs, the attention
+    probabilities, the SwiGLU activations) is rounded in both. Raises ValueError naming the field for an unknown
+    value."""
+    if choice not in BF16_MATMULS:
+        raise ValueError(f"bf16_matmul={choice!r}: expected one of {BF16_MATMULS}")
+    if choice != "auto":
+        return choice
+    if platform != "cpu":
+        return "native"
+    from slope_jax import cpuinfo
+
+    return "float32" if cpuinfo.has_bf16_dot() is False else "native"
 
 
 def experts_read_from_stack(moe_impl: str) -> bool:
@@ -185,6 +224,9 @@ class StepOptions:
       peer config ran at 1.2–1.3× the FLOP rate of a 128-row one in quiet runs (`benchmarks/moe_ladder.py`).
     attention_impl: "auto" | "pallas" | "xla" (`model.attention.attend`); moe_impl: "auto" | "ragged" | "loop" |
       "pallas" (`model.moe.experts`). The step runs only resolved options (`resolve`).
+    bf16_matmul: "auto" | "native" | "float32": how the bf16 matmuls of the XLA attention core, the projections and
+      the loop MoE run (`resolve_bf16_matmul`; `upcast_matmul`); the router, the unembedding and the GPU kernels
+      (pallas, cudnn, ragged) stay native.
     ep_dispatch: "auto" | "all_to_all" | "all_gather" (`parallel.expert_parallel`); ep_capacity: the all-to-all's
       rows per peer and round over the balanced share (`ep_rows`), a float > 0.
     Raises ValueError naming the field: a tile that is not a positive int, an unknown implementation, a capacity
@@ -200,6 +242,7 @@ class StepOptions:
     moe_impl: str = "auto"
     ep_dispatch: str = "auto"
     ep_capacity: float = 1.25
+    bf16_matmul: str = "auto"
 
     def __post_init__(self):
         for name in ("q_tile", "kv_tile", "prefix_q_tile", "prefix_kv_tile", "moe_tile"):
@@ -222,11 +265,17 @@ class StepOptions:
             platform = jax.default_backend()
         return dataclasses.replace(self, attention_impl=resolve_attention(self.attention_impl, platform),
                                    moe_impl=resolve_moe(self.moe_impl, platform),
-                                   ep_dispatch=resolve_ep_dispatch(self.ep_dispatch, platform))
+                                   ep_dispatch=resolve_ep_dispatch(self.ep_dispatch, platform),
+                                   bf16_matmul=resolve_bf16_matmul(self.bf16_matmul, platform))
 
     @property
     def resolved(self) -> bool:
-        return "auto" not in (self.attention_impl, self.moe_impl, self.ep_dispatch)
+        return "auto" not in (self.attention_impl, self.moe_impl, self.ep_dispatch, self.bf16_matmul)
+
+    @property
+    def upcast_matmul(self) -> bool:
+        """Whether bf16 matmul operands are widened to float32 (`bf16_matmul` resolved to "float32")."""
+        return self.bf16_matmul == "float32"
 
     def prefix_kv_tile_for(self, queries: int) -> int:
         """Key tile (tokens) of a prefix hit's attention over its cached keys on full layers, for `queries` new
@@ -248,7 +297,7 @@ class StepOptions:
         """self; raises ValueError when an implementation is still "auto" (a step must be built from `resolve`d
         options, so that what is logged and fingerprinted is what runs)."""
         if not self.resolved:
-            raise ValueError(f"{self}: attention_impl/moe_impl/ep_dispatch 'auto' must be resolved first "
+            raise ValueError(f"{self}: attention_impl/moe_impl/ep_dispatch/bf16_matmul 'auto' must be resolved first "
                              "(StepOptions.resolve)")
         return self
 

@@ -140,7 +140,7 @@ def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, s
         sinks = _local_sinks(sinks, U)
     posc = pos.chunks
     attend = functools.partial(attn_lib.attend, q_tile=options.q_tile, kv_tile=options.kv_tile,
-                               impl=options.attention_impl)
+                               impl=options.attention_impl, upcast=options.upcast_matmul)
     st0, st1 = _zigzag_ring(qc, kvc, posc, pos.ring, attend, R)
     if prefix is not None:
         st0, st1 = _merge_prefix((st0, st1), prefix, U)
@@ -228,7 +228,7 @@ def sliding_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions
     for slot in range(2):
         st = attn_lib.attend(q[slot * pz:(slot + 1) * pz], keys[slot, :, 0], keys[slot, :, 1], pp[slot], kpos[slot],
                              window=window, q_tile=options.q_tile, kv_tile=options.kv_tile,
-                             impl=options.attention_impl)
+                             impl=options.attention_impl, upcast=options.upcast_matmul)
         if prefix is not None:
             pre = jax.tree.map(lambda a: a[slot * pz:(slot + 1) * pz], prefix)
             st = attn_lib.merge(st, _grouped(pre, st.o.shape[1]))
@@ -290,7 +290,7 @@ def prefix_attention(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array,
     full = isinstance(window, int) and window == attn_lib.NO_WINDOW
     attend = functools.partial(attn_lib.attend, window=window, q_tile=options.prefix_q_tile,
                                kv_tile=options.prefix_kv_tile_for(t) if full else options.kv_tile,
-                               impl=options.attention_impl)
+                               impl=options.attention_impl, upcast=options.upcast_matmul)
 
     def flat(st):
         return attn_lib.AttnState(st.o.reshape(t, n, h), st.m.reshape(t, n), st.l.reshape(t, n))

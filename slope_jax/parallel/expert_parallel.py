@@ -49,7 +49,7 @@ DISPATCHES = ("all_to_all", "all_gather")
 
 def moe_expert_parallel(h: jax.Array, valid: jax.Array, p: dict, *, ulysses: int, experts_per_token: int,
                         alpha: float, limit: float, tile: int = 128, impl: str = "loop",
-                        dispatch: str = "all_to_all", capacity: float | None = None) -> jax.Array:
+                        dispatch: str = "all_to_all", capacity: float | None = None, upcast: bool = False) -> jax.Array:
     """The MoE block with this device's slice of the experts; call inside `shard_map` over `(…, ring, ulysses)`.
 
     Args:
@@ -58,7 +58,7 @@ def moe_expert_parallel(h: jax.Array, valid: jax.Array, p: dict, *, ulysses: int
       p: one layer's MoE parameters with the router replicated (`router_w [E, D]`, `router_b [E]`) and the expert
         parameters sliced to this device's E/EP experts (`b1 [E/EP, 2I]`, `b2 [E/EP, D]`, `w1*`, `w2*`).
       ulysses: U (the linear rank over `(ring, ulysses)` is r·U + u).
-      tile, impl: the local grouped compute (`moe.experts`).
+      tile, impl, upcast: the local grouped compute (`moe.experts`).
       dispatch: "all_to_all" or "all_gather" (module docstring; resolved, `StepOptions.resolve`).
       capacity: all_to_all only, `StepOptions.ep_capacity`: c = `options.ep_rows(capacity, T_loc, k, EP)` rows per
         (source, destination) pair and round; None: c = T_loc (one round whatever the routing).
@@ -70,7 +70,7 @@ def moe_expert_parallel(h: jax.Array, valid: jax.Array, p: dict, *, ulysses: int
     if dispatch not in DISPATCHES:
         raise ValueError(f"ep_dispatch={dispatch!r}: the step runs a concrete dispatch, one of {DISPATCHES} "
                          "(resolve 'auto' with StepOptions.resolve)")
-    compute = dict(alpha=alpha, limit=limit, tile=tile, impl=impl)
+    compute = dict(alpha=alpha, limit=limit, tile=tile, impl=impl, upcast=upcast)
     with jax.named_scope("expert_parallel"):
         weights, ids = moe_lib.route_valid(h, valid, p, experts_per_token)
         e_local = p["b1"].shape[0]
@@ -91,7 +91,7 @@ def moe_expert_parallel(h: jax.Array, valid: jax.Array, p: dict, *, ulysses: int
 # The local grouped compute as one traced call: calls of the same shapes (the sliding and the full layer's
 # expert-parallel blocks) share one trace of the expert loop and its tile ladder (as `gpt_oss._moe_call` does without
 # EP), which a compilation-cache hit still pays for.
-_experts_call = jax.jit(moe_lib.experts, static_argnames=("alpha", "limit", "tile", "impl"))
+_experts_call = jax.jit(moe_lib.experts, static_argnames=("alpha", "limit", "tile", "impl", "upcast"))
 
 
 def _all_to_all(h, weights, ids, p, rows, compute):

@@ -72,7 +72,8 @@ def _stage_forward(x, layers, cfg: ModelConfig, parallel: ParallelConfig, *, pos
         moe_fn = functools.partial(expert_parallel.moe_expert_parallel, ulysses=U,
                                    experts_per_token=cfg.experts_per_token, alpha=cfg.swiglu_alpha,
                                    limit=cfg.swiglu_limit, tile=options.moe_tile, impl=options.moe_impl,
-                                   dispatch=options.ep_dispatch, capacity=options.ep_capacity)
+                                   dispatch=options.ep_dispatch, capacity=options.ep_capacity,
+                                   upcast=options.upcast_matmul)
 
     experts_stacked = options_lib.experts_read_from_stack(options.moe_impl)
 
@@ -86,7 +87,8 @@ def _stage_forward(x, layers, cfg: ModelConfig, parallel: ParallelConfig, *, pos
                                                     ulysses=U, window=window, options=options)
             return attend(q, k, v, sinks=s, prefix=pre)
 
-        y, k, v = model_lib.layer(x, p, cfg, cos=cos, sin=sin, valid=valid, attend=core, moe_fn=moe_fn)
+        y, k, v = model_lib.layer(x, p, cfg, cos=cos, sin=sin, valid=valid, attend=core, moe_fn=moe_fn,
+                                  upcast=options.upcast_matmul)
         return jnp.where(act, y, x), k, v
 
     kinds = (("sliding_layer", sliding, cfg.sliding_window), ("full_layer", full, attn_lib.NO_WINDOW))

@@ -8,7 +8,8 @@ calibration machine in the calibration run (`Hardware.machine_reference`).
 Why: a CPU profile fitted on one host (e.g. with AMX tiles) mispredicts another (AVX-512 without AMX: a 32K prompt
 predicted at 77 s took 47 s). The fitted coefficients are per-kernel costs; what differs between hosts is how fast each
 kind of kernel runs, which three micro-kernels per activation dtype measure:
-  gemm_flops   a `[1024, 512] @ [512, 1024]` matmul (FLOP/s)          → scales `peak_flops[dtype]`
+  gemm_flops   a `[1024, 512] @ [512, 1024]` matmul (FLOP/s)          → scales `peak_flops[dtype]`; in bfloat16 as the
+               step runs it here (`options.resolve_bf16_matmul`: widened to float32 on CPUs without bf16 dots)
   element_s    an RMS norm + SwiGLU chain over `[2048, 1024]` (s per element) → scales element_s, moe_tile_s,
                weight_byte_s, overhead_s, layer_overhead_s
   entry_s      a softmax over `[8, 256, 1024]` score tiles (s per entry) → scales attention_entry_s and
@@ -29,9 +30,9 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import time
 
+from slope_jax import cpuinfo
 from slope_jax.plan.hardware import Hardware
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,6 @@ log = logging.getLogger(__name__)
 ENV = "SLOPE_JAX_MACHINE_CALIBRATION"
 DTYPES = ("float32", "bfloat16")
 KERNELS = ("gemm_flops", "element_s", "entry_s")
-_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
-          "amx_int8", "sve", "asimd")
 # the per-step and per-element coefficients follow the element kernel; attention_entry_s the softmax kernel
 MAX_MEASURES = 8  # micro-measures merged into one machine's entry while the host stays busy
 _ELEMENT_TERMS = ("element_s", "moe_tile_s", "weight_byte_s", "overhead_s", "layer_overhead_s")
@@ -50,23 +49,6 @@ def cache_dir() -> str:
     """`$XDG_CACHE_HOME/slope_jax/machine`, or `~/.cache/slope_jax/machine`."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "slope_jax", "machine")
-
-
-def _cpuinfo() -> tuple[str, list[str]]:
-    """(CPU model name, the `_FLAGS` it has) from /proc/cpuinfo; ("", []) where there is none."""
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name" and value.strip():
-                    name = value.strip()
-                elif key in ("flags", "Features"):
-                    flags.update(value.split())
-    except OSError:
-        pass
-    return name, [f for f in _FLAGS if f in flags]
 
 
 def cores() -> int:
@@ -83,9 +65,9 @@ def fingerprint() -> dict:
     import jax
     import jaxlib
 
-    name, flags = _cpuinfo()
+    name, flags = cpuinfo.cpu()
     fp = {"cpu": name, "flags": flags, "cores": cores(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-          "xla_flags": os.environ.get("XLA_FLAGS", "")}
+          "xla_flags": os.environ.get("XLA_FLAGS", ""), "bf16_matmul": _bf16_matmul()}
     fp["id"] = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
     return fp
 
@@ -120,8 +102,12 @@ def micro_measure(dtypes=DTYPES, rounds: int = 10, repeats: int = 5) -> dict:
         w = jnp.asarray(rng.standard_normal((1024,)), dt)
         s = jnp.asarray(rng.standard_normal((8, 256, 1024)), dt)
         pet = None if dt == "float32" else jnp.float32  # the model's einsums accumulate bfloat16 in float32
-        kernels += [(dt, "gemm_flops", jax.jit(lambda a, b, pet=pet: jnp.dot(a, b, preferred_element_type=pet)),
-                     (a, b), 2 * 1024 * 512 * 1024),
+        wide = dt == "bfloat16" and _bf16_matmul() == "float32"  # the step widens bf16 operands on this CPU
+
+        def gemm(a, b, pet=pet, wide=wide):
+            return jnp.dot(*(x.astype(jnp.float32) for x in (a, b)) if wide else (a, b), preferred_element_type=pet)
+
+        kernels += [(dt, "gemm_flops", jax.jit(gemm), (a, b), 2 * 1024 * 512 * 1024),
                     (dt, "element_s", jax.jit(_element_chain), (x, w), x.size),
                     (dt, "entry_s", jax.jit(lambda s: jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(s.dtype)),
                      (s,), s.size)]
@@ -134,6 +120,14 @@ def micro_measure(dtypes=DTYPES, rounds: int = 10, repeats: int = 5) -> dict:
     for t, (dt, figure, _, _, units) in zip(best, kernels):
         out[dt][figure] = units / t if figure == "gemm_flops" else t / units
     return out
+
+
+def _bf16_matmul() -> str:
+    """How the step runs bf16 matmuls on this CPU by default (`options.resolve_bf16_matmul`: "native" or
+    "float32"), which the bf16 GEMM micro-kernel follows."""
+    from slope_jax.model import options
+
+    return options.resolve_bf16_matmul("auto", "cpu")
 
 
 def _element_chain(x, w):
