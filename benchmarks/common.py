@@ -133,15 +133,12 @@ def versions() -> dict:
     return out
 
 
-def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
+def _cpu() -> tuple[str | None, list[str]]:
+    """(CPU model, its kernel-relevant ISA flags: `slope_jax.cpuinfo.FLAGS`, e.g. whether it has bf16 dots)."""
+    from slope_jax import cpuinfo  # no JAX
+
+    name, flags = cpuinfo.cpu()
+    return name or None, list(flags)
 
 
 def _memory_bytes() -> int | None:
@@ -152,9 +149,10 @@ def _memory_bytes() -> int | None:
 
 
 def machine() -> dict:
-    """Platform, CPU model, logical cores (and those this process may use), physical memory; the JAX backend and
+    """Platform, CPU model and ISA flags, logical cores (and those this process may use), physical memory; the JAX backend and
     device kinds when the run has imported JAX (it is not imported here)."""
-    out = {"platform": platform.platform(), "cpu": _cpu_model(),
+    cpu, flags = _cpu()
+    out = {"platform": platform.platform(), "cpu": cpu, "cpu_flags": flags,
            "cores": os.cpu_count(), "memory_bytes": _memory_bytes()}
     if hasattr(os, "sched_getaffinity"):
         out["cores_usable"] = len(os.sched_getaffinity(0))

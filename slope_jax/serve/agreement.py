@@ -1,6 +1,6 @@
 """Agreement between the processes of a multi-process run, at the engine's level (the start-up fingerprint check
-is `serve.distributed.preflight`): the same prefill inputs on every process, one run nonce, barriers before a
-step's first collective. Each is a no-op (or the local value) in a single-process run.
+is `serve.distributed.preflight`): the same prefill inputs on every process, one run nonce, process 0's choice of
+the step options that "auto" resolves per host (`agreed_options`), barriers before a step's first collective. Each is a no-op (or the local value) in a single-process run.
 """
 
 from __future__ import annotations
@@ -47,6 +47,21 @@ def process0_answer(values: np.ndarray) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.broadcast_one_to_all(values))
+
+
+def agreed_options(options):
+    """`options` (resolved `StepOptions`) with process 0's `bf16_matmul`: "auto" resolves per host CPU
+    (`options.resolve_bf16_matmul`), and every process must compile the same step; the numbers are the same either
+    way (float32 summation order aside), only the speed on a host of another CPU kind differs. Single process: as
+    given."""
+    if jax.process_count() == 1:
+        return options
+    import dataclasses
+
+    from slope_jax.model.options import BF16_MATMULS
+
+    mine = np.asarray([BF16_MATMULS.index(options.bf16_matmul)], np.int32)
+    return dataclasses.replace(options, bf16_matmul=BF16_MATMULS[int(process0_answer(mine)[0])])
 
 
 def agreed_run_nonce() -> str:

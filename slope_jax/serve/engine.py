@@ -123,7 +123,7 @@ class PrefillEngine:
         self.cfg = cfg
         self.parallel = parallel.validate(cfg, len(devices) if parallel.num_devices > 1 else None)
         self.dtype = jnp.dtype(dtype)
-        self.options = _step_options(options, option_fields).resolve(devices[0].platform)
+        self.options = agreement.agreed_options(_step_options(options, option_fields).resolve(devices[0].platform))
         self._compiled: dict[tuple[int, int], object] = {}
         self.compile_ms: dict[tuple[int, int], float] = {}  # (bucket, prompts per step) -> XLA compile time, ms
         # (bucket, prompts per step) -> "cache" (loaded from the persistent compilation cache), "compiled" or
