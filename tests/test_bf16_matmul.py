@@ -140,3 +140,24 @@ def test_cpuinfo_flags_and_the_machine_fingerprint():
     fp = machine.fingerprint()
     assert fp["bf16_matmul"] == options_lib.resolve_bf16_matmul("auto", "cpu")
     assert fp["flags"] == flags
+
+
+def test_processes_take_process_0s_choice(monkeypatch):
+    """An "auto" choice resolves per host CPU; a multi-process engine compiles process 0's choice on every process
+    (`serve.agreement.agreed_options`, applied where the engine resolves its options)."""
+    from slope_jax.serve import agreement
+
+    mine = StepOptions(bf16_matmul="native").resolve("cpu")
+    assert agreement.agreed_options(mine) == mine  # one process: as given
+    monkeypatch.setattr(agreement.jax, "process_count", lambda: 2)
+    sent = []
+
+    def process0_answer(values):
+        sent.append(values.tolist())
+        return np.asarray([options_lib.BF16_MATMULS.index("float32")], np.int32)  # process 0 resolved "float32"
+
+    monkeypatch.setattr(agreement, "process0_answer", process0_answer)
+    agreed = agreement.agreed_options(mine)
+    assert sent == [[options_lib.BF16_MATMULS.index("native")]]
+    assert agreed.bf16_matmul == "float32" and agreed.upcast_matmul
+    assert agreed == mine.__class__(**{**mine.to_dict(), "bf16_matmul": "float32"})
