@@ -30,8 +30,8 @@ from common import (best_seconds, matmul_peak, numpy_matmul_peak, start_load,  #
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("lengths", ["512", "2048"], "Prompt lengths to time.")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights/activations dtype (bf16 is slower on CPUs "
-                  "without bf16 units).")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights/activations dtype (on CPUs without bf16 "
+                  "dot instructions the bf16 step runs its matmuls on float32 operands: StepOptions.bf16_matmul).")
 flags.DEFINE_integer("repeats", 3, "Timed runs per length (best is reported).")
 flags.DEFINE_string("out", "benchmarks/results/prefill_cpu.json", "JSON output path.")
 flags.DEFINE_string("checkpoint", None, "Benchmark this checkpoint (e.g. a gpt-oss-20b cut written by "
