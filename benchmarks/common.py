@@ -149,8 +149,8 @@ def _memory_bytes() -> int | None:
 
 
 def machine() -> dict:
-    """Platform, CPU model and ISA flags, logical cores (and those this process may use), physical memory; the JAX backend and
-    device kinds when the run has imported JAX (it is not imported here)."""
+    """Platform, CPU model and ISA flags, logical cores (and those this process may use), physical memory; the JAX
+    backend and device kinds when the run has imported JAX (it is not imported here)."""
     cpu, flags = _cpu()
     out = {"platform": platform.platform(), "cpu": cpu, "cpu_flags": flags,
            "cores": os.cpu_count(), "memory_bytes": _memory_bytes()}

@@ -1,6 +1,7 @@
 """Agreement between the processes of a multi-process run, at the engine's level (the start-up fingerprint check
 is `serve.distributed.preflight`): the same prefill inputs on every process, one run nonce, process 0's choice of
-the step options that "auto" resolves per host (`agreed_options`), barriers before a step's first collective. Each is a no-op (or the local value) in a single-process run.
+the step options that "auto" resolves per host (`agreed_options`), barriers before a step's first collective. Each
+is a no-op (or the local value) in a single-process run.
 """
 
 from __future__ import annotations
