@@ -40,7 +40,7 @@ def cpu() -> tuple[str, tuple[str, ...]]:
 def has_bf16_dot() -> bool | None:
     """Whether the CPU has bfloat16 dot-product instructions (`BF16_DOT_FLAGS`); None when its flags are unknown
     (no /proc/cpuinfo)."""
-    name, flags = cpu()
+    _, flags = cpu()
     if not flags:
         return None
     return any(f in flags for f in BF16_DOT_FLAGS)

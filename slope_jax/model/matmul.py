@@ -12,9 +12,14 @@ import jax
 import jax.numpy as jnp
 
 
+def operand_dtype(dtype, upcast: bool):
+    """The dtype a matmul operand of `dtype` runs in: float32 for bfloat16 when `upcast`, else `dtype` itself."""
+    return jnp.dtype(jnp.float32) if upcast and jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(dtype)
+
+
 def widen(x: jax.Array, upcast: bool) -> jax.Array:
-    """`x` as float32 when `upcast` and x is bfloat16 (a matmul operand); otherwise `x` unchanged."""
-    return x.astype(jnp.float32) if upcast and x.dtype == jnp.bfloat16 else x
+    """`x` in its `operand_dtype` (float32 when `upcast` and x is bfloat16; otherwise `x` unchanged)."""
+    return x.astype(operand_dtype(x.dtype, upcast))
 
 
 def through(x: jax.Array, dtype, upcast: bool) -> jax.Array:

@@ -238,7 +238,7 @@ def _experts_loop(h, flat_w, order, counts, starts, p, *, k, tile, alpha, limit,
     w_sorted = jnp.concatenate([flat_w[order], jnp.zeros((ladder[0],), flat_w.dtype)])
 
     def per_expert(e, out):
-        w1, w2 = expert_weights(p, e, jnp.float32 if upcast and h.dtype == jnp.bfloat16 else h.dtype)
+        w1, w2 = expert_weights(p, e, matmul.operand_dtype(h.dtype, upcast))
         b1 = stack.take(p["b1"], e).astype(jnp.float32)
         b2 = stack.take(p["b2"], e).astype(jnp.float32)
         count, start = stack.take(counts, e), stack.take(starts, e)

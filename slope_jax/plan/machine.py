@@ -93,6 +93,8 @@ def micro_measure(dtypes=DTYPES, rounds: int = 10, repeats: int = 5) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
+    from slope_jax.model import matmul
+
     rng = np.random.default_rng(0)
     kernels = []  # (dtype, figure, jitted fn, args, work units per call)
     for dt in dtypes:
@@ -105,7 +107,7 @@ def micro_measure(dtypes=DTYPES, rounds: int = 10, repeats: int = 5) -> dict:
         wide = dt == "bfloat16" and _bf16_matmul() == "float32"  # the step widens bf16 operands on this CPU
 
         def gemm(a, b, pet=pet, wide=wide):
-            return jnp.dot(*(x.astype(jnp.float32) for x in (a, b)) if wide else (a, b), preferred_element_type=pet)
+            return jnp.dot(matmul.widen(a, wide), matmul.widen(b, wide), preferred_element_type=pet)
 
         kernels += [(dt, "gemm_flops", jax.jit(gemm), (a, b), 2 * 1024 * 512 * 1024),
                     (dt, "element_s", jax.jit(_element_chain), (x, w), x.size),
