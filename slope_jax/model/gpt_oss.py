@@ -361,8 +361,9 @@ class CachedPrefix(NamedTuple):
     """KV of a prompt's first `offset` tokens, computed earlier (prefix reuse): keys the new tokens attend to.
 
     offset: int32 scalar, the number of reused tokens (the new tokens sit at positions offset, offset+1, …);
-    k, v: `[L, S, K, H]` post-RoPE per layer (S ≥ the rows held; any order); positions: int32 `[S]` (INVALID_POS =
-    no key: capacity padding, or rows a sliding layer does not need).
+    k, v: `[L, S, K, H]` post-RoPE per layer (S ≥ the rows held; any order), in the activation dtype or, for
+    bfloat16, as its uint16 bits (`stack.bits`: how the engine hands them over, so that nothing widens the cache);
+    positions: int32 `[S]` (INVALID_POS = no key: capacity padding, or rows a sliding layer does not need).
     """
 
     offset: jax.Array
@@ -394,7 +395,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax.A
     valid = positions < num_tokens
     if prefix is not None:
         positions = positions + prefix.offset
-    x = params["embed"][tokens]
+    x = stack.gather_rows(params["embed"], tokens)
     cos, sin = rope.cos_sin(cfg, positions, x.dtype)
     # the self-attention of the new tokens: consecutive positions (the fused cuDNN core may take it), layer windows
     tiles = dict(q_tile=options.q_tile, kv_tile=options.kv_tile, impl=options.attention_impl, contiguous=True,
@@ -408,17 +409,19 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax.A
             # Pad keys sit at positions >= num_tokens, after every real query: causality hides them.
             if prefix is None:
                 return attn_lib.attention(q, k, v, positions, positions, sinks, window=window, **tiles)
-            st = _prefix_state(q, xs[2], xs[3], positions, prefix.positions, window, tiles["windows"], options)
+            pk, pv = (stack.unbits(a, x.dtype) for a in xs[2:])
+            st = _prefix_state(q, pk, pv, positions, prefix.positions, window, tiles["windows"], options)
             st = attn_lib.attend(q, k, v, positions, positions, window=window, state=st, **tiles)
             return attn_lib.finalize(st, sinks)
 
         x, k, v = layer(x, p, cfg, cos=cos, sin=sin, valid=valid, attend=attend, moe_fn=local_moe(cfg, options),
                         upcast=options.upcast_matmul)
-        return x, (k, v)
+        return x, (stack.bits(k), stack.bits(v))  # stacked as bits: a bf16 update would widen the whole stack
 
     xs = (jnp.arange(cfg.num_hidden_layers), jnp.asarray(layer_windows(cfg)))
-    if prefix is not None:
-        xs = xs + (prefix.k, prefix.v)
+    if prefix is not None:  # sliced per layer as bits: a bf16 slice would widen the whole cache (`stack` docstring)
+        xs = xs + (stack.bits(prefix.k), stack.bits(prefix.v))
     x, (ks, vs) = jax.lax.scan(body, x, xs)
+    ks, vs = stack.unbits(ks, x.dtype), stack.unbits(vs, x.dtype)
     x_last = jax.lax.dynamic_index_in_dim(x, num_tokens - 1, axis=0, keepdims=False)
     return unembed(x_last, params["final_norm"], params["unembed"], cfg), ks, vs

@@ -284,7 +284,7 @@ def _tiles_of(h, tok_sorted, w_sorted, ex: _Expert, size: int, base, *, alpha: f
         first = base + i * size  # the tile's first row in the expert's group
         tok = jax.lax.dynamic_slice(tok_sorted, (ex.start + first,), (size,), allow_negative_indices=False)
         wt = jax.lax.dynamic_slice(w_sorted, (ex.start + first,), (size,), allow_negative_indices=False)
-        x = matmul.widen(_gather_rows(h, tok), ex.w1.dtype == jnp.float32)  # rows as the weights: widened or not
+        x = matmul.widen(stack.gather_rows(h, tok), ex.w1.dtype == jnp.float32)  # rows as the weights: widened or not
         gu = jnp.einsum("td,od->to", x, ex.w1, preferred_element_type=jnp.float32) + ex.b1
         act = matmul.through(swiglu(gu, alpha=alpha, limit=limit), h.dtype, ex.w1.dtype == jnp.float32)
         y = jnp.einsum("ti,oi->to", act, ex.w2, preferred_element_type=jnp.float32) + ex.b2
@@ -296,25 +296,10 @@ def _tiles_of(h, tok_sorted, w_sorted, ex: _Expert, size: int, base, *, alpha: f
     return per_tile
 
 
-# Row gather and scatter-add of the expert loop as single lax ops: `h[tok]` and `out.at[dst].add(y, mode="drop")`
-# trace index normalisation around them (~6 equations each), once per tile height and step program — what a
-# compilation-cache hit still pays.
-_ROWS = jax.lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0,))
+# The scatter-add of the expert loop as one lax op: `out.at[dst].add(y, mode="drop")` traces index normalisation
+# around it (~6 equations), once per tile height and step program — what a compilation-cache hit still pays.
 _ROWS_UPDATE = jax.lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0,),
                                                scatter_dims_to_operand_dims=(0,))
-
-
-def _gather_rows(a: jax.Array, idx: jax.Array) -> jax.Array:
-    """`a[idx]` for `a [T, D]`, `idx [R]` int32 (an index past the end reads the last row: clamped).
-
-    bf16 rows are gathered as their uint16 bits (a free bitcast each way), as `stack.take` slices: XLA:CPU gathers
-    bf16 through float32, and in the expert loop that re-converted the whole `a` once per expert (T·D·6 bytes of
-    traffic each; one MoE layer of the peer config ran 0.90–0.95× the time without it at 608–8192 tokens).
-    """
-    bf16 = a.dtype == jnp.bfloat16
-    rows = jax.lax.gather(jax.lax.bitcast_convert_type(a, jnp.uint16) if bf16 else a, idx[:, None], _ROWS,
-                          (1, a.shape[1]), mode=jax.lax.GatherScatterMode.CLIP)
-    return jax.lax.bitcast_convert_type(rows, jnp.bfloat16) if bf16 else rows
 
 
 def _scatter_add_rows(out: jax.Array, idx: jax.Array, rows: jax.Array) -> jax.Array:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from slope_jax.model import stack
 from slope_jax.parallel.config import AXES, CP_AXES
 
 
@@ -132,7 +133,7 @@ def vocab_parallel_embed(table: jax.Array, ids: jax.Array, pipeline: int, cp: in
     request: 4·T_loc (ids) + T·D·b (reduce-scatter) + T_loc·D·b (psum), each only where its group has > 1 device.
     """
     if pipeline * cp == 1:
-        return table[ids]
+        return stack.gather_rows(table, ids.reshape(-1)).reshape(*ids.shape, table.shape[1])
     rows = table.shape[0]
     base = vocab_shard_index() * rows
 
@@ -141,7 +142,7 @@ def vocab_parallel_embed(table: jax.Array, ids: jax.Array, pipeline: int, cp: in
         ids_all = jax.lax.all_gather(ids_loc, CP_AXES, axis=0, tiled=True) if cp > 1 else ids_loc
         local = ids_all - base
         mine = (local >= 0) & (local < rows)
-        x = jnp.where(mine[:, None], table[jnp.clip(local, 0, rows - 1)], 0)
+        x = jnp.where(mine[:, None], stack.gather_rows(table, jnp.clip(local, 0, rows - 1)), 0)
         if cp > 1:
             x = jax.lax.psum_scatter(x, CP_AXES, scatter_dimension=0, tiled=True)  # [T_loc, D]
         return jax.lax.psum(x, "pipeline") if pipeline > 1 else x

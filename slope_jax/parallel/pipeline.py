@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as Ps
 from slope_jax.model import attention as attn_lib
 from slope_jax.model import gpt_oss as model_lib
 from slope_jax.model import options as options_lib
-from slope_jax.model import rope
+from slope_jax.model import rope, stack
 from slope_jax.model.config import ModelConfig
 from slope_jax.model.options import StepOptions
 from slope_jax.parallel import collectives, context_parallel, expert_parallel, sharding, stages
@@ -55,9 +55,9 @@ def _stage_forward(x, layers, cfg: ModelConfig, parallel: ParallelConfig, *, pos
 
     x `[2Pz, D]`; layers: the stage's weight stack `[n, …]`; slot_index int32 `[S]` (stack entry of each slot);
     active bool `[S]`; positions: `context_parallel.CPPositions`.
-    prefix: None, or `(k [n, S, K, H], v [n, S, K, H], positions int32 [S])`: K/V this device stored for the stack
-      entries from earlier sequence chunks (negative position = no key yet), attended by every layer too
-      (`context_parallel.prefix_attention`; sequence-pipelined prefill).
+    prefix: None, or `(k [n, S, K, H], v [n, S, K, H], positions int32 [S])`, K/V as `stack.bits`: K/V this device
+      stored for the stack entries from earlier sequence chunks (negative position = no key yet), attended by every
+      layer too (`context_parallel.prefix_attention`; sequence-pipelined prefill).
     Returns `(x, k [n, 2Pz, K, H], v [n, 2Pz, K, H])`, K/V per stack entry (zeros for padding entries).
     """
     R, U = parallel.ring, parallel.ulysses
@@ -83,8 +83,9 @@ def _stage_forward(x, layers, cfg: ModelConfig, parallel: ParallelConfig, *, pos
         def core(q, k, v, s):
             if prefix is None:
                 return attend(q, k, v, sinks=s)
-            pre = context_parallel.prefix_attention(q, positions.local, prefix[0][i], prefix[1][i], prefix[2], ring=R,
-                                                    ulysses=U, window=window, options=options)
+            pk, pv = (stack.unbits(stack.take(a, i), x.dtype) for a in prefix[:2])
+            pre = context_parallel.prefix_attention(q, positions.local, pk, pv, prefix[2], ring=R, ulysses=U,
+                                                    window=window, options=options)
             return attend(q, k, v, sinks=s, prefix=pre)
 
         y, k, v = model_lib.layer(x, p, cfg, cos=cos, sin=sin, valid=valid, attend=core, moe_fn=moe_fn,
@@ -100,13 +101,13 @@ def _stage_forward(x, layers, cfg: ModelConfig, parallel: ParallelConfig, *, pos
             with jax.named_scope(scope):
                 x, k, v = run(x, idx[j], act[j], attend, window)
             dst = jnp.where(act[j], idx[j], n)  # an empty slot's K/V is dropped (index n is out of range)
-            kst = kst.at[dst].set(k, mode="drop")
-            vst = vst.at[dst].set(v, mode="drop")
+            kst = kst.at[dst].set(stack.bits(k), mode="drop")  # bits: a bf16 update would widen the whole stack
+            vst = vst.at[dst].set(stack.bits(v), mode="drop")
         return (x, kst, vst), None
 
-    zeros = jnp.zeros((n, x.shape[0], cfg.num_key_value_heads, cfg.head_dim), x.dtype)
+    zeros = stack.bits(jnp.zeros((n, x.shape[0], cfg.num_key_value_heads, cfg.head_dim), x.dtype))
     (x, k, v), _ = jax.lax.scan(body, (x, zeros, zeros), (slot_index.reshape(-1, 2), active.reshape(-1, 2)))
-    return x, k, v
+    return x, stack.unbits(k, x.dtype), stack.unbits(v, x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,9 +154,10 @@ def build_prefill_step(cfg: ModelConfig, parallel: ParallelConfig, mesh, plan: s
     with_prefix (prefix reuse): the step takes four more arguments, `offsets [M] int32` (replicated: request m's
       tokens sit at positions `positions + offsets[m]`; `num_tokens[m]` counts the whole prompt, offset included),
       `prefix_k, prefix_v [M, P·n, S, K, H]` (the cached K/V of each request's first offsets[m] tokens per stack
-      entry, rows in any order, sharded like K/V) and `prefix_pos [M, S] int32` (their positions, INVALID_POS = no
-      key; sharded over `(ring, ulysses)`); every layer also attends to them (`context_parallel.prefix_attention`:
-      the queries go round the stage's R·U devices, the cached keys stay where they were placed).
+      entry, rows in any order, sharded like K/V; bf16 as its uint16 bits, `serve.reuse.step_kv_dtype`) and
+      `prefix_pos [M, S] int32` (their positions, INVALID_POS = no key; sharded over `(ring, ulysses)`); every layer
+      also attends to them (`context_parallel.prefix_attention`: the queries go round the stage's R·U devices, the
+      cached keys stay where they were placed).
     """
     options.require_resolved()
     body = functools.partial(_step_local, cfg=cfg, parallel=parallel, plan=plan, dtype=jnp.dtype(dtype),
@@ -181,7 +183,7 @@ def _step_local(params, tokens, positions, num_tokens, *cached, cfg: ModelConfig
                                                  parallel.ring * parallel.ulysses)
     tick = _tick_fn(cfg, parallel, plan, options, schedule, params["layers"], x_all.reshape(m_total, C, two_pz, -1),
                     positions.reshape(C, two_pz), num_tokens, cached or None)
-    kbuf = jnp.zeros((m_total, n, C, two_pz, kh, hd), dtype)
+    kbuf = stack.bits(jnp.zeros((m_total, n, C, two_pz, kh, hd), dtype))
     carry = (jnp.zeros((two_pz, cfg.hidden_size), dtype), kbuf, kbuf, jnp.zeros((m_total, cfg.hidden_size),
                                                                                   jnp.float32))
     (_, kb, vb, finals), _ = jax.lax.scan(tick, carry, jnp.arange(schedule.ticks(m_total)))
@@ -191,7 +193,7 @@ def _step_local(params, tokens, positions, num_tokens, *cached, cfg: ModelConfig
         logits = model_lib.unembed(finals.astype(dtype), params["final_norm"], params["unembed"], cfg)
         logits = collectives.vocab_parallel_gather(logits, stages.vocab_shards(parallel))[:, :cfg.vocab_size]
     # [M, n, C, 2Pz, K, H] → [M, n, C·2Pz, K, H]: this device's rows in layout order
-    return logits, kb.reshape(m_total, n, C * two_pz, kh, hd), vb.reshape(m_total, n, C * two_pz, kh, hd)
+    return logits, *(stack.unbits(a.reshape(m_total, n, C * two_pz, kh, hd), dtype) for a in (kb, vb))
 
 
 def _tick_fn(cfg: ModelConfig, parallel: ParallelConfig, plan: stages.StagePlan, options: StepOptions,
@@ -233,8 +235,9 @@ def _tick_fn(cfg: ModelConfig, parallel: ParallelConfig, plan: stages.StagePlan,
             # all-to-all EP dispatch, no round (its stale activations would otherwise route like skewed tokens)
             x_out, k, v = _stage_forward(x_in, layers, cfg, parallel, positions=cp_pos, valid=live & (pos_i < n_tok),
                                          slot_index=slot_index, active=active, options=options, prefix=prefix)
-        kb = kb.at[m, :, i].set(jnp.where(live, k, kb[m, :, i]))
-        vb = vb.at[m, :, i].set(jnp.where(live, v, vb[m, :, i]))
+        # the chunk buffers hold bits (`model.stack`): bf16 slices and updates in this loop would widen them whole
+        kb = kb.at[m, :, i].set(jnp.where(live, stack.bits(k), kb[m, :, i]))
+        vb = vb.at[m, :, i].set(jnp.where(live, stack.bits(v), vb[m, :, i]))
         with jax.named_scope("head"):
             # the last real token lives in chunk (n−1)//Tc, on exactly one (ring, ulysses) rank: select it and sum
             # over the CP group

@@ -136,3 +136,58 @@ def matmul_flops(hlo_text: str) -> dict:
             else:
                 static += f
     return {"static": static, "dynamic": dict(dynamic)}
+
+
+def _strip_ones(dims: list[int]) -> tuple[int, ...]:
+    i = 0
+    while i < len(dims) and dims[i] == 1:
+        i += 1
+    return tuple(dims[i:])
+
+
+def widened_copies(hlo_text: str, *, min_elements: int = 4096) -> list[str]:
+    """Instructions that re-write a bf16 input or output of the step, whole or a leading-axis slice of it, as float32.
+
+    The fault class `slope_jax.model.stack` describes: XLA:CPU runs a dynamic slice, update or gather of bf16 through
+    float32 and hoists the convert of the whole operand out of the loop around it, so slicing a layer (or a request,
+    or a cached prefix) out of a bf16 stack inside a loop re-writes the whole stack as float32 on every step. Compile
+    the step with native bf16 matmuls (`StepOptions(bf16_matmul="native")`: widened operands are float32 by design)
+    and expect [].
+
+    Args:
+      hlo_text: a compiled module's text (`compiled.as_text()`).
+      min_elements: smaller arrays are ignored (scalars and short vectors coincide with shapes by chance).
+    Returns:
+      One line per offending materialised instruction (outside fusion bodies; views, tuples and loops are not
+      counted, the instruction that fills them is): `"<name> = f32[dims] (<bf16 array>)"`; [] if none. A float32
+      result counts when its dims, leading 1s dropped, equal the trailing dims of a bf16 (or uint16: bf16 bits,
+      `stack.bits`) entry parameter or root element — the whole array or its slice at leading indices.
+    """
+    mod = parse(hlo_text)
+    sources: dict[tuple[int, ...], str] = {}
+    for line in mod.comps[mod.entry]:
+        m = _INSTR.match(line)
+        if m and (m.group(4) == "parameter" or m.group(1)):
+            for dt, dims in _SHAPE.findall(m.group(3)):
+                full = _strip_ones([int(x) for x in dims.split(",") if x])
+                if dt in ("bf16", "u16"):
+                    for j in range(len(full)):
+                        if math.prod(full[j:]) >= min_elements:
+                            sources.setdefault(full[j:], f"{dt}[{','.join(map(str, full))}]")
+    fused = {c for lines in mod.comps.values() for line in lines if " fusion(" in line
+             for c in re.findall(r"calls=%([^,\s}]+)", line)}
+    views = ("parameter", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional")
+    out = []
+    for name, lines in mod.comps.items():
+        if not mod.mult.get(name) or name in fused:  # inside a fusion nothing is materialised
+            continue
+        for line in lines:
+            m = _INSTR.match(line)
+            if not m or m.group(4) in views:
+                continue
+            sm = _SHAPE.match(m.group(3))
+            if sm and sm.group(1) == "f32":
+                dims = _strip_ones([int(x) for x in sm.group(2).split(",") if x])
+                if dims in sources:
+                    out.append(f"{m.group(2)} = f32[{','.join(map(str, dims))}] ({sources[dims]})")
+    return out

@@ -33,6 +33,7 @@ from slope_jax.kv.exporter import ExportFailed, KVExporter
 from slope_jax.kv.format import LayerKV
 from slope_jax.kv.store import KVStore
 from slope_jax.model import gpt_oss as model_lib
+from slope_jax.model import stack
 from slope_jax.model.config import ModelConfig
 from slope_jax.model.options import StepOptions
 from slope_jax.parallel import layout
@@ -265,21 +266,24 @@ class PrefillEngine:
 
         def one(args):
             t, n = args
-            return model_lib.forward(params, self.cfg, t, n, self.options)
+            return _as_bits(model_lib.forward(params, self.cfg, t, n, self.options))
 
         logits, k, v = jax.lax.map(one, (tokens, num_tokens))
-        return logits, k, v  # k, v: [M, L, T, K, H]
+        return logits, stack.unbits(k, self.dtype), stack.unbits(v, self.dtype)  # k, v: [M, L, T, K, H]
 
     def _single_device_prefix_step(self, params, tokens, positions, num_tokens, offsets, pk, pv, ppos):
         """`_single_device_step` after cached prefixes: `num_tokens` counts each prompt's tokens in this step,
-        pk, pv `[M, L, S, K, H]`, ppos `[M, S]`, offsets `[M]` (`model.gpt_oss.CachedPrefix`)."""
+        pk, pv `[M, L, S, K, H]` (bf16 as uint16 bits: `_arg_shapes`), ppos `[M, S]`, offsets `[M]`
+        (`model.gpt_oss.CachedPrefix`)."""
         del positions
 
         def one(args):
             t, n, off, k, v, pos = args
-            return model_lib.forward(params, self.cfg, t, n, self.options, model_lib.CachedPrefix(off, k, v, pos))
+            return _as_bits(model_lib.forward(params, self.cfg, t, n, self.options,
+                                              model_lib.CachedPrefix(off, k, v, pos)))
 
-        return jax.lax.map(one, (tokens, num_tokens, offsets, pk, pv, ppos))
+        logits, k, v = jax.lax.map(one, (tokens, num_tokens, offsets, pk, pv, ppos))
+        return logits, stack.unbits(k, self.dtype), stack.unbits(v, self.dtype)
 
     def validate_prompt(self, i: int, prompt) -> np.ndarray:
         """Check one prompt; returns it as int32 `[n]`. Raises RequestError naming prompt `i` and the violated limit."""
@@ -322,7 +326,7 @@ class PrefillEngine:
         c = self.cfg
         shapes = [((m, t), jnp.int32), ((t,), jnp.int32), ((m,), jnp.int32)]
         if cap:
-            kv = ((m, len(self.plan.flat), cap, c.num_key_value_heads, c.head_dim), self.dtype)
+            kv = ((m, len(self.plan.flat), cap, c.num_key_value_heads, c.head_dim), reuse_lib.step_kv_dtype(self.dtype))
             shapes += [((m,), jnp.int32), kv, kv, ((m, cap), jnp.int32)]
         return [jax.ShapeDtypeStruct(shape, dt, sharding=sh)
                 for (shape, dt), sh in zip(shapes, self._input_shardings(t, m, cap))]
@@ -802,3 +806,10 @@ def _step_options(options: StepOptions | None, fields: dict) -> StepOptions:
 
 def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _as_bits(out):
+    """A forward's `(logits, k, v)` with K/V as `stack.bits`: the per-prompt map stacks its outputs with a dynamic
+    update, which XLA:CPU runs through float32 on bf16, re-writing the whole `[M, …]` stack per prompt."""
+    logits, k, v = out
+    return logits, stack.bits(k), stack.bits(v)
