@@ -252,8 +252,8 @@ def test_a_bad_entry_is_skipped_with_its_reason_and_the_prompt_computed_cold(che
 
 def test_host_tier_is_lru_within_its_budget_and_never_evicts_an_entry_in_use():
     def entry(key, nbytes):
-        k = {0: np.zeros((nbytes // 8,), np.float32)}
-        return prefix_lib.HostEntry(key, np.arange(4), [f"{key}-h"], k, k)
+        k, v = ({0: np.zeros((nbytes // 8,), np.float32)} for _ in range(2))
+        return prefix_lib.HostEntry(key, np.arange(4), [f"{key}-h"], k, v)
 
     tier = prefix_lib.HostTier(max_bytes=2500)
     assert tier.add(entry("a", 1000)) and tier.add(entry("b", 1000))
@@ -263,6 +263,43 @@ def test_host_tier_is_lru_within_its_budget_and_never_evicts_an_entry_in_use():
     assert tier.lookup(["a-h"])[0] is None and tier.lookup(["b-h"])[1] == 1 and tier.nbytes <= 2500
     tier.unpin("b")
     assert not tier.add(entry("huge", 4000))  # larger than the whole budget: not cached
+
+
+def test_host_tier_entries_share_rows_and_count_them_once():
+    """A turn's entry references its prefix's rows (`kv.prefix.Rows`): the tier counts shared arrays once, frees
+    them when their last entry leaves, and every entry still reads its own rows."""
+    rng = np.random.default_rng(3)
+    doc = rng.standard_normal((40, 2, 3)).astype(np.float32)  # 960 bytes per K or V
+    base = prefix_lib.HostEntry("doc", np.arange(40), ["h0"], {0: doc}, {0: doc + 1})
+    parent = prefix_lib.PrefixKV(40, base.k, base.v, source="host")
+    turns = []
+    for i, extra in enumerate((5, 7)):
+        new = rng.standard_normal((extra, 2, 3)).astype(np.float32)
+        pk, pv = parent.shared_rows(0, 0, 32)  # a hit of 32 rows: views, then the computed rows
+        turns.append(prefix_lib.HostEntry(f"t{i}", np.arange(32 + extra), ["h0", f"t{i}"], {0: pk.extend(new)},
+                                          {0: pv.extend(new + 1)}))
+        np.testing.assert_array_equal(turns[-1].k[0].array(), np.concatenate([doc[:32], new]))
+        buf = np.zeros((32 + extra - 30, 2, 3), np.float32)
+        prefix_lib.PrefixKV(32 + extra, turns[-1].k, turns[-1].v, source="host").copy_rows(0, 30, 32 + extra, buf,
+                                                                                            buf.copy())
+        np.testing.assert_array_equal(buf, np.concatenate([doc[30:32], new]))
+    own = 2 * 4 * 6 * (5 + 7)  # the turns' computed rows, K and V
+    tier = prefix_lib.HostTier(max_bytes=2 * doc.nbytes + own + 100)
+    for e in (base, *turns):
+        assert tier.add(e)
+    assert tier.nbytes == 2 * doc.nbytes + own  # the document once, not three times
+
+    def entry(key, floats):
+        return prefix_lib.HostEntry(key, np.arange(1), [f"{key}-h"], {0: np.zeros((floats,), np.float32)},
+                                    {0: np.zeros((floats,), np.float32)})
+
+    # over budget by 100: "doc" goes first (least recently used) and frees nothing the turns still hold, then t0
+    assert tier.add(entry("x", 25))
+    assert [tier.lookup([h])[0] is not None for h in ("h0", "t0", "t1")] == [True, False, True]
+    assert tier.lookup(["h0"])[0].key == "t1" and tier.nbytes == 2 * doc.nbytes + 2 * 4 * 6 * 7 + 200
+    # x, then t1 (the last holder of the document's arrays) leave: their memory is freed
+    assert tier.add(entry("y", doc.size)) and len(tier) == 1 and tier.nbytes == 2 * doc.nbytes
+    np.testing.assert_array_equal(turns[1].v[0].array(0, 32), doc[:32] + 1)  # views stay valid after eviction
 
 
 def test_retention_removes_least_recently_used_exports_but_not_one_in_use(checkpoints, tmp_path):

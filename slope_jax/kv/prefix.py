@@ -79,37 +79,141 @@ def reusable_tokens(num_blocks_hit: int, n: int, block_size: int) -> int:
     return min(num_blocks_hit, (n - 1) // block_size) * block_size
 
 
+class Rows:
+    """One layer's K (or V) rows `[n, K, H]` held as consecutive segments (NumPy arrays, never written after they are
+    made), so that host-tier entries share rows by reference: a hit's entry is its prefix's segments plus the rows it
+    computed, where a copy of a 16K-token prefix cost ~80 ms per turn (peer config) and every turn of a conversation
+    held the whole conversation again.
+
+    Segments may be views of one another's arrays; `owners()` names the arrays that own their memory (what
+    `HostTier` counts, once however many entries share them).
+    """
+
+    def __init__(self, segments):
+        """`segments`: arrays `[m_i, K, H]` of one dtype, at least one (empty ones are dropped)."""
+        segments = tuple(segments)
+        if not segments:
+            raise ValueError("Rows needs at least one segment (an empty one for no rows)")
+        self._empty = segments[0][:0]
+        self.segments = tuple(a for a in segments if a.shape[0])
+        self.dtype = self._empty.dtype
+        self.shape = (sum(a.shape[0] for a in self.segments), *self._empty.shape[1:])
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rows (not of their owners)."""
+        return int(sum(s.nbytes for s in self.segments))
+
+    def owners(self) -> list[np.ndarray]:
+        """The arrays owning the segments' memory (a segment itself, or the array it is a view of)."""
+        out = []
+        for s in self.segments:
+            while s.base is not None and isinstance(s.base, np.ndarray):
+                s = s.base
+            out.append(s)
+        return out
+
+    def _pieces(self, lo: int, hi: int):
+        """(segment, first row, last row) of the rows [lo, hi), in order. Raises IndexError outside [0, n]."""
+        if not 0 <= lo <= hi <= len(self):
+            raise IndexError(f"rows [{lo}, {hi}) outside [0, {len(self)})")
+        at = 0
+        for s in self.segments:
+            a, b = max(lo, at), min(hi, at + s.shape[0])
+            if a < b:
+                yield s, a - at, b - at
+            at += s.shape[0]
+
+    def slice(self, lo: int, hi: int) -> Rows:
+        """Rows [lo, hi) as views of the segments (no copy)."""
+        return Rows([s[a:b] for s, a, b in self._pieces(lo, hi)] or [self._empty])
+
+    def extend(self, rows: np.ndarray) -> Rows:
+        """These rows followed by `rows [m, K, H]` (referenced, not copied)."""
+        return Rows((*self.segments, rows))
+
+    def array(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """Rows [lo, hi) as one array: a view when they lie in one segment, else a copy."""
+        hi = len(self) if hi is None else hi
+        parts = [s[a:b] for s, a, b in self._pieces(lo, hi)]
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate(parts) if parts else self._empty
+
+    def copy_into(self, dst: np.ndarray, lo: int, hi: int) -> None:
+        """`dst[:hi − lo] = rows [lo, hi)`, segment by segment (no intermediate array)."""
+        at = 0
+        for s, a, b in self._pieces(lo, hi):
+            dst[at:at + b - a] = s[a:b]
+            at += b - a
+
+
+def as_rows(a) -> Rows:
+    """`a` as `Rows` (an array becomes one segment)."""
+    return a if isinstance(a, Rows) else Rows((a,))
+
+
 @dataclasses.dataclass
 class PrefixKV:
     """The KV of a prompt's first `num_tokens` tokens, ready for a suffix step: per global layer id, K and V
-    `[num_tokens, K, H]` (natural order, post-RoPE, the engine's dtype; a sliding layer may hold only its rows from
-    `start`), and where it came from (`source`: "host" or an export path)."""
+    `[num_tokens, K, H]` (`Rows` from the host tier or arrays from an export; natural order, post-RoPE, the engine's
+    dtype; a sliding layer may hold only its rows from `start`), and where it came from (`source`: "host" or an
+    export path)."""
 
     num_tokens: int
-    k: dict[int, np.ndarray]
-    v: dict[int, np.ndarray]
+    k: dict
+    v: dict
     source: str
     start: dict[int, int] = dataclasses.field(default_factory=dict)  # first row held per layer (default 0)
 
     def rows(self, layer: int, lo: int, hi: int):
-        """K, V of positions [lo, hi) of `layer` (lo must be ≥ the layer's first held row)."""
+        """K, V arrays of positions [lo, hi) of `layer` (lo must be ≥ the layer's first held row; a copy only where
+        host-tier rows span segments)."""
         s = self.start.get(layer, 0)
-        return self.k[layer][lo - s:hi - s], self.v[layer][lo - s:hi - s]
+        return tuple(as_rows(a[layer]).array(lo - s, hi - s) for a in (self.k, self.v))
+
+    def copy_rows(self, layer: int, lo: int, hi: int, k_dst: np.ndarray, v_dst: np.ndarray) -> None:
+        """Write K, V of positions [lo, hi) of `layer` into `k_dst[:hi − lo]`, `v_dst[:hi − lo]`."""
+        s = self.start.get(layer, 0)
+        as_rows(self.k[layer]).copy_into(k_dst, lo - s, hi - s)
+        as_rows(self.v[layer]).copy_into(v_dst, lo - s, hi - s)
+
+    def shared_rows(self, layer: int, lo: int, hi: int) -> tuple[Rows, Rows]:
+        """K, V of positions [lo, hi) of `layer` to keep in a host-tier entry: views of host-tier rows (shared), a
+        copy of an export's rows (its arrays may be file-backed, or hold rows the entry does not need)."""
+        s = self.start.get(layer, 0)
+        out = []
+        for a in (self.k[layer], self.v[layer]):
+            out.append(a.slice(lo - s, hi - s) if isinstance(a, Rows) else Rows((a[lo - s:hi - s].copy(),)))
+        return out[0], out[1]
 
 
 @dataclasses.dataclass
 class HostEntry:
-    """One prompt's KV in host memory: token ids, its block hashes, per-layer K/V `[n, K, H]` (natural order)."""
+    """One prompt's KV in host memory: token ids, its block hashes, per-layer K/V `Rows` `[n, K, H]` (natural order;
+    arrays are taken as one segment), sharing segments with the entries it was computed from."""
 
     key: str
     tokens: np.ndarray
     hashes: list[str]
-    k: dict[int, np.ndarray]
-    v: dict[int, np.ndarray]
+    k: dict[int, Rows]
+    v: dict[int, Rows]
+
+    def __post_init__(self):
+        self.k = {i: as_rows(a) for i, a in self.k.items()}
+        self.v = {i: as_rows(a) for i, a in self.v.items()}
 
     @property
     def nbytes(self) -> int:
+        """Bytes of its rows (shared ones included; `HostTier` counts shared memory once)."""
         return int(sum(a.nbytes for a in self.k.values()) + sum(a.nbytes for a in self.v.values()))
+
+    def owners(self) -> dict[int, np.ndarray]:
+        """The arrays owning its rows' memory, by `id`."""
+        return {id(o): o for rows in (*self.k.values(), *self.v.values()) for o in rows.owners()}
 
 
 class RefCounts:
@@ -140,13 +244,16 @@ class RefCounts:
 class HostTier:
     """Host-memory prefix tier: LRU over entries under a byte budget; pinned entries are never evicted.
 
-    Thread-safe. `lookup(hashes)` → (entry, blocks matched) for the entry sharing the most leading blocks.
+    Thread-safe. `lookup(hashes)` → (entry, blocks matched) for the entry sharing the most leading blocks. `nbytes`
+    counts the memory the entries hold: an array shared by several entries (a conversation's earlier turns, a
+    document under many questions: `Rows`) once, and until the last entry holding it leaves.
     """
 
     def __init__(self, max_bytes: int):
         self.max_bytes = int(max_bytes)
         self._entries: OrderedDict[str, HostEntry] = OrderedDict()
         self._by_hash: dict[str, str] = {}  # block hash -> key of an entry holding it
+        self._owners: dict[int, list] = {}  # id(array) -> [array, entries holding it]
         self._pins = RefCounts()
         self._lock = threading.Lock()
         self.nbytes = 0
@@ -156,13 +263,18 @@ class HostTier:
 
     def add(self, entry: HostEntry) -> bool:
         """Insert (or refresh) an entry, evicting least-recently-used unpinned ones to fit; False if it cannot fit."""
-        if entry.nbytes > self.max_bytes:
-            return False
+        owners = entry.owners()
         with self._lock:
+            if sum(o.nbytes for i, o in owners.items() if i not in self._owners) > self.max_bytes:
+                return False
             if entry.key in self._entries:
                 self._drop(entry.key)
             self._entries[entry.key] = entry
-            self.nbytes += entry.nbytes
+            for i, o in owners.items():
+                held = self._owners.setdefault(i, [o, 0])
+                if held[1] == 0:
+                    self.nbytes += o.nbytes
+                held[1] += 1
             for h in entry.hashes:
                 self._by_hash[h] = entry.key
             self._evict()
@@ -170,7 +282,12 @@ class HostTier:
 
     def _drop(self, key: str) -> None:
         e = self._entries.pop(key)
-        self.nbytes -= e.nbytes
+        for i in e.owners():
+            held = self._owners[i]
+            held[1] -= 1
+            if held[1] == 0:
+                self.nbytes -= held[0].nbytes
+                del self._owners[i]
         for h in e.hashes:
             if self._by_hash.get(h) == key:
                 del self._by_hash[h]
@@ -205,9 +322,9 @@ class HostTier:
 def export_rows(tier: HostTier, manifest: dict) -> dict | None:
     """The rows an export holds, taken from the host tier's entry of the same prompt instead of its files: global
     layer id → `kv.format.LayerKV` (K, V `[b − a, K, H]` for the manifest's `token_range` [a, b) of the layer,
-    int32 positions, kind), views into the entry. None when the tier holds no entry of exactly this prompt (no
-    block hashes in the manifest: reuse off or a prompt shorter than a block; evicted; only a longer prompt's) or
-    its arrays disagree with the manifest (dtype, length, a layer missing).
+    int32 positions, kind), views into the entry (copies where its rows span segments). None when the tier holds no
+    entry of exactly this prompt (no block hashes in the manifest: reuse off or a prompt shorter than a block;
+    evicted; only a longer prompt's) or its arrays disagree with the manifest (dtype, length, a layer missing).
 
     The entry is matched by the manifest's identity-rooted block hashes (`block_hashes`: the weights, dtype, KV
     layout and cache_salt are in them) and its token ids' hash. Its arrays are never written after `HostTier.add`,
@@ -226,7 +343,7 @@ def export_rows(tier: HostTier, manifest: dict) -> dict | None:
         k, v = entry.k.get(i), entry.v.get(i)
         if k is None or v is None or b != n or k.shape[0] != n or k.dtype.name != manifest.get("dtype"):
             return None
-        out[i] = LayerKV(k[a:b], v[a:b], np.arange(a, b, dtype=np.int32), rec["kind"])
+        out[i] = LayerKV(k.array(a, b), v.array(a, b), np.arange(a, b, dtype=np.int32), rec["kind"])
     return out
 
 

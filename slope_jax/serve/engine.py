@@ -712,15 +712,17 @@ class PrefillEngine:
                 if layer >= 0:
                     # copies, not views: a view would keep the whole gathered batch alive in the host tier
                     ks[layer], vs[layer] = kh[j, entry, :n - p].copy(), vh[j, entry, :n - p].copy()
-                    if p:
-                        pk, pv = hit.prefix.rows(layer, hit.prefix.start.get(layer, 0), p)
-                        ks[layer], vs[layer] = np.concatenate([pk, ks[layer]]), np.concatenate([pv, vs[layer]])
+                    if p:  # the cached rows by reference (`kv.prefix.Rows`), the computed ones after them
+                        pk, pv = hit.prefix.shared_rows(layer, hit.prefix.start.get(layer, 0), p)
+                        ks[layer], vs[layer] = pk.extend(ks[layer]), pv.extend(vs[layer])
+                    else:
+                        ks[layer], vs[layer] = prefix_lib.Rows((ks[layer],)), prefix_lib.Rows((vs[layer],))
             whole = all(hit.prefix is None or hit.prefix.start.get(i, 0) == 0 for i in ks)
             if tier is not None and whole and hit.hashes:
                 tier.add(prefix_lib.HostEntry(f"{step.ids[j]}@{self.run_nonce}-{next(self._host_seq)}", step.tokens[j],
                                               hit.hashes, ks, vs))
             if return_kv:
-                res.kv = {i: LayerKV(ks[i], vs[i], np.arange(n - ks[i].shape[0], n, dtype=np.int32),
+                res.kv = {i: LayerKV(ks[i].array(), vs[i].array(), np.arange(n - len(ks[i]), n, dtype=np.int32),
                                      self.cfg.layer_types[i]) for i in sorted(ks)}
 
     def _gather_kv(self, k, v):

@@ -262,8 +262,7 @@ def prefix_arrays(engine, hits: list[Hit], capacity: int, buffers: PrefixBuffers
                     start = hit.prefix.start.get(layer, 0)
                     a = max(lo, start)  # rows a layer does not hold (sliding, before its window) stay zero
                     if a < hi:
-                        ks, vs = hit.prefix.rows(layer, a, hi)
-                        k[j, entry, d * per + a - lo:d * per + hi - lo] = ks
-                        v[j, entry, d * per + a - lo:d * per + hi - lo] = vs
+                        dst = slice(d * per + a - lo, d * per + hi - lo)
+                        hit.prefix.copy_rows(layer, a, hi, k[j, entry, dst], v[j, entry, dst])
     bits = step_kv_dtype(engine.dtype)
     return offsets, k.view(bits), v.view(bits), pos
