@@ -82,18 +82,39 @@ def test_consecutive_hits_of_one_shape_reuse_the_host_buffers_exactly(checkpoint
     assert hot._prefix_buffers._kv is kept  # the same arrays, refilled
 
 
-def test_prefix_buffers_are_zeroed_on_reuse_and_kept_only_when_small():
-    from slope_jax.serve.reuse import PrefixBuffers
+def test_prefix_buffers_are_reused_and_every_row_not_written_is_zeroed():
+    """A kept buffer still holds the last step's rows: prefix_arrays zeroes exactly what it does not write (capacity
+    padding, a sliding layer's rows before its window, padding stack entries), so no stale row or NaN remains."""
+    from types import SimpleNamespace
 
-    bufs = PrefixBuffers(keep_bytes=2 * 4 * 3 * 5)
-    k, v = bufs.zeroed((3, 5), np.float32)
-    k[:] = 1.0
-    v[:] = np.nan
-    k2, v2 = bufs.zeroed((3, 5), np.float32)
-    assert k2 is k and v2 is v and not k2.any() and not v2.any()  # same arrays, zero again (no stale rows, no NaN)
-    k3, _ = bufs.zeroed((4, 5), np.float32)  # another shape, too large to keep
-    assert k3 is not k and not k3.any() and bufs._kv is None
-    assert bufs.zeroed((4, 5), np.float32)[0] is not k3
+    from slope_jax.serve.reuse import PrefixBuffers, prefix_arrays
+
+    kh, hd, cap = 2, 3, 12
+    eng = SimpleNamespace(cfg=SimpleNamespace(num_key_value_heads=kh, head_dim=hd), mesh=None, parallel=None,
+                          plan=SimpleNamespace(flat=[0, 1, -1]), dtype=np.dtype(np.float32))
+    rng = np.random.default_rng(0)
+
+    def hit(p, start):
+        k = {i: rng.standard_normal((p - start.get(i, 0), kh, hd)).astype(np.float32) for i in (0, 1)}
+        v = {i: rng.standard_normal((p - start.get(i, 0), kh, hd)).astype(np.float32) for i in (0, 1)}
+        return SimpleNamespace(cached=p, prefix=prefix_lib.PrefixKV(p, k, v, source="host", start=start))
+
+    bufs = PrefixBuffers(keep_bytes=1 << 20)
+    _, k1, v1, _ = prefix_arrays(eng, [hit(12, {})], cap, bufs)
+    k1[:] = np.nan  # poison the kept pair
+    v1[:] = np.nan
+    h = hit(8, {1: 5})
+    _, k2, v2, pos = prefix_arrays(eng, [h], cap, bufs)
+    assert np.shares_memory(k2, k1)  # the kept pair, not a new one
+    for got, held in ((k2, h.prefix.k), (v2, h.prefix.v)):
+        np.testing.assert_array_equal(got[0, 0, :8], held[0])
+        np.testing.assert_array_equal(got[0, 1, 5:8], held[1])
+        assert not got[0, 0, 8:].any() and not got[0, 1, :5].any() and not got[0, 1, 8:].any()
+        assert not got[0, 2].any()  # the padding stack entry
+    np.testing.assert_array_equal(pos[0], np.r_[np.arange(8), np.full(4, pos[0, -1])])
+    big = PrefixBuffers(keep_bytes=16)  # too small to keep: a new zeroed pair every time
+    k3, _, fresh = big.get((4, 5), np.float32)
+    assert fresh and not k3.any() and big._kv is None and big.get((4, 5), np.float32)[0] is not k3
 
 
 @pytest.mark.parametrize("parallel", [

@@ -201,7 +201,8 @@ class PrefixBuffers:
 
     A conversation's turns hit with the same (M, E, S, K, H) shape (capacities are coarse), and fresh buffers of that
     size cost first-touch page faults on every hit: prefix_arrays of a 16K-token hit (2 × 32 MiB, peer config, one CPU
-    device) took 12–28 ms on touched pages and 110–185 ms when they were fresh. Buffers above
+    device) took 12–28 ms on touched pages and 110–185 ms when they were fresh; only the rows a step does not write
+    are zeroed again (the whole pair took 11 ms). Buffers above
     KEEP_PREFIX_BUFFER_BYTES are not kept (host RAM, for large models and long prompts). The step reads them before
     the next step is laid out: the engine runs its steps one after another (not thread-safe, like the engine).
 
@@ -214,17 +215,16 @@ class PrefixBuffers:
         self.keep_bytes = keep_bytes
         self._kv: tuple[np.ndarray, np.ndarray] | None = None
 
-    def zeroed(self, shape: tuple[int, ...], dtype) -> tuple[np.ndarray, np.ndarray]:
-        """Zero-filled k, v of `shape` and `dtype`: the kept pair when it matches, else new (kept if small enough)."""
+    def get(self, shape: tuple[int, ...], dtype) -> tuple[np.ndarray, np.ndarray, bool]:
+        """k, v of `shape` and `dtype` and whether they are fresh (all zeros): the kept pair when it matches (its
+        content is the last step's: the caller writes every row), else a new zeroed pair (kept if small enough)."""
         if self._kv is not None and self._kv[0].shape == shape and self._kv[0].dtype == np.dtype(dtype):
-            for a in self._kv:
-                a.fill(0)  # on pages already touched: a memset, no faults
-            return self._kv
+            return (*self._kv, False)
         self._kv = None  # the old pair is freed before the new one is made
         kv = (aligned_zeros(shape, dtype), aligned_zeros(shape, dtype))
         if 2 * kv[0].nbytes <= self.keep_bytes:
             self._kv = kv
-        return kv
+        return (*kv, True)
 
 
 def step_kv_dtype(dtype) -> np.dtype:
@@ -243,7 +243,7 @@ def prefix_arrays(engine, hits: list[Hit], capacity: int, buffers: PrefixBuffers
     group = 1 if engine.mesh is None else engine.parallel.ring * engine.parallel.ulysses
     m, e = len(hits), len(flat)
     shape = (m, e, capacity, cfg.num_key_value_heads, cfg.head_dim)
-    k, v = (buffers if buffers is not None else PrefixBuffers(keep_bytes=0)).zeroed(shape, engine.dtype)
+    k, v, fresh = (buffers if buffers is not None else PrefixBuffers(keep_bytes=0)).get(shape, engine.dtype)
     pos = np.full((m, capacity), attn_lib.INVALID_POS, np.int32)
     offsets = np.zeros((m,), np.int32)
     per = capacity // group
@@ -253,16 +253,18 @@ def prefix_arrays(engine, hits: list[Hit], capacity: int, buffers: PrefixBuffers
         q = -(-p // group)
         for d in range(group):
             lo, hi = d * q, min(p, (d + 1) * q)
-            if hi <= lo:
-                continue
-            rows = slice(d * per, d * per + hi - lo)
-            pos[j, rows] = np.arange(lo, hi, dtype=np.int32)
+            if hi > lo:
+                pos[j, d * per:d * per + hi - lo] = np.arange(lo, hi, dtype=np.int32)
             for entry, layer in enumerate(flat):
-                if layer >= 0:
-                    start = hit.prefix.start.get(layer, 0)
-                    a = max(lo, start)  # rows a layer does not hold (sliding, before its window) stay zero
-                    if a < hi:
-                        dst = slice(d * per + a - lo, d * per + hi - lo)
-                        hit.prefix.copy_rows(layer, a, hi, k[j, entry, dst], v[j, entry, dst])
+                # rows a layer does not hold (sliding, before its window), capacity padding and padding stack
+                # entries are zero (no position: never attended; zero so that 0 · value stays 0)
+                a = max(lo, hit.prefix.start.get(layer, 0)) if layer >= 0 else hi
+                w0, w1 = (d * per + a - lo, d * per + hi - lo) if a < hi else (d * per, d * per)
+                if a < hi:
+                    hit.prefix.copy_rows(layer, a, hi, k[j, entry, w0:w1], v[j, entry, w0:w1])
+                if not fresh:  # a kept buffer holds the last step's rows: zero only what is not written now
+                    for x in (k, v):
+                        x[j, entry, d * per:w0] = 0
+                        x[j, entry, w1:(d + 1) * per] = 0
     bits = step_kv_dtype(engine.dtype)
     return offsets, k.view(bits), v.view(bits), pos
