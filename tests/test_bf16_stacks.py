@@ -43,16 +43,19 @@ def test_detector_sees_a_widened_stack():
     assert hlo.widened_copies(text(as_bits), min_elements=MIN_ELEMENTS) == []
 
 
-@pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(pipeline=2, ring=2, seq_chunks=2)],
-                         ids=["1dev", "P2xR2xC2"])
+@pytest.mark.parametrize("parallel", [
+    ParallelConfig(), ParallelConfig(pipeline=2, ring=2, seq_chunks=2), ParallelConfig(ring=3, ulysses=2, expert=6),
+], ids=["1dev", "P2xR2xC2", "R3xU2xE6"])
 def test_steps_widen_no_bf16_stack(checkpoints, parallel):
-    """Cold and prefix-reuse steps of two prompts, one device (layer scan, per-prompt map, embedding gather) and
-    pipeline × ring with sequence chunks (stage stacks, chunk buffers, cached prefix, vocabulary-parallel embedding):
-    no float32 copy of a bf16 input or output, whole or sliced."""
+    """Cold and prefix-reuse steps of two prompts, one device (layer scan, per-prompt map, embedding gather),
+    pipeline × ring with sequence chunks (stage stacks, chunk buffers, cached prefix, vocabulary-parallel embedding)
+    and Ulysses × ring with expert parallelism (dispatch rounds): no float32 copy of a bf16 input or output, whole or
+    sliced."""
     devices = jax.devices()[:parallel.num_devices] if parallel.num_devices > 1 else None
     eng = PrefillEngine.from_checkpoint(checkpoints["A"]["dense"], parallel, dtype="bfloat16", progress=False,
                                         devices=devices, bf16_matmul="native", **TILES)
-    t = eng.bucket(100)
-    for prefix_rows in (0, 256):
-        found = hlo.widened_copies(eng.compiled(t, 2, prefix_rows).as_text(), min_elements=MIN_ELEMENTS)
-        assert found == [], (prefix_rows, found)
+    # (bucket, cached-prefix rows) of a cold prompt and a hit; no bucket equals a device's 112 vocabulary rows (448 /
+    # 4 under P2×R2), whose [rows, D] shape the float32 sums of the vocabulary-parallel embedding would then match
+    for key in (eng.step_key(100), eng.step_key(346, cached=256)):
+        found = hlo.widened_copies(eng.compiled(key[0], 2, key[1]).as_text(), min_elements=MIN_ELEMENTS)
+        assert found == [], (key, found)
