@@ -102,11 +102,6 @@ class Rows:
     def __len__(self) -> int:
         return self.shape[0]
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the rows (not of their owners)."""
-        return int(sum(s.nbytes for s in self.segments))
-
     def owners(self) -> list[np.ndarray]:
         """The arrays owning the segments' memory (a segment itself, or the array it is a view of)."""
         out = []
@@ -205,11 +200,6 @@ class HostEntry:
     def __post_init__(self):
         self.k = {i: as_rows(a) for i, a in self.k.items()}
         self.v = {i: as_rows(a) for i, a in self.v.items()}
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of its rows (shared ones included; `HostTier` counts shared memory once)."""
-        return int(sum(a.nbytes for a in self.k.values()) + sum(a.nbytes for a in self.v.values()))
 
     def owners(self) -> dict[int, np.ndarray]:
         """The arrays owning its rows' memory, by `id`."""

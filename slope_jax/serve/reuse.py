@@ -24,6 +24,7 @@ import numpy as np
 import xxhash
 
 from slope_jax.checkpoints import digest as digest_lib
+from slope_jax.checkpoints import host as host_lib
 from slope_jax.kv import prefix as prefix_lib
 from slope_jax.kv.store import KVStore, ReuseRefused
 from slope_jax.model import attention as attn_lib
@@ -184,18 +185,6 @@ def _agree(engine, tokens, hits: list[Hit], store: KVStore | None) -> list[Hit]:
 KEEP_PREFIX_BUFFER_BYTES = 1 << 30
 
 
-ALIGNMENT = 64  # bytes: the host-buffer alignment under which XLA's CPU client aliases a NumPy array (no copy)
-
-
-def aligned_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
-    """`np.zeros(shape, dtype)` starting on an ALIGNMENT-byte boundary (a view into a slightly larger buffer)."""
-    dtype = np.dtype(dtype)
-    n = int(np.prod(shape)) * dtype.itemsize
-    raw = np.zeros(n + ALIGNMENT, np.uint8)
-    off = -raw.ctypes.data % ALIGNMENT
-    return raw[off:off + n].view(dtype).reshape(shape)
-
-
 class PrefixBuffers:
     """The host k, v buffers of the last suffix step's cached rows, kept for the next step of the same shape.
 
@@ -206,9 +195,9 @@ class PrefixBuffers:
     KEEP_PREFIX_BUFFER_BYTES are not kept (host RAM, for large models and long prompts). The step reads them before
     the next step is laid out: the engine runs its steps one after another (not thread-safe, like the engine).
 
-    The buffers start on a 64-byte boundary: JAX's CPU client then uses them in place as the step's input (a
-    device array aliasing the host buffer, `ALIGNMENT`) where an unaligned buffer is copied first — 45–53 ms of a
-    16K-token hit's step (2 × 32 MiB, peer config, one CPU device).
+    The buffers start on a 64-byte boundary (`checkpoints.host.aligned_zeros`, as the loaders' weight blocks): JAX's
+    CPU client then uses them in place as the step's input (a device array aliasing the host buffer) where an
+    unaligned buffer is copied first — 45–53 ms of a 16K-token hit's step (2 × 32 MiB, peer config, one CPU device).
     """
 
     def __init__(self, keep_bytes: int = KEEP_PREFIX_BUFFER_BYTES):
@@ -221,7 +210,7 @@ class PrefixBuffers:
         if self._kv is not None and self._kv[0].shape == shape and self._kv[0].dtype == np.dtype(dtype):
             return (*self._kv, False)
         self._kv = None  # the old pair is freed before the new one is made
-        kv = (aligned_zeros(shape, dtype), aligned_zeros(shape, dtype))
+        kv = (host_lib.aligned_zeros(shape, dtype), host_lib.aligned_zeros(shape, dtype))
         if 2 * kv[0].nbytes <= self.keep_bytes:
             self._kv = kv
         return (*kv, True)
