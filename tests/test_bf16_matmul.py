@@ -110,11 +110,15 @@ def test_forward_widened_equals_native_cold_and_from_a_prefix(cfg):
         hit, _, _ = gpt_oss.forward(prm, cfg, tokens[off:], jnp.int32(n - off), opts, prefix=pre)
         outs[name] = (np.asarray(logits), np.asarray(k, np.float32), np.asarray(hit))
     for j, what in enumerate(("logits", "K", "hit logits")):
-        assert np.abs(outs["native"][j] - outs["wide"][j]).max() < SAME_PATH_TOL, what
-        # bf16 rounding compounds over the layers (K of the last layer: ~0.5 max |Δ| from float32 on both paths):
+        # bf16 rounding compounds over the layers (K of the last layer: ~0.2-0.5 max |Δ| from float32 on both paths):
         # the widened step may not stray further from float32 than the native one (+25 %, float32 summation order)
         err_wide, err_native = (np.abs(outs[m][j] - outs["ref"][j]).max() for m in ("wide", "native"))
         assert err_wide <= 1.25 * err_native + 1e-3, (what, err_wide, err_native)
+        # and the two bf16 paths stay closer to each other than half of that: a one-ulp flip of an early layer's
+        # rounding (a bf16 GEMM library sums in another order than XLA's float32 one: AMX/AVX512_BF16 kernels) grows
+        # through the later layers (CONFIG_B's 9th-layer K: 0.066 apart, 0.21 from float32, on an AMX Xeon)
+        same_path = max(SAME_PATH_TOL, 0.5 * err_native)
+        assert np.abs(outs["native"][j] - outs["wide"][j]).max() < same_path, (what, same_path)
     assert int(outs["wide"][0].argmax()) == int(outs["native"][0].argmax()) == int(outs["wide"][2].argmax())
 
 

@@ -175,15 +175,76 @@ def _dense_reference(q, k, v, pos, sinks, window):
 
 @pytest.mark.parametrize("window", [5, 64, attn.NO_WINDOW])
 @pytest.mark.parametrize("tiles", [(7, 5), (16, 16), (64, 64)])
-def test_blockwise_equals_dense_reference(window, tiles):
+@pytest.mark.parametrize("d", [10, 16])  # 16: d^-1/2 = 1/4 is exact, so the core scales q once instead of the scores
+def test_blockwise_equals_dense_reference(window, tiles, d):
     rng = np.random.default_rng(window % 97)
-    t, n, kh, d = 61, 6, 2, 10
+    t, n, kh = 61, 6, 2
     q, k, v = (rng.standard_normal((t, h, d)).astype(np.float32) for h in (n, kh, kh))
     sinks = rng.standard_normal(n).astype(np.float32)
     pos = np.arange(t)
     out = attn.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos), jnp.asarray(pos),
                          jnp.asarray(sinks), window=window, q_tile=tiles[0], kv_tile=tiles[1])
     np.testing.assert_allclose(np.asarray(out), _dense_reference(q, k, v, pos, sinks, window), atol=2e-6, rtol=0)
+
+
+def _whole_runs_brute_force(qp: np.ndarray, kp: np.ndarray, window: int, lo: int, hi: int) -> tuple[int, int]:
+    """The run `[a, b)` of key tiles in `[lo, hi)` whose every key is real and visible to every query of the tile
+    (all real), or `(hi, hi)` when there is none or they are not one run."""
+    whole = [j for j in range(lo, hi) if (qp >= 0).all() and (kp[j] >= 0).all()
+             and all(0 <= qi - kj < window for qi in qp for kj in kp[j])]
+    if not whole or whole != list(range(whole[0], whole[-1] + 1)):
+        return hi, hi
+    return whole[0], whole[-1] + 1
+
+
+@pytest.mark.parametrize("case", ["causal", "window", "zigzag", "padded", "prefix"])
+def test_whole_key_tiles_skip_the_mask_and_change_nothing(case):
+    """`_kv_tile_runs` finds, per query tile, the run of key tiles that need no mask (brute force over every
+    query-key pair), and the attention through it is bit-for-bit the attention with every tile masked. Positions:
+    causal; a 23-token window; zigzag (two chunks of a ring layout, as a CP device holds them); padded queries and
+    keys (INVALID_POS); queries after a cached prefix."""
+    rng = np.random.default_rng(3)
+    bq, bk, window = 8, 6, attn.NO_WINDOW
+    qpos = kpos = np.arange(50)
+    if case == "window":
+        window = 23
+    elif case == "zigzag":
+        qpos = kpos = np.concatenate([np.arange(0, 25), np.arange(75, 100)])
+    elif case == "padded":
+        qpos = kpos = np.concatenate([np.arange(45), np.full(5, attn.INVALID_POS)])
+    elif case == "prefix":
+        kpos, qpos = np.arange(70), np.arange(52, 70)
+    nq, nk = -(-len(qpos) // bq), -(-len(kpos) // bk)
+    qpt = np.concatenate([qpos, np.full(nq * bq - len(qpos), attn.INVALID_POS)]).reshape(nq, bq).astype(np.int32)
+    kpt = np.concatenate([kpos, np.full(nk * bk - len(kpos), attn.INVALID_POS)]).reshape(nk, bk).astype(np.int32)
+    runs = np.asarray(attn._kv_tile_runs(jnp.asarray(qpt), jnp.asarray(kpt), jnp.int32(window)))
+    for i, (lo, a, b, hi) in enumerate(runs):
+        assert lo <= a <= b <= hi, (i, runs[i])
+        assert (a, b) == _whole_runs_brute_force(qpt[i], kpt, window, lo, hi), (case, i, runs[i])
+    assert case in ("padded", "window") or (runs[:, 2] > runs[:, 1]).any(), "some query tile skips a mask"
+
+    n, kh, d = 6, 2, 16
+    q = jnp.asarray(rng.standard_normal((len(qpos), n, d)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((len(kpos), kh, d)), jnp.float32) for _ in range(2))
+    sinks = jnp.asarray(rng.standard_normal(n), jnp.float32)
+
+    def run():
+        return np.asarray(attn.attention(q, k, v, jnp.asarray(qpos), jnp.asarray(kpos), sinks, window=window,
+                                         q_tile=bq, kv_tile=bk))
+
+    fast = run()
+    every_tile_masked = attn._kv_tile_runs
+
+    def masked_runs(qpt, kpt, window):
+        r = every_tile_masked(qpt, kpt, window)
+        return r.at[:, 1].set(r[:, 3]).at[:, 2].set(r[:, 3])
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attn, "_kv_tile_runs", masked_runs)
+        jax.clear_caches()
+        slow = run()
+    jax.clear_caches()
+    np.testing.assert_array_equal(fast, slow)  # the same tiles in the same order: bit-for-bit
 
 
 def test_attention_memory_is_linear_in_tokens():

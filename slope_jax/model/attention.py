@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import threading
 from collections import defaultdict
 from typing import NamedTuple
@@ -127,7 +128,7 @@ def finalize(state: AttnState, sinks: jax.Array) -> jax.Array:
     return (state.o * (scale / denom)[..., None]).reshape(tq, kh * g, d)
 
 
-def _tile_update(st: AttnState, q, k, v, qp, kp, window, scale, p_dtype) -> AttnState:
+def _tile_update(st: AttnState, q, k, v, qp, kp, window, scale, p_dtype, mask=True) -> AttnState:
     """One (query tile × key tile) online-softmax step in the head-major tile layout of `attend`'s XLA core.
 
     q `[K, G·bq, D]` (rows g-major: row g·bq + i is query i of head k·G + g), k `[K, D, bk]` (keys transposed), v
@@ -135,13 +136,18 @@ def _tile_update(st: AttnState, q, k, v, qp, kp, window, scale, p_dtype) -> Attn
     batched GEMMs over the K KV heads (batch axis leading, no transposes inside the loop): XLA:CPU hands them to its
     bf16/f32 GEMM library as they are. p_dtype: the dtype the probabilities are rounded to before the PV matmul (the
     activation dtype; `matmul.through`: k, v widened to float32 by `bf16_matmul` still see bf16 probabilities).
+    scale: multiplies the scores (1.0: none, q came pre-scaled). mask: apply the causal / window / padding mask;
+    False for a tile whose every key every query sees (`_kv_tile_runs`), where the select would change nothing.
     """
     kh, rows, _ = q.shape
     bq = qp.shape[0]
-    s = jnp.einsum("kmd,kdc->kmc", q, k, preferred_element_type=jnp.float32) * scale
-    diff = qp[:, None] - kp[None, :]
-    visible = (kp[None, :] >= 0) & (diff >= 0) & (diff < window)  # [bq, bk]
-    s = jnp.where(jnp.tile(visible, (rows // bq, 1))[None], s, -jnp.inf)
+    s = jnp.einsum("kmd,kdc->kmc", q, k, preferred_element_type=jnp.float32)
+    if scale != 1.0:
+        s = s * scale
+    if mask:
+        diff = qp[:, None] - kp[None, :]
+        visible = (kp[None, :] >= 0) & (diff >= 0) & (diff < window)  # [bq, bk]
+        s = jnp.where(jnp.tile(visible, (rows // bq, 1))[None], s, -jnp.inf)
     m_new = jnp.maximum(st.m, s.max(axis=-1))
     ms = _safe(m_new)
     p = jnp.exp(s - ms[..., None])
@@ -194,6 +200,31 @@ def _kv_tile_range(qpt: jax.Array, kpt: jax.Array, window: jax.Array) -> jax.Arr
     lo = jnp.where(any_needed, jnp.argmax(needed, axis=1), 0)
     hi = jnp.where(any_needed, nk - jnp.argmax(needed[:, ::-1], axis=1), 0)
     return jnp.stack([lo, hi], axis=1).astype(jnp.int32)
+
+
+def _kv_tile_runs(qpt: jax.Array, kpt: jax.Array, window: jax.Array) -> jax.Array:
+    """int32 `[nq, 4]` `(lo, a, b, hi)`: each query tile visits key tiles `[lo, hi)` (`_kv_tile_range`), of which
+    `[a, b)` are whole: every key of them is real and visible to every (real) query of the tile, so their scores
+    need no mask. `a = b = hi` when the tile has no such run, or when its whole tiles are not one contiguous run
+    (then every tile is masked). Causal prefill: the tiles left of the diagonal are whole."""
+    nk = kpt.shape[0]
+    rng = _kv_tile_range(qpt, kpt, window)
+    lo, hi = rng[:, 0], rng[:, 1]
+    k_lo = jnp.where(kpt >= 0, kpt, 2**31 - 1).min(axis=1)
+    k_hi = kpt.max(axis=1)
+    q_lo = jnp.where(qpt >= 0, qpt, 2**31 - 1).min(axis=1)
+    q_hi = qpt.max(axis=1)
+    whole = ((kpt >= 0).all(axis=1)[None] & (qpt >= 0).all(axis=1)[:, None] & (k_hi[None] <= q_lo[:, None])
+             & (q_hi[:, None] - k_lo[None] < window))
+    j = jnp.arange(nk)[None]
+    whole &= (j >= lo[:, None]) & (j < hi[:, None])
+    count = whole.sum(axis=1)
+    a = jnp.argmax(whole, axis=1)
+    last = nk - 1 - jnp.argmax(whole[:, ::-1], axis=1)
+    one_run = (count > 0) & (last - a + 1 == count)
+    a = jnp.where(one_run, a, hi)
+    b = jnp.where(one_run, a + count, hi)
+    return jnp.stack([lo, a, b, hi], axis=1).astype(jnp.int32)
 
 
 def _attend_pallas(q, k, v, q_pos, k_pos, window, state, q_tile, kv_tile) -> AttnState:
@@ -286,6 +317,8 @@ def _attend_xla(q, k, v, q_pos, k_pos, window, state: AttnState | None, *, q_til
     bq, bk = min(q_tile, tq), min(kv_tile, tk)
     nq, nk = -(-tq // bq), -(-tk // bk)
     scale = d ** -0.5
+    if math.log2(scale).is_integer():  # exact in any float dtype: scale the queries once, not every score
+        q, scale = q * jnp.asarray(scale, q.dtype), 1.0
 
     p_dtype = v.dtype  # the probabilities' rounding before the PV matmul, also when v is widened
     upcast = upcast and bq >= options_lib.UPCAST_MIN_QUERY_TILE
@@ -301,21 +334,30 @@ def _attend_xla(q, k, v, q_pos, k_pos, window, state: AttnState | None, *, q_til
     # state to the tile layout: o [nq, K, G·bq, D], m, l [nq, K, G·bq]
     st = AttnState(st.o.transpose(0, 2, 3, 1, 4).reshape(nq, kh, g * bq, d),
                    *(x.transpose(0, 2, 3, 1).reshape(nq, kh, g * bq) for x in (st.m, st.l)))
-    kv_range = _kv_tile_range(qpt, kpt, window)
+    kv_range = _kv_tile_runs(qpt, kpt, window)
 
     def per_q_tile(args):
         qi, qp, s0, rng = args
+        qi = stack.unbits(qi, q.dtype)
 
-        def body(j, s):
-            return _tile_update(s, qi, stack.take(kt, j), stack.take(vt, j), qp, stack.take(kpt, j), window, scale,
-                                p_dtype)
+        def body(mask):
+            return lambda j, s: _tile_update(s, qi, stack.take(kt, j), stack.take(vt, j), qp, stack.take(kpt, j),
+                                             window, scale, p_dtype, mask=mask)
 
-        return jax.lax.fori_loop(rng[0], rng[1], body, s0)
+        # the key tiles in order (the online softmax's summation order): masked ones before and after the run of
+        # tiles every query of this tile sees whole, which skips the mask
+        # (named scopes: `plan.hlo.matmul_flops` counts one run's dots per pass — the three run the same dots)
+        with jax.named_scope(options_lib.MASKED_RUN_SCOPE):
+            s0 = jax.lax.fori_loop(rng[0], rng[1], body(True), s0)
+        with jax.named_scope(options_lib.WHOLE_RUN_SCOPE):
+            s0 = jax.lax.fori_loop(rng[1], rng[2], body(False), s0)
+        with jax.named_scope(options_lib.MASKED_RUN_SCOPE):
+            return jax.lax.fori_loop(rng[2], rng[3], body(True), s0)
 
-    out = jax.lax.map(per_q_tile, (qt, qpt, st, kv_range))
+    out = jax.lax.map(per_q_tile, (stack.bits(qt), qpt, st, kv_range))  # bf16 tiles as bits (`model.stack`)
     counter = _COUNTER.get()
     if counter is not None:
-        counter.emit((kv_range[:, 1] - kv_range[:, 0]).sum() * (bq * bk))
+        counter.emit((kv_range[:, 3] - kv_range[:, 0]).sum() * (bq * bk))
     o = out.o.reshape(nq, kh, g, bq, d).transpose(0, 3, 1, 2, 4).reshape(nq * bq, kh, g, d)[:tq]
     m, l = (x.reshape(nq, kh, g, bq).transpose(0, 3, 1, 2).reshape(nq * bq, kh, g)[:tq] for x in (out.m, out.l))
     return AttnState(o, m, l)

@@ -30,6 +30,9 @@ GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 # work (`plan.flops.per_device`) counts them.
 UNEMBED_MIN_ROWS = 8
 PREFIX_KV_WIDEN_MAX = 4  # `StepOptions.prefix_kv_tile_for`: a short prefix hit's wider key tile
+# named scopes of the XLA attention core's key-tile loops per query tile (`attention._kv_tile_runs`): the masked runs
+# before and after the run of whole tiles; `plan.hlo.matmul_flops` counts one pass of the three (the same dots)
+MASKED_RUN_SCOPE, WHOLE_RUN_SCOPE = "kv_masked_run", "kv_whole_run"
 
 # one line of help per field (the launcher defines one flag per field from these)
 FIELD_HELP = {

@@ -14,6 +14,8 @@ import dataclasses
 import math
 import re
 
+from slope_jax.model.options import MASKED_RUN_SCOPE, WHOLE_RUN_SCOPE
+
 _DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "u32": 4, "s64": 8, "u64": 8, "s8": 1, "u8": 1,
                 "pred": 1, "s16": 2, "u16": 2}
 _SHAPE = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
@@ -118,6 +120,8 @@ def matmul_flops(hlo_text: str) -> dict:
 
     Returns `{"static": FLOPs of dots whose executions are all known, "dynamic": {loop op_name: FLOPs of one pass of
     that loop's body (outer known trip counts applied)}}`; a caller multiplies each dynamic entry by its trip count.
+    The attention core splits each query tile's key tiles into runs (masked, whole, masked: `model.attention`'s
+    run scopes) whose bodies run the same dots: one pass is the whole run's, keyed without its scope.
     """
     mod = parse(hlo_text)
     static = 0.0
@@ -132,7 +136,10 @@ def matmul_flops(hlo_text: str) -> dict:
                 continue
             f = dot_flops(line, mod.shapes) * n
             if name in mod.dynamic:
-                dynamic[mod.dynamic[name]] += f
+                op = mod.dynamic[name]
+                if f"/{MASKED_RUN_SCOPE}/" in op:
+                    continue
+                dynamic[op.replace(f"/{WHOLE_RUN_SCOPE}/", "/")] += f
             else:
                 static += f
     return {"static": static, "dynamic": dict(dynamic)}
