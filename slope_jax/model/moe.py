@@ -234,6 +234,8 @@ def _experts_loop(h, flat_w, order, counts, starts, p, *, k, tile, alpha, limit,
     ladder = options_lib.moe_loop_tiles(tile, t * k)
     # the sorted assignments' tokens and weights, padded with `ladder[0]` rows of no token (t: out of range, so the
     # scatter drops them), so that every tile reads a contiguous dynamic slice, never past the end
+    # the tokens as uint16 bits once (`model.stack`): made inside the tile loop, XLA:CPU copied all T rows per tile
+    h_bits = stack.bits(h)
     tok_sorted = jnp.concatenate([order // k, jnp.full((ladder[0],), t, jnp.int32)])
     w_sorted = jnp.concatenate([flat_w[order], jnp.zeros((ladder[0],), flat_w.dtype)])
 
@@ -243,8 +245,8 @@ def _experts_loop(h, flat_w, order, counts, starts, p, *, k, tile, alpha, limit,
         b2 = stack.take(p["b2"], e).astype(jnp.float32)
         count, start = stack.take(counts, e), stack.take(starts, e)
         ex = _Expert(w1, w2, b1, b2, start, count)
-        return _run_ladder(ladder, count, lambda size, base: _tiles_of(h, tok_sorted, w_sorted, ex, size, base,
-                                                                       alpha=alpha, limit=limit), out)
+        return _run_ladder(ladder, count, lambda size, base: _tiles_of(h_bits, h.dtype, tok_sorted, w_sorted, ex,
+                                                                       size, base, alpha=alpha, limit=limit), out)
 
     def maybe_expert(e, out):  # an expert no token picked is not even dequantized (short prompts, many experts)
         return jax.lax.cond(counts[e] > 0, per_expert, lambda e, out: out, e, out)
@@ -268,25 +270,27 @@ def _run_ladder(ladder: tuple[int, ...], count: jax.Array, tiles_of, out: jax.Ar
     return out
 
 
-def _tiles_of(h, tok_sorted, w_sorted, ex: _Expert, size: int, base, *, alpha: float, limit: float):
+def _tiles_of(h_bits, dtype, tok_sorted, w_sorted, ex: _Expert, size: int, base, *, alpha: float, limit: float):
     """The `fori_loop` body over tiles of `size` rows of expert `ex`'s group, the first from the group's row `base`.
 
     Args:
-      h: `[T, D]` tokens; tok_sorted: int32 `[T·k + pad]` token of each sorted assignment (T = none);
+      h_bits: `[T, D]` tokens, bf16 ones as their uint16 bits (`stack.bits`); dtype: the tokens' dtype;
+      tok_sorted: int32 `[T·k + pad]` token of each sorted assignment (T = none);
       w_sorted: float32 `[T·k + pad]` its weight.
     Returns:
       `per_tile(i, out)`: `out [T, D]` float32 plus tile i's weighted rows `w · (W2 a(W1 h[tok] + b1) + b2)`.
     """
-    t = h.shape[0]
+    t = h_bits.shape[0]
     rows = jnp.arange(size, dtype=jnp.int32)
 
     def per_tile(i, out):
         first = base + i * size  # the tile's first row in the expert's group
         tok = jax.lax.dynamic_slice(tok_sorted, (ex.start + first,), (size,), allow_negative_indices=False)
         wt = jax.lax.dynamic_slice(w_sorted, (ex.start + first,), (size,), allow_negative_indices=False)
-        x = matmul.widen(stack.gather_rows(h, tok), ex.w1.dtype == jnp.float32)  # rows as the weights: widened or not
+        x = stack.unbits(stack.gather_rows(h_bits, tok), dtype)
+        x = matmul.widen(x, ex.w1.dtype == jnp.float32)  # rows as the weights: widened or not
         gu = jnp.einsum("td,od->to", x, ex.w1, preferred_element_type=jnp.float32) + ex.b1
-        act = matmul.through(swiglu(gu, alpha=alpha, limit=limit), h.dtype, ex.w1.dtype == jnp.float32)
+        act = matmul.through(swiglu(gu, alpha=alpha, limit=limit), dtype, ex.w1.dtype == jnp.float32)
         y = jnp.einsum("ti,oi->to", act, ex.w2, preferred_element_type=jnp.float32) + ex.b2
         # rows past the group's end hold the next group's assignments (or none): drop their update (index t is out
         # of range)
