@@ -232,10 +232,10 @@ def _experts_loop(h, flat_w, order, counts, starts, p, *, k, tile, alpha, limit,
     t, d = h.shape
     n_exp = p["b1"].shape[0]
     ladder = options_lib.moe_loop_tiles(tile, t * k)
-    # the sorted assignments' tokens and weights, padded with `ladder[0]` rows of no token (t: out of range, so the
-    # scatter drops them), so that every tile reads a contiguous dynamic slice, never past the end
     # the tokens as uint16 bits once (`model.stack`): made inside the tile loop, XLA:CPU copied all T rows per tile
     h_bits = stack.bits(h)
+    # the sorted assignments' tokens and weights, padded with `ladder[0]` rows of no token (t: out of range, so the
+    # scatter drops them), so that every tile reads a contiguous dynamic slice, never past the end
     tok_sorted = jnp.concatenate([order // k, jnp.full((ladder[0],), t, jnp.int32)])
     w_sorted = jnp.concatenate([flat_w[order], jnp.zeros((ladder[0],), flat_w.dtype)])
 
