@@ -219,6 +219,8 @@ def main(argv):
         "predicted_hit_shipped_profile_s": pred_hit_shipped,
         "hit_prediction_error_shipped_profile": pred_hit_shipped / best_hit - 1,
         "machine_rescaling": hw_here.sources.get("machine", "none (the profile as shipped)"),
+        # the shipped profile's fitted cost per cached-prefix score entry these predictions used (a refit changes it)
+        "profile_prefix_entry_s": hw_lib.load(F.hardware).for_dtype(F.dtype).efficiency.prefix_entry_s,
         "prediction_goal": GOAL_PREDICTION,
         "compile_s": {"cold_precompile": precompile_s, "prefix": prefix_run["compile_s"],
                       "hit": warm_hit["compile_s"]},
