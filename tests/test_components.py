@@ -197,12 +197,13 @@ def _whole_runs_brute_force(qp: np.ndarray, kp: np.ndarray, window: int, lo: int
     return whole[0], whole[-1] + 1
 
 
-@pytest.mark.parametrize("case", ["causal", "window", "zigzag", "padded", "prefix"])
+@pytest.mark.parametrize("case", ["causal", "window", "zigzag", "padded", "prefix", "gap"])
 def test_whole_key_tiles_skip_the_mask_and_change_nothing(case):
     """`_kv_tile_runs` finds, per query tile, the run of key tiles that need no mask (brute force over every
     query-key pair), and the attention through it is bit-for-bit the attention with every tile masked. Positions:
     causal; a 23-token window; zigzag (two chunks of a ring layout, as a CP device holds them); padded queries and
-    keys (INVALID_POS); queries after a cached prefix."""
+    keys (INVALID_POS); queries after a cached prefix; padding amid the keys (whole tiles on both sides of a tile
+    that is not: no single run, so every tile is masked)."""
     rng = np.random.default_rng(3)
     bq, bk, window = 8, 6, attn.NO_WINDOW
     qpos = kpos = np.arange(50)
@@ -214,6 +215,8 @@ def test_whole_key_tiles_skip_the_mask_and_change_nothing(case):
         qpos = kpos = np.concatenate([np.arange(45), np.full(5, attn.INVALID_POS)])
     elif case == "prefix":
         kpos, qpos = np.arange(70), np.arange(52, 70)
+    elif case == "gap":
+        kpos, qpos = np.concatenate([np.arange(22), np.full(2, attn.INVALID_POS), np.arange(22, 50)]), np.arange(30, 50)
     nq, nk = -(-len(qpos) // bq), -(-len(kpos) // bk)
     qpt = np.concatenate([qpos, np.full(nq * bq - len(qpos), attn.INVALID_POS)]).reshape(nq, bq).astype(np.int32)
     kpt = np.concatenate([kpos, np.full(nk * bk - len(kpos), attn.INVALID_POS)]).reshape(nk, bk).astype(np.int32)
@@ -221,7 +224,10 @@ def test_whole_key_tiles_skip_the_mask_and_change_nothing(case):
     for i, (lo, a, b, hi) in enumerate(runs):
         assert lo <= a <= b <= hi, (i, runs[i])
         assert (a, b) == _whole_runs_brute_force(qpt[i], kpt, window, lo, hi), (case, i, runs[i])
-    assert case in ("padded", "window") or (runs[:, 2] > runs[:, 1]).any(), "some query tile skips a mask"
+    if case == "gap":
+        assert (runs[:, 1] == runs[:, 3]).all(), "whole tiles split by a padded one: every tile masked"
+    else:
+        assert case in ("padded", "window") or (runs[:, 2] > runs[:, 1]).any(), "some query tile skips a mask"
 
     n, kh, d = 6, 2, 16
     q = jnp.asarray(rng.standard_normal((len(qpos), n, d)), jnp.float32)

@@ -181,6 +181,22 @@ def resolve_impl(impl: str, platform: str | None = None) -> str:
     return options_lib.resolve_attention(impl, platform or jax.default_backend())
 
 
+def _real_bounds(pt: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per tile of padded positions `pt [n, b]`: the least and greatest real position (INVALID_POS entries ignored;
+    an all-padding tile gives `(2^31 − 1, −2^31)`)."""
+    real = pt >= 0
+    return jnp.where(real, pt, 2**31 - 1).min(axis=1), jnp.where(real, pt, -(2**31)).max(axis=1)
+
+
+def _first_last(mask: jax.Array, fallback: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per row of bool `mask [n, m]`: the first True column and one past the last; `(fallback, fallback)` for a row
+    without any."""
+    m = mask.shape[1]
+    some = mask.any(axis=1)
+    return (jnp.where(some, jnp.argmax(mask, axis=1), fallback),
+            jnp.where(some, m - jnp.argmax(mask[:, ::-1], axis=1), fallback))
+
+
 def _kv_tile_range(qpt: jax.Array, kpt: jax.Array, window: jax.Array) -> jax.Array:
     """int32 `[nq, 2]`: the contiguous range `[lo, hi)` of key tiles each query tile must visit.
 
@@ -188,42 +204,25 @@ def _kv_tile_range(qpt: jax.Array, kpt: jax.Array, window: jax.Array) -> jax.Arr
     <= the latest query and within the window of the earliest query; tiles outside the first..last such tile are
     fully masked and skipped (an empty range when none is needed).
     """
-    nk = kpt.shape[0]
-    exists = kpt >= 0
-    k_lo = jnp.where(exists, kpt, 2**31 - 1).min(axis=1)
-    k_hi = jnp.where(exists, kpt, -(2**31)).max(axis=1)
-    valid_q = qpt >= 0
-    q_lo = jnp.where(valid_q, qpt, 2**31 - 1).min(axis=1)
-    q_hi = jnp.where(valid_q, qpt, -(2**31)).max(axis=1)
-    needed = exists.any(axis=1)[None] & (k_lo[None] <= q_hi[:, None]) & (k_hi[None] > q_lo[:, None] - window)
-    any_needed = needed.any(axis=1)
-    lo = jnp.where(any_needed, jnp.argmax(needed, axis=1), 0)
-    hi = jnp.where(any_needed, nk - jnp.argmax(needed[:, ::-1], axis=1), 0)
-    return jnp.stack([lo, hi], axis=1).astype(jnp.int32)
+    (k_lo, k_hi), (q_lo, q_hi) = _real_bounds(kpt), _real_bounds(qpt)
+    needed = (kpt >= 0).any(axis=1)[None] & (k_lo[None] <= q_hi[:, None]) & (k_hi[None] > q_lo[:, None] - window)
+    return jnp.stack(_first_last(needed, 0), axis=1).astype(jnp.int32)
 
 
 def _kv_tile_runs(qpt: jax.Array, kpt: jax.Array, window: jax.Array) -> jax.Array:
     """int32 `[nq, 4]` `(lo, a, b, hi)`: each query tile visits key tiles `[lo, hi)` (`_kv_tile_range`), of which
     `[a, b)` are whole: every key of them is real and visible to every (real) query of the tile, so their scores
-    need no mask. `a = b = hi` when the tile has no such run, or when its whole tiles are not one contiguous run
-    (then every tile is masked). Causal prefill: the tiles left of the diagonal are whole."""
-    nk = kpt.shape[0]
+    need no mask (a whole tile is a needed one, so the run lies inside `[lo, hi)`). `a = b = hi` when the tile has no
+    such run, or when its whole tiles are not one contiguous run (then every tile is masked). Causal prefill: the
+    tiles left of the diagonal are whole."""
     rng = _kv_tile_range(qpt, kpt, window)
     lo, hi = rng[:, 0], rng[:, 1]
-    k_lo = jnp.where(kpt >= 0, kpt, 2**31 - 1).min(axis=1)
-    k_hi = kpt.max(axis=1)
-    q_lo = jnp.where(qpt >= 0, qpt, 2**31 - 1).min(axis=1)
-    q_hi = qpt.max(axis=1)
+    (k_lo, k_hi), (q_lo, q_hi) = _real_bounds(kpt), _real_bounds(qpt)
     whole = ((kpt >= 0).all(axis=1)[None] & (qpt >= 0).all(axis=1)[:, None] & (k_hi[None] <= q_lo[:, None])
              & (q_hi[:, None] - k_lo[None] < window))
-    j = jnp.arange(nk)[None]
-    whole &= (j >= lo[:, None]) & (j < hi[:, None])
-    count = whole.sum(axis=1)
-    a = jnp.argmax(whole, axis=1)
-    last = nk - 1 - jnp.argmax(whole[:, ::-1], axis=1)
-    one_run = (count > 0) & (last - a + 1 == count)
-    a = jnp.where(one_run, a, hi)
-    b = jnp.where(one_run, a + count, hi)
+    a, b = _first_last(whole, hi)
+    one_run = whole.sum(axis=1) == b - a  # every tile of [a, b) whole (an empty row: 0 == 0, a = b = hi)
+    a, b = jnp.where(one_run, a, hi), jnp.where(one_run, b, hi)
     return jnp.stack([lo, a, b, hi], axis=1).astype(jnp.int32)
 
 
