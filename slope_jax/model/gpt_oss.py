@@ -236,8 +236,20 @@ def project(x: jax.Array, w: jax.Array, b: jax.Array | None = None, upcast: bool
 @functools.partial(jax.jit, static_argnames=("upcast",))
 def qkv(h: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, upcast: bool = False):
     """Projections with biases, then RoPE on q and k. h `[T, D]` → q `[T, N, H]`, k, v `[T, K, H]` (post-RoPE k);
-    upcast as in `project`."""
-    q, k, v = (project(h, p[w], p[b], upcast).astype(h.dtype) for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
+    upcast as in `project`.
+
+    The three projections are one matmul against the weights stacked on their out axis (`[N·H + 2·K·H, D]`, as the
+    original checkpoint stores `attn.qkv`), its float32 output split after the biases. Three matmuls, two of them
+    only K·H wide, took 358 ms of the peer config's 8192-token bf16 step on a 2-core CPU, the stacked one 144 ms; the
+    logits and K/V of that step are bit-identical to three matmuls' (each output is the same dot over D). The stacked
+    weight is a copy per layer and step (3.5 MB for the peer config, 30 MB for gpt-oss-120b).
+    """
+    d = h.shape[-1]
+    ws = [p[name].reshape(-1, d) for name in ("wq", "wk", "wv")]
+    y = project(h, jnp.concatenate(ws), jnp.concatenate([p[name].reshape(-1) for name in ("bq", "bk", "bv")]),
+                upcast).astype(h.dtype)
+    q, k, v = jnp.split(y, np.cumsum([w.shape[0] for w in ws[:-1]]), axis=1)
+    q, k, v = (x.reshape(h.shape[0], *p[name].shape[:-1]) for x, name in zip((q, k, v), ("wq", "wk", "wv")))
     return rope.apply_rope(q, cos, sin), rope.apply_rope(k, cos, sin), v
 
 
