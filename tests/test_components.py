@@ -12,7 +12,7 @@ import pytest
 from support import REPO
 
 from slope_jax.model import attention as attn
-from slope_jax.model import moe, mxfp4, options, rope
+from slope_jax.model import gpt_oss, moe, mxfp4, options, rope
 from slope_jax.model.config import ModelConfig
 
 RELEASED = ModelConfig.from_json(os.path.join(REPO, "configs", "gpt-oss-120b.json"))
@@ -69,6 +69,40 @@ def test_rope_rotation_is_half_split():
     sin = jnp.ones((1, 4))
     out = rope.apply_rope(x, cos, sin)  # pure 90° rotation: [-x2, x1]
     np.testing.assert_array_equal(np.asarray(out)[0, 0], [-4, -5, -6, -7, 0, 1, 2, 3])
+
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rope_equals_concatenated_halves_bit_for_bit(dtype):
+    """apply_rope's swapped-halves form gives exactly `[x1·c − x2·s, x2·c + x1·s]` computed as two halves: the same
+    IEEE operations (a + b·(−s) is a − b·s). Sizes pairwise distinct: T 37, n 5, D 22."""
+    rng = np.random.default_rng(3)
+    x, c, s = (jnp.asarray(rng.standard_normal(shape) * 3, dtype) for shape in ((37, 5, 22), (37, 11), (37, 11)))
+    x1, x2 = x[..., :11], x[..., 11:]
+    cc, ss = c[:, None, :], s[:, None, :]
+    want = np.asarray(jnp.concatenate([x1 * cc - x2 * ss, x2 * cc + x1 * ss], axis=-1))
+    got = np.asarray(jax.jit(rope.apply_rope)(x, c, s))
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))  # exact: tolerance 0
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_qkv_stacked_matmul_equals_three_projections(dtype):
+    """gpt_oss.qkv's one matmul over the stacked wq/wk/wv gives the three projections' q, k, v (N 6, K 2, H 10,
+    D 14, T 9); float32 tolerance 1e-5 relative (a GEMM library may block the sums differently by width), bf16: at
+    most one bf16 ulp of the result."""
+    rng = np.random.default_rng(4)
+    t, n, kh, hd, d = 9, 6, 2, 10, 14
+    p = {name: jnp.asarray(rng.standard_normal(shape), dtype) for name, shape in
+         (("wq", (n, hd, d)), ("wk", (kh, hd, d)), ("wv", (kh, hd, d)), ("bq", (n, hd)), ("bk", (kh, hd)),
+          ("bv", (kh, hd)))}
+    h = jnp.asarray(rng.standard_normal((t, d)), dtype)
+    cos, sin = (jnp.asarray(rng.standard_normal((t, hd // 2)), dtype) for _ in range(2))
+    q, k, v = gpt_oss.qkv(h, p, cos, sin)
+    ref = [gpt_oss.project(h, p[w], p[b]).astype(dtype) for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv"))]
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2 ** -7, atol=2 ** -7)
+    for got, want in ((q, rope.apply_rope(ref[0], cos, sin)), (k, rope.apply_rope(ref[1], cos, sin)), (v, ref[2])):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **tol)
 
 
 # ------------------------------------------------------------------------------------------------ attention
@@ -320,6 +354,23 @@ def test_swiglu_reads_interleaved_gate_up():
     out = np.asarray(moe.swiglu(jnp.asarray(h), alpha=1.702, limit=7.0))
     np.testing.assert_allclose(out, -1.0 / (1.0 + math.exp(-1.702)), rtol=1e-5)  # σ(1.702)·(−1) = −0.84580
     assert out[0] == pytest.approx(-0.84580, abs=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_swiglu_halves_equals_interleaved_bit_for_bit(dtype):
+    """The loop MoE reorders W1's rows (`gate_up_halves`) and applies `swiglu_halves`: the same result as `swiglu`
+    on the checkpoint's interleaved rows, bit for bit, values across the clamp (limit 7) included."""
+    rng = np.random.default_rng(5)
+    w1 = jnp.asarray(rng.standard_normal((2 * 12, 7)), dtype)  # [2I, D], I 12, D 7
+    b1 = jnp.asarray(rng.standard_normal(2 * 12), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((5, 7)) * 4, dtype)
+    gu = jnp.einsum("td,od->to", x, w1, preferred_element_type=jnp.float32) + b1
+    gu_h = jnp.einsum("td,od->to", x, moe.gate_up_halves(w1), preferred_element_type=jnp.float32)
+    gu_h = gu_h + moe.gate_up_halves(b1)
+    want = np.asarray(moe.swiglu(gu, alpha=1.702, limit=7.0))
+    got = np.asarray(moe.swiglu_halves(gu_h, alpha=1.702, limit=7.0))
+    assert np.abs(np.asarray(gu)).max() > 7.0  # the clamp is exercised
+    np.testing.assert_array_equal(got, want)  # exact: tolerance 0
 
 
 def _moe_params(e, d, i, rng, zero_weights=False):
