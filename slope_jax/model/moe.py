@@ -75,8 +75,8 @@ def gate_up_halves(x: jax.Array) -> jax.Array:
 
 def swiglu_halves(gate_up: jax.Array, *, alpha: float, limit: float) -> jax.Array:
     """`swiglu` on `[..., gate I | up I]` (`gate_up_halves`' layout), the same operations on every element: two
-    contiguous halves instead of strided even/odd columns, which XLA:CPU's fused loop reads element by element
-    (the peer config's 8192-token step: 190 ms in `swiglu`)."""
+    contiguous halves instead of strided even/odd columns (the peer config's 8192-token bf16 step on 2 CPU cores:
+    195–218 ms in `swiglu`, 118–135 ms here)."""
     i = gate_up.shape[-1] // 2
     gate = jnp.minimum(gate_up[..., :i], limit)
     up = jnp.minimum(jnp.maximum(gate_up[..., i:], -limit), limit)
