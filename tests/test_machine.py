@@ -146,7 +146,8 @@ def test_committed_profile_predicts_the_measured_prefix_hits():
     """The committed cpu.json, rescaled by each run's own micro-measure (as the launcher that ran it rescales it),
     predicts the measured prefix hits of benchmarks/prefix_hit.py (peer config, bfloat16, one device: 32K tokens with
     512 new — issue 30's must-show —, a 9.5K follow-up turn and a 20K prompt with 1024 new; the profile's prefix term
-    is fitted to the `prefix_hit_amx*` runs, the others are held out) within 25 %, and each run's own recorded
+    is fitted to the twelfth session's `prefix_hit_amx.json`, `_amx_9472` and `_amx_20480` runs, every other run,
+    later ones on newer code included, is held out) within 25 %, and each run's own recorded
     prediction agrees under the `prefix_entry_s` it was made with (recorded as `profile_prefix_entry_s`; runs written
     before that field, measured with the attention core that masked every key tile, were predicted with the earlier
     fit, PREVIOUS_PREFIX_ENTRY_S)."""
