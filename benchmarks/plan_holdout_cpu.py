@@ -3,7 +3,7 @@
     python benchmarks/plan_holdout_cpu.py                          # held-out configs vs the committed profile, ~2 min
     python benchmarks/plan_holdout_cpu.py --held_configs=a.json,b.json          # your own configs instead
     python benchmarks/plan_holdout_cpu.py --refit --write_profile               # re-measure CAL, refit cpu.json
-    python benchmarks/plan_holdout_cpu.py --refit --cal_rows=run.json --write_profile    # refit from saved rows
+    python benchmarks/plan_holdout_cpu.py --refit --cal_rows=a.json,b.json --write_profile  # refit: best of saved runs
 
 Measures single-device prefill (`PrefillEngine`, random dense weights, one request, KV export off; compile first,
 then `--repeats` rounds over all points, best kept; prefix reuse off, so every round is a cold prefill) in each of
@@ -17,7 +17,9 @@ micro-measure against the calibration run's, the same adaptation the launcher ap
 `--cal_lengths` in each dtype, fits the profile's coefficients per dtype (`plan.calibrate.fit_by_dtype`: matmul and
 attention efficiencies at most 1 of the matmul peak measured in this run per dtype, per-element, per-score-entry,
 per-MoE-tile and per-weight-byte seconds, overheads) on the CAL rows only, and records this run's micro-measure as
-the profile's `machine_reference`; `--write_profile` writes configs/hardware/cpu.json and the rows to
+the profile's `machine_reference` (a prefix hit's `prefix_entry_s`, which cold rows cannot fit, is carried over from
+the committed profile into the new reference's units: refit it with `benchmarks/prefix_hit.py --refit`);
+`--write_profile` writes configs/hardware/cpu.json and the rows to
 configs/hardware/calibration/cpu_multi.json. Writes JSON (default benchmarks/results/plan_holdout_cpu.json) with the
 rows, the table, the micro-measure and the load average.
 """
@@ -45,13 +47,16 @@ from slope_jax.plan import machine  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("lengths", ["1024", "4096"], "Prompt lengths of the held-out check.")
-flags.DEFINE_list("cal_lengths", ["1024", "2048", "4096", "8192"], "Prompt lengths of the calibration (--refit).")
+flags.DEFINE_list("cal_lengths", ["256", "512", "1024", "2048", "4096", "8192"],
+                  "Prompt lengths of the calibration (--refit): the short ones tell the per-step costs (weights, "
+                  "overheads) that a prefix hit's few new tokens and short prompts pay.")
 flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "Activation dtypes (the launcher's default is bfloat16).")
 flags.DEFINE_integer("repeats", 3, "Rounds over all points (best kept).")
 flags.DEFINE_float("tolerance", 0.25, "Allowed |predicted/measured − 1| on held-out rows.")
 flags.DEFINE_bool("refit", False, "Measure the CAL configs and fit the profile first (else: the committed profile).")
-flags.DEFINE_string("cal_rows", None, "With --refit: fit to the CAL rows, peaks and micro-measure of an earlier "
-                    "run's JSON (this script's --out) instead of measuring them.")
+flags.DEFINE_list("cal_rows", [], "With --refit: fit to the CAL rows, peaks and micro-measure of earlier runs' "
+                  "JSON (this script's --out) instead of measuring them; several runs: each point's best time over "
+                  "them (this machine's speed drifts by up to a quarter between runs minutes apart).")
 flags.DEFINE_list("held_configs", [], "config.json paths to check instead of HELD (any GPT-OSS-style config; dense "
                   "float32 weights drawn at random).")
 flags.DEFINE_bool("write_profile", False, "With --refit: write the fit to configs/hardware/cpu.json and the measured "
@@ -151,13 +156,7 @@ def refit(kernels: dict, load0) -> tuple:
     from slope_jax.plan import calibrate, hardware
 
     if FLAGS.cal_rows:
-        with open(FLAGS.cal_rows) as f:
-            saved = json.load(f)
-        rows, peaks, fp = [r for r in saved["rows"] if r["name"] in CAL], saved["peak_flops"], saved["fingerprint"]
-        load = saved.get("loadavg_before", [None])[0]
-        # the same machine: its quietest micro-measure (the rows are best-of runs too); else the saved run's
-        same = fp.get("id") == machine.fingerprint()["id"]
-        kernels = machine.best_of(saved["micro_measure"], kernels) if same else saved["micro_measure"]
+        rows, peaks, fp, load, kernels = saved_runs(FLAGS.cal_rows, kernels)
     else:
         peaks = {dt: matmul_peak(2048, dt, 5) for dt in ("float32", "bfloat16")}
         rows = measure({k: hf_config(v) for k, v in CAL.items()}, [int(x) for x in FLAGS.cal_lengths], FLAGS.dtypes)
@@ -172,7 +171,50 @@ def refit(kernels: dict, load0) -> tuple:
     fitted = dataclasses.replace(fitted, machine_reference={
         "kernels": kernels, "fingerprint": fp, "loadavg": load,
         "note": REFERENCE_SOURCE})
-    return fitted, rows, peaks
+    return carry_prefix_entry(hardware.load("cpu"), fitted), rows, peaks
+
+
+def saved_runs(paths: list[str], kernels: dict) -> tuple:
+    """(CAL rows, peaks, fingerprint, load average, micro-measure) of earlier runs' JSON: each point's best time and
+    each peak's best over the runs (all of one machine: ValueError otherwise), and — on that machine — the quietest
+    micro-measure of the runs and this one (the rows are best-of too); on another machine, the runs'."""
+    saved = []
+    for path in paths:
+        with open(path) as f:
+            saved.append(json.load(f))
+    fp = saved[0]["fingerprint"]
+    if any(d["fingerprint"].get("id") != fp.get("id") for d in saved):
+        raise ValueError(f"--cal_rows: {paths} were measured on different machines (fingerprint ids differ)")
+    best: dict = {}
+    for d in saved:
+        for r in d["rows"]:
+            key = (r["name"], r["dtype"], r["length"], r.get("pipeline", 1), r.get("ring", 1), r.get("ulysses", 1))
+            if r["name"] in CAL and (key not in best or r["ms"] < best[key]["ms"]):
+                best[key] = r
+    peaks = {dt: max(d["peak_flops"][dt] for d in saved) for dt in saved[0]["peak_flops"]}
+    measured = saved[0]["micro_measure"]
+    for d in saved[1:]:
+        measured = machine.best_of(measured, d["micro_measure"])
+    if fp.get("id") == machine.fingerprint()["id"]:
+        measured = machine.best_of(measured, kernels)
+    return list(best.values()), peaks, fp, saved[0].get("loadavg_before", [None])[0], measured
+
+
+def carry_prefix_entry(old, fitted):
+    """`fitted` with each dtype's `prefix_entry_s` of the `old` profile, converted from `old`'s machine reference to
+    `fitted`'s (× the softmax micro-kernel ratio of the two references: the same prediction on every machine). Cold
+    rows cannot fit it (`benchmarks/prefix_hit.py --refit` does); dtypes `old` has no reference for keep theirs."""
+    from slope_jax.plan import calibrate
+
+    k = machine.scales(old.machine_reference.get("kernels") or {}, fitted.machine_reference["kernels"])
+    base = "float32" if fitted.shared_compute else "bfloat16"  # the dtype of `efficiency` (calibrate.fit_by_dtype)
+    for dt in [base, *(d for d in fitted.efficiency_by_dtype if d != base)]:
+        seconds = old.for_dtype(dt).efficiency.prefix_entry_s
+        if seconds is not None:
+            seconds = seconds * k[dt]["entry"] if dt in k else seconds
+            fitted = calibrate.with_prefix_entry(fitted, dt, seconds)
+            print(f"{dt} prefix_entry_s carried over: {seconds * 1e9:.3f} ns (in the new reference's units)")
+    return fitted
 
 
 PEAK_SOURCE = ("measured per dtype in the calibration run by benchmarks/plan_holdout_cpu.py --refit: the best of an "
@@ -188,7 +230,8 @@ def write_profile(fitted, rows, peaks, load0) -> None:
     from slope_jax.plan import hardware
 
     write_result(os.path.join(REPO, "configs", "hardware", "calibration", "cpu_multi.json"),
-                 {"hardware": "cpu", "dtypes": FLAGS.dtypes, "peak_flops": peaks, "rows": rows}, load_start=load0)
+                 {"hardware": "cpu", "dtypes": FLAGS.dtypes, "peak_flops": peaks, "rows": rows,
+                  "runs": FLAGS.cal_rows or ["this run"]}, load_start=load0)
     out = fitted.to_dict()
     out["sources"] = {**out.get("sources", {}), "peak_flops": PEAK_SOURCE, "machine_reference": REFERENCE_SOURCE}
     out["sources"].pop("machine", None)

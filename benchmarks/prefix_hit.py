@@ -221,6 +221,8 @@ def main(argv):
         "machine_rescaling": hw_here.sources.get("machine", "none (the profile as shipped)"),
         # the shipped profile's fitted cost per cached-prefix score entry these predictions used (a refit changes it)
         "profile_prefix_entry_s": hw_lib.load(F.hardware).for_dtype(F.dtype).efficiency.prefix_entry_s,
+        # the whole shipped profile they used: the predictions can be recomputed after a refit (tests/test_machine.py)
+        "profile": hw_lib.load(F.hardware).to_dict(),
         "prediction_goal": GOAL_PREDICTION,
         "compile_s": {"cold_precompile": precompile_s, "prefix": prefix_run["compile_s"],
                       "hit": warm_hit["compile_s"]},
