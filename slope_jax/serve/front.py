@@ -86,10 +86,23 @@ def prediction_note(res, item) -> str | None:
     note = (f"TTFT {res.ttft_ms:.0f} ms vs {pred:.0f} ms predicted ({res.ttft_ms / pred - 1:+.0%}): mostly "
             f"{name}, {got:.0f} ms vs {want:.0f} ms predicted")
     if name == "compiling step programs" and got > want:
-        note += " (a step program compiled that the estimate expected compiled already or in the persistent cache)"
+        note += _slow_compile_reason(got, want)
     if res.cached_tokens != item.cached_tokens:
         note += f"; the prefix cache gave {res.cached_tokens} tokens, {item.cached_tokens} expected"
     return note
+
+
+def _slow_compile_reason(got: float, want: float) -> str:
+    """Why compiling took `got` ms where `want` were predicted: no compile expected (compiled already), a cache load
+    expected (`serve.slo.CACHE_HIT_FRACTION` of a compile: the program was not in the persistent cache), or a full
+    compile expected that ran slower (the estimate: the last compile measured in this process, or before the first
+    the profile's `compile_s` scaled by the host's load)."""
+    if want <= 0:
+        return " (a step program compiled that the estimate expected compiled already)"
+    if want < 0.3 * got:
+        return " (a step program compiled that the estimate expected to load from the persistent cache)"
+    return (" (a full compile was expected and ran slower than estimated: before this process has compiled anything "
+            "the estimate is the hardware profile's compile_s scaled by the host's load, later the last compile)")
 
 
 # ---- the results file -------------------------------------------------------------------------------------------
