@@ -10,14 +10,18 @@ then `--repeats` rounds over all points, best kept; prefix reuse off, so every r
 `--dtypes` (float32, and bfloat16: the launcher's default) of the held-out configs HELD (or `--held_configs`) —
 sizes, heads, head_dims, expert counts, top-k, windows and depths that no CAL config has — and compares them with
 the CPU profile's predictions carried over to this machine (`plan.machine`: the profile rescaled by this run's
-micro-measure against the calibration run's, the same adaptation the launcher applies at start). The check is
-|error| <= `--tolerance` (25 %) on every held-out row (exit status 1 otherwise).
+micro-measures — the best of one at the start and one after each round — against the calibration's, the same
+adaptation the launcher applies at start, where the cached micro-measure is a best of starts too). The check is
+|error| <= `--tolerance` (25 %) on every held-out row (exit status 1 otherwise). `--merge=a.json,...` first takes each
+held-out point's best time over this run and earlier ones: the profile describes the machine at its quietest (its
+rows are best-of too), and this shared machine's speed drifts by up to ~40 % between runs minutes apart.
 
 `--refit` first measures the calibration configs CAL (the shipped tiny config and six 2-layer cuts) at
 `--cal_lengths` in each dtype, fits the profile's coefficients per dtype (`plan.calibrate.fit_by_dtype`: matmul and
 attention efficiencies at most 1 of the matmul peak measured in this run per dtype, per-element, per-score-entry,
-per-MoE-tile and per-weight-byte seconds, overheads) on the CAL rows only, and records this run's micro-measure as
-the profile's `machine_reference` (a prefix hit's `prefix_entry_s`, which cold rows cannot fit, is carried over from
+per-MoE-tile and per-weight-byte seconds, overheads) on the CAL rows only, and records the best of the
+micro-measures taken between its rounds (`plan.machine.micro_measure`; the rows keep their best round too) as the
+profile's `machine_reference` (a prefix hit's `prefix_entry_s`, which cold rows cannot fit, is carried over from
 the committed profile into the new reference's units: refit it with `benchmarks/prefix_hit.py --refit`);
 `--write_profile` writes configs/hardware/cpu.json and the rows to
 configs/hardware/calibration/cpu_multi.json. Writes JSON (default benchmarks/results/plan_holdout_cpu.json) with the
@@ -57,6 +61,9 @@ flags.DEFINE_bool("refit", False, "Measure the CAL configs and fit the profile f
 flags.DEFINE_list("cal_rows", [], "With --refit: fit to the CAL rows, peaks and micro-measure of earlier runs' "
                   "JSON (this script's --out) instead of measuring them; several runs: each point's best time over "
                   "them (this machine's speed drifts by up to a quarter between runs minutes apart).")
+flags.DEFINE_list("merge", [], "Earlier runs' JSON (this script's --out, on a machine of this kind) whose held-out "
+                  "rows are merged with this run's before the check: each point's best time over the runs, as the "
+                  "calibration takes its rows (this machine's speed drifts by up to ~40 % between runs).")
 flags.DEFINE_list("held_configs", [], "config.json paths to check instead of HELD (any GPT-OSS-style config; dense "
                   "float32 weights drawn at random).")
 flags.DEFINE_bool("write_profile", False, "With --refit: write the fit to configs/hardware/cpu.json and the measured "
@@ -114,8 +121,10 @@ def hf_config(overrides: dict, base: str = "configs/tiny.json") -> dict:
     return d
 
 
-def measure(names: dict[str, dict], lengths: list[int], dtypes: list[str]) -> list[dict]:
-    """Rows {"config": HF dict, "name", "dtype", "pipeline", "ring", "ulysses", "length", "batch", "ms", "raw_ms"}."""
+def measure(names: dict[str, dict], lengths: list[int], dtypes: list[str], micro: list | None = None) -> list[dict]:
+    """Rows {"config": HF dict, "name", "dtype", "pipeline", "ring", "ulysses", "length", "batch", "ms", "raw_ms"}.
+    `micro`: a list that gets one `machine.micro_measure()` after each round (the rows keep each point's best round,
+    the machine's figures are taken as the best of these: both then describe the machine at its quietest)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -144,6 +153,8 @@ def measure(names: dict[str, dict], lengths: list[int], dtypes: list[str]) -> li
             pt["raw"].append(res.compute_ms)
             print(f"round {r} {pt['name']:>13} {pt['dtype']:>8} {pt['length']:>6} {res.compute_ms:9.1f} ms  "
                   f"(load {os.getloadavg()[0]:.1f})", flush=True)
+        if micro is not None:
+            micro.append(machine.micro_measure())
     return [{"name": pt["name"], "config": pt["hf"], "dtype": pt["dtype"], "pipeline": 1, "ring": 1, "ulysses": 1,
              "length": pt["length"], "batch": 1, "ms": min(pt["raw"]), "raw_ms": pt["raw"]} for pt in points]
 
@@ -156,11 +167,13 @@ def refit(kernels: dict, load0) -> tuple:
     from slope_jax.plan import calibrate, hardware
 
     if FLAGS.cal_rows:
-        rows, peaks, fp, load, kernels = saved_runs(FLAGS.cal_rows, kernels)
+        rows, peaks, fp, load, kernels = saved_runs(FLAGS.cal_rows)
     else:
         peaks = {dt: matmul_peak(2048, dt, 5) for dt in ("float32", "bfloat16")}
-        rows = measure({k: hf_config(v) for k, v in CAL.items()}, [int(x) for x in FLAGS.cal_lengths], FLAGS.dtypes)
-        fp, load = machine.fingerprint(), load0[0]
+        micro = [kernels]
+        rows = measure({k: hf_config(v) for k, v in CAL.items()}, [int(x) for x in FLAGS.cal_lengths], FLAGS.dtypes,
+                       micro)
+        fp, load, kernels = machine.fingerprint(), load0[0], machine.best_of(*micro)
     peaks = {dt: max(v, kernels.get(dt, {}).get("gemm_flops", 0.0)) for dt, v in peaks.items()}
     print("peak " + ", ".join(f"{dt} {v / 1e9:.1f} GFLOP/s" for dt, v in peaks.items()), flush=True)
     base = dataclasses.replace(hardware.load("cpu"), peak_flops=peaks, efficiency_by_dtype={}, machine_reference={})
@@ -174,10 +187,11 @@ def refit(kernels: dict, load0) -> tuple:
     return carry_prefix_entry(hardware.load("cpu"), fitted), rows, peaks
 
 
-def saved_runs(paths: list[str], kernels: dict) -> tuple:
-    """(CAL rows, peaks, fingerprint, load average, micro-measure) of earlier runs' JSON: each point's best time and
-    each peak's best over the runs (all of one machine: ValueError otherwise), and — on that machine — the quietest
-    micro-measure of the runs and this one (the rows are best-of too); on another machine, the runs'."""
+def saved_runs(paths: list[str]) -> tuple:
+    """(CAL rows, peaks, fingerprint, load average, micro-measure) of earlier runs' JSON: each point's best time, each
+    peak's best and the best of the runs' micro-measures (`machine.best_of`), all of one machine (ValueError
+    otherwise). Only the runs' own micro-measures: one taken now, at another moment of a machine whose speed drifts,
+    would describe other conditions than the rows'."""
     saved = []
     for path in paths:
         with open(path) as f:
@@ -192,12 +206,29 @@ def saved_runs(paths: list[str], kernels: dict) -> tuple:
             if r["name"] in CAL and (key not in best or r["ms"] < best[key]["ms"]):
                 best[key] = r
     peaks = {dt: max(d["peak_flops"][dt] for d in saved) for dt in saved[0]["peak_flops"]}
-    measured = saved[0]["micro_measure"]
-    for d in saved[1:]:
-        measured = machine.best_of(measured, d["micro_measure"])
-    if fp.get("id") == machine.fingerprint()["id"]:
-        measured = machine.best_of(measured, kernels)
+    measured = machine.best_of(*(d.get("cal_micro_measure") or d["micro_measure"] for d in saved))
     return list(best.values()), peaks, fp, saved[0].get("loadavg_before", [None])[0], measured
+
+
+def merged_rows(rows: list[dict], paths: list[str]) -> list[dict]:
+    """`rows` with each point's (name, dtype, length) best time over them and the rows of the same point in the runs
+    at `paths` (their "ms" the best, "raw_ms" every round of every run, "runs" how many runs measured it). Raises
+    ValueError when a run was measured on another kind of machine (`plan.machine.same_kind`)."""
+    here, extra = machine.fingerprint(), {}
+    for path in paths:
+        with open(path) as f:
+            d = json.load(f)
+        if not machine.same_kind(d.get("fingerprint"), here):
+            raise ValueError(f"--merge: {path} was measured on another kind of machine")
+        for r in d["rows"]:
+            extra.setdefault((r["name"], r["dtype"], r["length"]), []).append(r)
+    out = []
+    for r in rows:
+        others = extra.get((r["name"], r["dtype"], r["length"]), [])
+        out.append({**r, "ms": min([r["ms"]] + [o["ms"] for o in others]),
+                    "raw_ms": list(r["raw_ms"]) + [x for o in others for x in o.get("raw_ms", [o["ms"]])],
+                    "runs": 1 + len(others)})
+    return out
 
 
 def carry_prefix_entry(old, fitted):
@@ -269,16 +300,23 @@ def main(argv):
         profile, cal_rows, peaks = refit(kernels, load0)
     else:
         profile = hardware.load("cpu")
-    hw = machine.rescale(profile, kernels)
     held_specs = ({os.path.splitext(os.path.basename(p))[0]: hf_config({}, p) for p in FLAGS.held_configs}
                   if FLAGS.held_configs else {k: hf_config(v) for k, v in HELD.items()})
-    held = measure(held_specs, [int(x) for x in FLAGS.lengths], FLAGS.dtypes)
+    micro = [kernels]
+    held = measure(held_specs, [int(x) for x in FLAGS.lengths], FLAGS.dtypes, micro)
+    kernels = machine.best_of(*micro)  # the held-out rows' conditions: the best of the measures between rounds
+    if FLAGS.merge:
+        held = merged_rows(held, FLAGS.merge)
+    print(f"micro-measure, best of {len(micro)}: {json.dumps(kernels)}", flush=True)
+    hw = machine.rescale(profile, kernels, machine.fingerprint())  # as calibrated on the calibration machine's kind
     table = table_of(hw, cal_rows + held, set(CAL))
     worst = max(abs(c["error"]) for c in table if c["set"] == "held")
     print(f"\nheld-out worst |error| {worst:.1%} (tolerance {FLAGS.tolerance:.0%}); load average {load0[0]:.1f} -> "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {hw.sources.get('machine', 'not rescaled')}")
     result = {"lengths": FLAGS.lengths, "dtypes": FLAGS.dtypes, "repeats": FLAGS.repeats, "refit": FLAGS.refit,
               "micro_measure": kernels, "fingerprint": machine.fingerprint(), "peak_flops": peaks,
+              "cal_micro_measure": profile.machine_reference.get("kernels") if FLAGS.refit else None,
+              "merged_runs": FLAGS.merge,
               "profile": hw.to_dict(), "table": table, "rows": cal_rows + held, "held_out_worst_error": worst,
               "loadavg_before": load0, "loadavg_after": os.getloadavg(), "cpus": os.cpu_count()}
     write_result(FLAGS.out, result, load_start=load0)

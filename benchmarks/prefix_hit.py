@@ -84,7 +84,8 @@ def _run(path: str) -> dict:
         d = json.load(f)
     s = d["summary"]
     return {"path": path, "new": s["new"], "cached": s["cached"], "bucket": s["hit_step_key"][0], "dtype": d["dtype"],
-            "micro_measure": d.get("micro_measure"), "config": d.get("config"), "ms": s["hit_s"] * 1e3}
+            "micro_measure": d.get("micro_measure"), "fingerprint": d.get("fingerprint"), "config": d.get("config"),
+            "ms": s["hit_s"] * 1e3}
 
 
 def refit(paths: list[str], hardware: str, config: str) -> None:
@@ -245,7 +246,8 @@ def main(argv):
                             "cached)[0], cached=n_cached), as serve.slo.batch_model's hit_ms, on the profile rescaled "
                             "to this machine (serve.slo.this_machine; predicted_hit_shipped_profile_s: the profile as "
                             "shipped)",
-               "config": _config_dict(path), "micro_measure": micro, "summary": summary, "rounds": rounds}
+               "config": _config_dict(path), "micro_measure": micro, "fingerprint": machine.fingerprint(),
+               "summary": summary, "rounds": rounds}
     write_result(F.out, payload, load_start=load0)
     print(f"wrote {F.out}")
 

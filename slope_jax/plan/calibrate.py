@@ -205,17 +205,17 @@ def with_prefix_entry(hw: Hardware, dtype: str, seconds: float | None) -> Hardwa
 
 def hit_ms(cfg: ModelConfig, hw: Hardware, run: dict, prefix_entry_s: float | None = None) -> float:
     """Predicted ms of one measured prefix hit `run` ({"new", "cached", "bucket", "dtype", "micro_measure"?,
-    "config"?}: one device) under `hw` (with `prefix_entry_s` for the run's dtype unless None), rescaled by the run's
-    own `plan.machine` micro-measure where it has one, as the launcher that ran it predicted; the run's `config`
-    (`row_config`), else `cfg`."""
+    "config"?, "fingerprint"?}: one device) under `hw` (with `prefix_entry_s` for the run's dtype unless None), carried
+    over to the run's machine by its own `plan.machine` micro-measure and fingerprint where it has them
+    (`machine.rescale`), as the launcher that ran it predicted; the run's `config` (`row_config`), else `cfg`."""
     from slope_jax.plan import machine
 
     cfg = row_config(cfg, run)
 
     if prefix_entry_s is not None:
         hw = with_prefix_entry(hw, run["dtype"], prefix_entry_s)
-    if run.get("micro_measure"):
-        hw = machine.rescale(hw, run["micro_measure"])
+    if run.get("micro_measure") or run.get("fingerprint"):
+        hw = machine.rescale(hw, run.get("micro_measure") or {}, run.get("fingerprint"))
     return predict(cfg, ParallelConfig(), run["new"], hw, bucket=run["bucket"], dtype=run["dtype"],
                    cached=run["cached"], devices_per_host=1).ttft_ms
 

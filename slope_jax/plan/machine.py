@@ -19,6 +19,8 @@ Each is the best of several runs (a busy neighbour slows some, not the best). Ca
 hashes the CPU model, the ISA flags that change kernel choice (AVX-512, AMX, …), the usable cores and the jax/jaxlib
 versions. A result measured on a busy host (1-minute load average > cores / 2) is measured again at the next starts
 (at most `MAX_MEASURES` in all) and merged per kernel with the earlier ones (`best_of`: the quiet machine).
+On a machine of the calibration machine's kind (same CPU model, ISA flags, cores and jax: `same_kind`) the profile
+is used as calibrated, without a micro-measure: there the kernels' scatter between runs exceeds what they correct.
 `SLOPE_JAX_MACHINE_CALIBRATION=off` turns the adaptation off (the profile as shipped).
 Profiles without `machine_reference` (the accelerator ones) are returned unchanged.
 """
@@ -206,11 +208,32 @@ def scales(reference: dict, here: dict) -> dict:
     return out
 
 
-def rescale(hw: Hardware, here: dict) -> Hardware:
+KIND_FIELDS = ("cpu", "flags", "cores", "jax", "jaxlib", "bf16_matmul")
+
+
+def same_kind(a: dict | None, b: dict | None) -> bool:
+    """Whether two `fingerprint()`s name the same kind of machine: CPU model, ISA flags, usable cores, jax/jaxlib
+    versions and bf16 matmul mode all equal (the XLA flags may differ: another count of virtual devices)."""
+    def norm(v):  # flags: a tuple when measured, a list when read back from JSON
+        return list(v) if isinstance(v, (list, tuple)) else v
+
+    return bool(a) and bool(b) and all(norm(a.get(k)) == norm(b.get(k)) for k in KIND_FIELDS)
+
+
+def rescale(hw: Hardware, here: dict, fingerprint: dict | None = None) -> Hardware:
     """`hw` rescaled from its `machine_reference["kernels"]` to the kernel figures `here` (per dtype: peak × gemm
     ratio; per-element, per-tile, per-weight-byte and fixed terms × element ratio; attention_entry_s and
     prefix_entry_s × softmax ratio). Dtypes absent from either side keep their figures. The efficiencies (fractions
-    of peak) are kept."""
+    of peak) are kept.
+
+    `fingerprint`: the machine `here` was measured on; when it is the calibration machine's kind (`same_kind` as
+    `machine_reference["fingerprint"]`) `hw` is returned as calibrated: there the micro-kernels' run-to-run scatter
+    (the bf16 GEMM's 1.1 vs 1.65 TFLOP/s minutes apart on one AMX host, while the steps' times moved far less)
+    exceeds any difference they could correct — on that host the held-out worst error of five runs was 13-30 %
+    without the rescale and 17-65 % with it (benchmarks/measured/cpu/README.md, fourteenth session)."""
+    if same_kind(fingerprint, hw.machine_reference.get("fingerprint")):
+        return dataclasses.replace(hw, sources={**hw.sources, "machine": "not rescaled: this machine is the "
+                                                "calibration machine's kind (plan.machine.same_kind)"})
     ref = hw.machine_reference.get("kernels") or {}
     k = scales(ref, here)
     if not k:
@@ -242,12 +265,16 @@ def adapt(hw: Hardware, refresh: bool = False) -> Hardware:
 
 
 def adapt_measured(hw: Hardware, refresh: bool = False) -> tuple[Hardware, dict | None]:
-    """`adapt`, and the kernel figures it rescaled by (`measured()["kernels"]`; None where it left `hw` as it is)."""
+    """`adapt`, and the kernel figures it rescaled by (`measured()["kernels"]`; None where it left `hw` as it is:
+    no reference, an accelerator profile, the calibration machine's kind (`rescale`), or adaptation off)."""
     if not hw.machine_reference or not hw.shared_compute or os.environ.get(ENV, "").lower() in ("off", "0", "no"):
         return hw, None
     import jax
 
     if jax.default_backend() != "cpu":  # the kernels would run on the accelerator, not the host the profile models
         return hw, None
+    here = fingerprint()
+    if same_kind(here, hw.machine_reference.get("fingerprint")):
+        return rescale(hw, {}, here), None  # as calibrated: no micro-measure needed
     kernels = measured(refresh)["kernels"]
-    return rescale(hw, kernels), kernels
+    return rescale(hw, kernels, here), kernels
