@@ -52,3 +52,10 @@ def test_waiting_longer_than_predicted_is_named():
     # work ahead overran: 4 s waiting where 0.5 s was predicted, compute as predicted
     note = front.prediction_note(_res(4000, 0, 300), _item(800, 300, 0))
     assert "mostly waiting for work ahead, 4000 ms vs 500 ms predicted" in note
+
+
+def test_a_compile_done_by_the_request_ahead_counts_as_waiting():
+    # README job, second run: two short prompts share a step shape; the first loads its program (1132 ms) and
+    # computes (240 ms), the second waits for both: its prediction's compile (800 ms) is waiting for it
+    note = front.prediction_note(_res(1461, 0, 138), _item(1081, 1069, 800))
+    assert "mostly waiting for work ahead, 1461 ms vs 812 ms predicted" in note, note

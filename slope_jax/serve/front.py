@@ -79,7 +79,10 @@ def prediction_note(res, item) -> str | None:
         return None
     p_compile = item.predicted_compile_ms or 0.0
     p_compute = (item.predicted_compute_ms or 0.0) - p_compile
-    parts = {"waiting for work ahead": (res.queue_ms - res.compile_ms, pred - (item.predicted_compute_ms or 0.0)),
+    p_wait = pred - (item.predicted_compute_ms or 0.0)
+    if res.compile_ms == 0 and p_compile > 0:  # its batch's program was compiled by a request ahead of it: waited for
+        p_wait, p_compile = p_wait + p_compile, 0.0
+    parts = {"waiting for work ahead": (res.queue_ms - res.compile_ms, p_wait),
              "compiling step programs": (res.compile_ms, p_compile),
              "computing": (res.compute_ms, p_compute)}
     name, (got, want) = max(parts.items(), key=lambda kv: abs(kv[1][0] - kv[1][1]))
