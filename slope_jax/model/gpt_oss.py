@@ -348,33 +348,45 @@ def layer_windows(cfg: ModelConfig) -> np.ndarray:
                        for i in range(cfg.num_hidden_layers)], np.int32)
 
 
-def _prefix_state(q, k, v, q_pos, k_pos, window, windows: tuple[int, ...], options: StepOptions):
-    """The new tokens' state over a prefix's cached keys; `window` traced, one of `windows`. A short hit whose key
-    tile `options.prefix_kv_tile_for` widens runs full layers in the wide tiles and sliding layers in kv_tile ones
-    (they see at most W − 1 cached keys) under a switch, as `context_parallel.prefix_attention` and the planner
-    (`plan.flops.cached_prefix_attention`) tile them; otherwise one traced call in prefix_kv_tile tiles serves both
-    kinds (equal to kv_tile at the defaults)."""
+def _prefix_state(q, k_bits, v_bits, dtype, q_pos, prefix, window, windows: tuple[int, ...], options: StepOptions):
+    """The new tokens' state over a prefix's cached keys (`CachedPrefix`; this layer's k, v `[S, K, H]`, bf16 as
+    uint16 bits); `window` traced, one of `windows`, each kind of layer under its own `lax.switch` branch.
+
+    A sliding layer sees at most the W − 1 cached keys before `prefix.offset` (rows in natural order): it slices the
+    last `window_rows` rows of the prefix before anything else, so that it neither widens nor relays out the whole
+    cache (a 64-token hit over 16384 cached keys of the peer config spent 48 ms of 225 in those copies). A full
+    layer runs the whole cache in tiles of `options.prefix_kv_tile_for` (widened for few queries), as
+    `context_parallel.prefix_attention` and the planner (`plan.flops.cached_prefix_attention`) tile them."""
     full_tile = options.prefix_kv_tile_for(q.shape[0])
 
     def state(w):
-        kv = full_tile if isinstance(w, int) and w >= attn_lib.NO_WINDOW else options.kv_tile
-        return attn_lib.attend(q, k, v, q_pos, k_pos, window=w, q_tile=options.prefix_q_tile, kv_tile=kv,
+        kb, vb, kp = k_bits, v_bits, prefix.positions
+        sliding = isinstance(w, int) and w < attn_lib.NO_WINDOW
+        rows = window_rows(w, options.kv_tile) if sliding else kb.shape[0]
+        if rows < kb.shape[0]:
+            start = jnp.clip(prefix.offset - rows, 0, kb.shape[0] - rows)
+            kb, vb, kp = (jax.lax.dynamic_slice_in_dim(a, start, rows) for a in (kb, vb, kp))
+        return attn_lib.attend(q, stack.unbits(kb, dtype), stack.unbits(vb, dtype), q_pos, kp, window=w,
+                               q_tile=options.prefix_q_tile, kv_tile=options.kv_tile if sliding else full_tile,
                                impl=options.attention_impl, upcast=options.upcast_matmul)
 
-    if len(windows) > 1 and full_tile == options.prefix_kv_tile:
-        # not widened: one traced call in prefix_kv_tile tiles for both kinds (a smaller program to compile;
-        # sliding layers visit one or two such tiles)
-        return attn_lib.attend(q, k, v, q_pos, k_pos, window=window, q_tile=options.prefix_q_tile,
-                               kv_tile=full_tile, impl=options.attention_impl, upcast=options.upcast_matmul)
     return attn_lib.switch_window(window, windows, state)
+
+
+def window_rows(window: int, kv_tile: int) -> int:
+    """Cached rows a sliding layer of `window` reads after a prefix (`_prefix_state`): the W − 1 keys before the
+    first new token, rounded up to whole key tiles of `kv_tile`."""
+    return -(-(window - 1) // kv_tile) * kv_tile
 
 
 class CachedPrefix(NamedTuple):
     """KV of a prompt's first `offset` tokens, computed earlier (prefix reuse): keys the new tokens attend to.
 
     offset: int32 scalar, the number of reused tokens (the new tokens sit at positions offset, offset+1, …);
-    k, v: `[L, S, K, H]` post-RoPE per layer (S ≥ the rows held; any order), in the activation dtype or, for
-    bfloat16, as its uint16 bits (`stack.bits`: how the engine hands them over, so that nothing widens the cache);
+    k, v: `[L, S, K, H]` post-RoPE per layer (S ≥ offset rows, in natural order: row i holds position i, as
+    `serve.reuse.prefix_arrays` lays them out on one device; sliding layers slice the rows before `offset` by
+    index), in the activation dtype or, for bfloat16, as its uint16 bits (`stack.bits`: how the engine hands them
+    over, so that nothing widens the cache);
     positions: int32 `[S]` (INVALID_POS = no key: capacity padding, or rows a sliding layer does not need).
     """
 
@@ -421,8 +433,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, num_tokens: jax.A
             # Pad keys sit at positions >= num_tokens, after every real query: causality hides them.
             if prefix is None:
                 return attn_lib.attention(q, k, v, positions, positions, sinks, window=window, **tiles)
-            pk, pv = (stack.unbits(a, x.dtype) for a in xs[2:])
-            st = _prefix_state(q, pk, pv, positions, prefix.positions, window, tiles["windows"], options)
+            st = _prefix_state(q, xs[2], xs[3], x.dtype, positions, prefix, window, tiles["windows"], options)
             st = attn_lib.attend(q, k, v, positions, positions, window=window, state=st, **tiles)
             return attn_lib.finalize(st, sinks)
 
