@@ -59,3 +59,6 @@ def test_a_compile_done_by_the_request_ahead_counts_as_waiting():
     # computes (240 ms), the second waits for both: its prediction's compile (800 ms) is waiting for it
     note = front.prediction_note(_res(1461, 0, 138), _item(1081, 1069, 800))
     assert "mostly waiting for work ahead, 1461 ms vs 812 ms predicted" in note, note
+    # the engine reports a few microseconds of "compile" for a program it finds compiled: the same case
+    note = front.prediction_note(_res(12948, 0.008, 175), _item(8077, 8074, 8000))
+    assert "mostly waiting for work ahead, 12948 ms vs 8003 ms predicted" in note, note

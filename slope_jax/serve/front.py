@@ -80,8 +80,8 @@ def prediction_note(res, item) -> str | None:
     p_compile = item.predicted_compile_ms or 0.0
     p_compute = (item.predicted_compute_ms or 0.0) - p_compile
     p_wait = pred - (item.predicted_compute_ms or 0.0)
-    if res.compile_ms == 0 and p_compile > 0:  # its batch's program was compiled by a request ahead of it: waited for
-        p_wait, p_compile = p_wait + p_compile, 0.0
+    if p_compile > 0 and res.compile_ms < 1.0:  # (µs: a lookup of a program in memory) its batch's program was
+        p_wait, p_compile = p_wait + p_compile, 0.0  # compiled by a request ahead of it, which it waited for
     parts = {"waiting for work ahead": (res.queue_ms - res.compile_ms, p_wait),
              "compiling step programs": (res.compile_ms, p_compile),
              "computing": (res.compute_ms, p_compute)}
