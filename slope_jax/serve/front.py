@@ -96,16 +96,14 @@ def prediction_note(res, item) -> str | None:
 
 
 def _slow_compile_reason(got: float, want: float) -> str:
-    """Why compiling took `got` ms where `want` were predicted: no compile expected (compiled already), a cache load
-    expected (`serve.slo.CACHE_HIT_FRACTION` of a compile: the program was not in the persistent cache), or a full
-    compile expected that ran slower (the estimate: the last compile measured in this process, or before the first
-    the profile's `compile_s` scaled by the host's load)."""
+    """Why compiling took `got` ms where `want` were predicted: no compile expected (the program was taken for
+    compiled already), or one that ran longer than its estimate, which says how it is made (`serve.slo`)."""
     if want <= 0:
         return " (a step program compiled that the estimate expected compiled already)"
-    if want < 0.2 * got:  # a cache load is estimated at CACHE_HIT_FRACTION (0.1) of a compile
-        return " (a step program compiled that the estimate expected to load from the persistent cache)"
-    return (" (a full compile was expected and ran slower than estimated: before this process has compiled anything "
-            "the estimate is the hardware profile's compile_s scaled by the host's load, later the last compile)")
+    return (" (compiling or loading the step program ran longer than estimated: before this process has compiled "
+            "or loaded one, a program is estimated at the hardware profile's compile_s scaled by the host's load, "
+            "a tenth of that when the persistent compilation cache holds it; later at the last measured compile or "
+            "load)")
 
 
 # ---- the results file -------------------------------------------------------------------------------------------
