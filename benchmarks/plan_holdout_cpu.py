@@ -9,9 +9,9 @@ Measures single-device prefill (`PrefillEngine`, random dense weights, one reque
 then `--repeats` rounds over all points, best kept; prefix reuse off, so every round is a cold prefill) in each of
 `--dtypes` (float32, and bfloat16: the launcher's default) of the held-out configs HELD (or `--held_configs`) —
 sizes, heads, head_dims, expert counts, top-k, windows and depths that no CAL config has — and compares them with
-the CPU profile's predictions carried over to this machine (`plan.machine`: the profile rescaled by this run's
-micro-measures — the best of one at the start and one after each round — against the calibration's, the same
-adaptation the launcher applies at start, where the cached micro-measure is a best of starts too). The check is
+the CPU profile's predictions carried over to this machine as the launcher carries them at start (`plan.machine`: on
+the calibration machine's kind the profile as calibrated; on another kind rescaled by this run's micro-measures —
+the best of one at the start and one after each round — against the calibration's). The check is
 |error| <= `--tolerance` (25 %) on every held-out row (exit status 1 otherwise). `--merge=a.json,...` first takes each
 held-out point's best time over this run and earlier ones: the profile describes the machine at its quietest (its
 rows are best-of too), and this shared machine's speed drifts by up to ~40 % between runs minutes apart.
@@ -60,7 +60,7 @@ flags.DEFINE_float("tolerance", 0.25, "Allowed |predicted/measured − 1| on hel
 flags.DEFINE_bool("refit", False, "Measure the CAL configs and fit the profile first (else: the committed profile).")
 flags.DEFINE_list("cal_rows", [], "With --refit: fit to the CAL rows, peaks and micro-measure of earlier runs' "
                   "JSON (this script's --out) instead of measuring them; several runs: each point's best time over "
-                  "them (this machine's speed drifts by up to a quarter between runs minutes apart).")
+                  "them (this machine's speed drifts by up to ~40 % between runs minutes apart).")
 flags.DEFINE_list("merge", [], "Earlier runs' JSON (this script's --out, on a machine of this kind) whose held-out "
                   "rows are merged with this run's before the check: each point's best time over the runs, as the "
                   "calibration takes its rows (this machine's speed drifts by up to ~40 % between runs).")
