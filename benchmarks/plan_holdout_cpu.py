@@ -187,48 +187,49 @@ def refit(kernels: dict, load0) -> tuple:
     return carry_prefix_entry(hardware.load("cpu"), fitted), rows, peaks
 
 
-def saved_runs(paths: list[str]) -> tuple:
-    """(CAL rows, peaks, fingerprint, load average, micro-measure) of earlier runs' JSON: each point's best time, each
-    peak's best and the best of the runs' micro-measures (`machine.best_of`), all of one machine (ValueError
-    otherwise). Only the runs' own micro-measures: one taken now, at another moment of a machine whose speed drifts,
-    would describe other conditions than the rows'."""
-    saved = []
+def load_runs(paths: list[str], flag: str, fingerprint: dict | None = None) -> list[dict]:
+    """Earlier runs' JSON (this script's --out), all measured on the kind of machine of `fingerprint` (default: the
+    first run's; `plan.machine.same_kind`). Raises ValueError naming `flag` and the run otherwise."""
+    runs = []
     for path in paths:
         with open(path) as f:
-            saved.append(json.load(f))
-    fp = saved[0]["fingerprint"]
-    if any(d["fingerprint"].get("id") != fp.get("id") for d in saved):
-        raise ValueError(f"--cal_rows: {paths} were measured on different machines (fingerprint ids differ)")
-    best: dict = {}
-    for d in saved:
-        for r in d["rows"]:
-            key = (r["name"], r["dtype"], r["length"], r.get("pipeline", 1), r.get("ring", 1), r.get("ulysses", 1))
-            if r["name"] in CAL and (key not in best or r["ms"] < best[key]["ms"]):
-                best[key] = r
+            runs.append(json.load(f))
+        if not machine.same_kind(runs[-1].get("fingerprint"), fingerprint or runs[0].get("fingerprint")):
+            raise ValueError(f"--{flag}: {path} was measured on another kind of machine")
+    return runs
+
+
+def best_per_point(rows: list[dict]) -> list[dict]:
+    """One row per point (config name, dtype, length, layout), in first-seen order: its best time over `rows` ("ms"),
+    every round of every run ("raw_ms") and how many runs measured it ("runs"). The profile describes the machine at
+    its quietest, so calibration and held-out rows alike keep each point's best."""
+    groups: dict = {}
+    for r in rows:
+        key = (r["name"], r["dtype"], r["length"], r.get("pipeline", 1), r.get("ring", 1), r.get("ulysses", 1))
+        groups.setdefault(key, []).append(r)
+    return [{**g[0], "ms": min(r["ms"] for r in g), "raw_ms": [x for r in g for x in r.get("raw_ms", [r["ms"]])],
+             "runs": sum(r.get("runs", 1) for r in g)} for g in groups.values()]
+
+
+def saved_runs(paths: list[str]) -> tuple:
+    """(CAL rows, peaks, fingerprint, load average, micro-measure) of earlier runs' JSON (`load_runs`): each point's
+    best time (`best_per_point`), each peak's best and the best of the runs' micro-measures (`machine.best_of`). Only
+    the runs' own micro-measures: one taken now, at another moment of a machine whose speed drifts, would describe
+    other conditions than the rows'."""
+    saved = load_runs(paths, "cal_rows")
+    rows = best_per_point([r for d in saved for r in d["rows"] if r["name"] in CAL])
     peaks = {dt: max(d["peak_flops"][dt] for d in saved) for dt in saved[0]["peak_flops"]}
     measured = machine.best_of(*(d.get("cal_micro_measure") or d["micro_measure"] for d in saved))
-    return list(best.values()), peaks, fp, saved[0].get("loadavg_before", [None])[0], measured
+    return rows, peaks, saved[0]["fingerprint"], saved[0].get("loadavg_before", [None])[0], measured
 
 
 def merged_rows(rows: list[dict], paths: list[str]) -> list[dict]:
-    """`rows` with each point's (name, dtype, length) best time over them and the rows of the same point in the runs
-    at `paths` (their "ms" the best, "raw_ms" every round of every run, "runs" how many runs measured it). Raises
-    ValueError when a run was measured on another kind of machine (`plan.machine.same_kind`)."""
-    here, extra = machine.fingerprint(), {}
-    for path in paths:
-        with open(path) as f:
-            d = json.load(f)
-        if not machine.same_kind(d.get("fingerprint"), here):
-            raise ValueError(f"--merge: {path} was measured on another kind of machine")
-        for r in d["rows"]:
-            extra.setdefault((r["name"], r["dtype"], r["length"]), []).append(r)
-    out = []
-    for r in rows:
-        others = extra.get((r["name"], r["dtype"], r["length"]), [])
-        out.append({**r, "ms": min([r["ms"]] + [o["ms"] for o in others]),
-                    "raw_ms": list(r["raw_ms"]) + [x for o in others for x in o.get("raw_ms", [o["ms"]])],
-                    "runs": 1 + len(others)})
-    return out
+    """This run's held-out `rows`, each point's time the best over them and the same points in the earlier runs at
+    `paths` (`best_per_point`; runs on this kind of machine only: `load_runs`)."""
+    points = {(r["name"], r["dtype"], r["length"]) for r in rows}
+    earlier = [r for d in load_runs(paths, "merge", machine.fingerprint()) for r in d["rows"]
+               if (r["name"], r["dtype"], r["length"]) in points]
+    return best_per_point(list(rows) + earlier)
 
 
 def carry_prefix_entry(old, fitted):

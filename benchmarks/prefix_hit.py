@@ -205,10 +205,11 @@ def main(argv):
 
     # as the launcher predicts (serve.slo.this_machine: plan.machine.adapt): the profile rescaled to this machine by
     # its micro-measure, read once here so that the recorded one is the one the prediction used
-    hw_here, micro = machine.adapt_measured(hw_lib.load(F.hardware))
+    shipped = hw_lib.load(F.hardware)
+    hw_here, micro = machine.adapt_measured(shipped)
     pred_hit = predict_hit_ms(eng.cfg, n - p, p, hw_here, dtype=F.dtype, engine=eng) / 1e3
     pred_cold = predict_cold_ms(eng.cfg, n, hw_here, dtype=F.dtype, engine=eng) / 1e3
-    pred_hit_shipped = predict_hit_ms(eng.cfg, n - p, p, F.hardware, dtype=F.dtype, engine=eng) / 1e3
+    pred_hit_shipped = predict_hit_ms(eng.cfg, n - p, p, shipped, dtype=F.dtype, engine=eng) / 1e3
     hit_key = eng.step_key(n, p)
     summary = {
         "tokens": n, "cached": p, "new": n - p, "cold_bucket": eng.bucket(n), "hit_step_key": list(hit_key),
@@ -220,10 +221,9 @@ def main(argv):
         "predicted_hit_shipped_profile_s": pred_hit_shipped,
         "hit_prediction_error_shipped_profile": pred_hit_shipped / best_hit - 1,
         "machine_rescaling": hw_here.sources.get("machine", "none (the profile as shipped)"),
-        # the shipped profile's fitted cost per cached-prefix score entry these predictions used (a refit changes it)
-        "profile_prefix_entry_s": hw_lib.load(F.hardware).for_dtype(F.dtype).efficiency.prefix_entry_s,
-        # the whole shipped profile they used: the predictions can be recomputed after a refit (tests/test_machine.py)
-        "profile": hw_lib.load(F.hardware).to_dict(),
+        # the shipped profile these predictions used (its prefix_entry_s among them): they can be recomputed after a
+        # refit (tests/test_machine.py)
+        "profile": shipped.to_dict(),
         "prediction_goal": GOAL_PREDICTION,
         "compile_s": {"cold_precompile": precompile_s, "prefix": prefix_run["compile_s"],
                       "hit": warm_hit["compile_s"]},
