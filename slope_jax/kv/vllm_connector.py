@@ -58,14 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    KVConnectorTransferResults,
-    KVConnectorWorkerMetadata,
-    SupportsHMA,
-)
+import vllm
 from vllm.logger import init_logger
 
 from slope_jax.kv import compat
@@ -73,6 +66,20 @@ from slope_jax.kv import format as kvfmt
 from slope_jax.kv import nixl_transport as nt
 from slope_jax.kv import vllm_handoff as handoff
 from slope_jax.kv import vllm_plan as plan
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+        KVConnectorTransferResults,
+        KVConnectorWorkerMetadata,
+        SupportsHMA,
+    )
+except ImportError as e:  # an older vLLM: say which, instead of a missing name deep in its package
+    raise ImportError(f"slope_jax.kv.vllm_connector needs vLLM >= {compat.MIN_VLLM} (its v1 KV connector API with "
+                      f"KVConnectorTransferResults and KVConnectorWorkerMetadata); this environment has vLLM "
+                      f"{getattr(vllm, '__version__', 'unknown')}: {e}") from e
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
