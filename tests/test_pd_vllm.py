@@ -271,9 +271,15 @@ def test_request_ids_and_retries(servers):
 
 def test_huge_body_does_not_stall_a_small_request(servers):
     """A 6 MB text body in flight through the proxy (the prefill tokenizes it off its event loop, ~5 s here) while a
-    small P/D request is served: < 3 s (it took ~1 s alone here; the prefill's event loop held by the tokenizer
-    stalled it for the whole tokenization before, 14 s for 12 MB in the issue)."""
+    small P/D request is served: it returns while the big one is still in flight, within max(3 s, 2.5x) the time the
+    same request took alone just before (~1 s on an idle machine; the bound scales with this run's load, which
+    slows both). The prefill's event loop held by the tokenizer stalled it for the whole tokenization before, 14 s
+    for 12 MB in the issue."""
     proxy, _, _ = servers
+    t = time.perf_counter()
+    status, _, body = _post(proxy + "/v1/completions", {"model": MODEL, "prompt": TEXT, "max_tokens": 4})
+    alone_s = time.perf_counter() - t
+    assert status == 200, body
     with open(os.path.join(REPO, "checkpoints", "corpus.txt")) as f:
         corpus = f.read()
     huge = (corpus * (1 + 6_000_000 // len(corpus)))[:6_000_000]
@@ -288,9 +294,9 @@ def test_huge_body_does_not_stall_a_small_request(servers):
     assert status == 200, body
     assert thread.is_alive()  # the big one is still being tokenized
     thread.join()
-    print(f"small P/D request {small_s:.2f} s beside a 6 MB body")
+    print(f"small P/D request {small_s:.2f} s beside a 6 MB body, {alone_s:.2f} s alone")
     assert big["answer"][0] == 400 and big["answer"][2]["error"]["param"] == "prompt"
-    assert small_s < 3.0
+    assert small_s < max(3.0, 2.5 * alone_s)
 
 
 def test_disconnect_aborts_the_decode(servers):
