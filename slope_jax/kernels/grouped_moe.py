@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from slope_jax.model import mxfp4
+
 MX_BLOCK = 32  # elements per MXFP4 block (OCP MX)
 
 
@@ -61,16 +63,6 @@ def check_shapes(block_m: int, block_n: int, block_k: int, backend: str) -> None
                 raise ValueError(f"pallas MoE on {backend}: {name}={v} must be a power of two >= 16")
 
 
-def _e2m1(c: jax.Array) -> jax.Array:
-    """FP4 E2M1 code (int32 0..15, bit 3 sign) → float32: 0, .5, 1, 1.5, 2, 3, 4, 6 and negatives (docs/model.md §3.3).
-    Arithmetic instead of a table (Triton has no gather): e = bits 2..1, m = bit 0; e = 0 gives m/2, else
-    (1 + m/2)·2^(e−1)."""
-    e = (c >> 1) & 3
-    m = (c & 1).astype(jnp.float32)
-    mag = jnp.where(e == 0, 0.5 * m, (2.0 + m) * jnp.left_shift(jnp.int32(1), e).astype(jnp.float32) * 0.25)
-    return jnp.where(c >= 8, -mag, mag)
-
-
 def decode_tile(codes: jax.Array, scales: jax.Array, dtype) -> jax.Array:
     """Packed MXFP4 tile → values, inside a kernel (also a plain jnp function; tested against `model.mxfp4.decode`).
 
@@ -85,7 +77,7 @@ def decode_tile(codes: jax.Array, scales: jax.Array, dtype) -> jax.Array:
     c = codes.astype(jnp.int32)
     s = scales.astype(jnp.int32)
     # interleave: element 2j is the low nibble of byte j, 2j+1 the high nibble (docs/model.md §3.3)
-    vals = jnp.stack([_e2m1(c & 15), _e2m1(c >> 4)], axis=-1).reshape(bn, nb, MX_BLOCK)
+    vals = jnp.stack([mxfp4.e2m1(c & 15), mxfp4.e2m1(c >> 4)], axis=-1).reshape(bn, nb, MX_BLOCK)
     pow2 = jax.lax.bitcast_convert_type(jnp.left_shift(jnp.minimum(s, 254), 23), jnp.float32)
     vals = vals * pow2[:, :, None] * jnp.where(s == 255, 2.0, 1.0)[:, :, None]
     return vals.reshape(bn, nb * MX_BLOCK).astype(dtype)

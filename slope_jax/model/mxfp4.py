@@ -18,8 +18,17 @@ BLOCK = 32  # elements per block (OCP MX block size)
 FP4_VALUES = (+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0,
               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # E2M1 code table, bit 3 = sign (docs/model.md §3.3)
 SCALE_BIAS = 127  # E8M0: byte s encodes 2^(s - 127)
-_BYTE_PAIRS = np.stack([np.asarray(FP4_VALUES, np.float32)[np.arange(256) & 0x0F],
-                        np.asarray(FP4_VALUES, np.float32)[np.arange(256) >> 4]], axis=-1)  # [256, 2]
+
+
+def e2m1(codes: jax.Array) -> jax.Array:
+    """FP4 E2M1 codes (int32 0..15, bit 3 the sign) → float32 `FP4_VALUES` (docs/model.md §3.3), by arithmetic:
+    e = bits 2..1, m = bit 0; e = 0 gives m/2, else (1 + m/2)·2^(e−1). No table lookup: XLA:CPU runs a gather from
+    a table element by element (a gather-based decode of the peer config's 16 experts took 1.6× as long), and Triton
+    has none (`kernels.grouped_moe` decodes its weight tiles with this too)."""
+    e = (codes >> 1) & 3
+    m = (codes & 1).astype(jnp.float32)
+    mag = jnp.where(e == 0, 0.5 * m, (2.0 + m) * jnp.left_shift(jnp.int32(1), e).astype(jnp.float32) * 0.25)
+    return jnp.where(codes >= 8, -mag, mag)
 
 
 def decode(blocks: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
@@ -30,11 +39,12 @@ def decode(blocks: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax.Arra
       scales: uint8 `[..., O, G]`.
       dtype: output dtype (bfloat16 or float32; both are exact).
     Returns:
-      `[..., O, G*32]` in `dtype`, i.e. `W[..., o, 32g + 2j] = LUT[lo(B[..., o, g, j])] · 2^(S[..., o, g] − 127)` and
+      `[..., O, G*32]` in `dtype`, i.e. `W[..., o, 32g + 2j] = E2M1(lo(B[..., o, g, j])) · 2^(S[..., o, g] − 127)` and
       the high nibble at `32g + 2j + 1` (docs/model.md §3.3).
     """
-    # one gather per byte from a 256-entry table of (low nibble, high nibble) values: [..., O, G, 16, 2]
-    vals = jnp.asarray(_BYTE_PAIRS)[blocks.astype(jnp.int32)].reshape(*blocks.shape[:-1], BLOCK)
+    c = blocks.astype(jnp.int32)
+    # element 2j is the low nibble of byte j, 2j+1 the high nibble: [..., O, G, 16, 2] → [..., O, G, 32]
+    vals = jnp.stack([e2m1(c & 15), e2m1(c >> 4)], axis=-1).reshape(*blocks.shape[:-1], BLOCK)
     # 2^(s−127) built from its exponent bits (exact for s = 1…254); s = 255 is 2^127 · 2, so that 0 · 2^128 stays 0
     # and the rest overflows to ±inf exactly as ldexp does. s = 0 gives 0 (2^-127 is subnormal; XLA flushes it).
     s = scales.astype(jnp.int32)
