@@ -9,9 +9,11 @@ a freed, unknown or unreachable entry raises a KVTransferError naming the reques
 
 from __future__ import annotations
 
+import base64
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -90,8 +92,9 @@ class PoolProcess:
 
     def __init__(self, log_path):
         self.log = open(log_path, "w")
+        path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))  # e.g. another NIXL release's
         self.proc = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
+                                     stderr=self.log, text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=path))
 
     def __call__(self, op: str, **kw) -> dict:
         self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
@@ -517,3 +520,47 @@ def test_peer_rows_join_tiles_each_layer_from_pieces_in_any_order():
     for bad in (pieces[:-1], pieces + [(1, 4, 6, k[4:6], v[4:6])], [p for p in pieces if p[0] == 1]):
         with pytest.raises(ValueError, match=r"layer \d: pieces .* do not tile its rows \[\d+, 23\)"):
             peer_rows.join(manifest, bad)
+
+
+def test_a_peer_of_another_nixl_release_is_named_and_a_disconnect_mid_read_fails_cleanly(server, monkeypatch):
+    """Measured: a 1.3.2 reader cannot load a 1.5.1 pool's metadata (NIXL_ERR_BACKEND), and a 1.5.1 reader's READ
+    from a 1.3.2 pool ends in `nixlRemoteDisconnectError` raised by `check_xfer_state`. Both must come out as a
+    KVTransferError that names the two releases, and the reader must stay usable."""
+    reader = nt.KVReader(timeout_s=5)
+    pool = server.pool(capacity_bytes=1 << 20)
+    params = server.publish(pool, "vers-1", tokens=30)
+    assert params[nt.PARAMS_KEY]["nixl"] == nt.nixl_release() != "unknown"  # one venv: the same release
+    other = json.loads(json.dumps(params))
+    other[nt.PARAMS_KEY].update(nixl="nixl-cu12 0.0.1", agent="slope-kvpool-other",
+                                agent_metadata=base64.b64encode(b"nixlSerDes|not a real agent").decode())
+    with pytest.raises(nt.KVTransferError, match=r"request 'vers-1'.*cannot load the metadata.*pool runs NIXL "
+                       r"nixl-cu12 0\.0\.1 and this process nixl-cu12 \d"):
+        reader.pull(other)
+
+    class nixlRemoteDisconnectError(RuntimeError):  # noqa: N801 - NIXL's own class name, as the message shows it
+        pass
+
+    def disconnected(h):
+        raise nixlRemoteDisconnectError("NIXL_ERR_REMOTE_DISCONNECT")
+
+    real_transfer = reader._agent.transfer
+    monkeypatch.setattr(reader._agent, "transfer", lambda h: (real_transfer(h), "PROC")[1])  # still in flight
+    monkeypatch.setattr(reader._agent, "check_xfer_state", disconnected)
+    with pytest.raises(nt.KVTransferError, match=r"request 'vers-1'.*READ of layer 0 failed \("
+                       r"nixlRemoteDisconnectError: NIXL_ERR_REMOTE_DISCONNECT") as err:
+        reader.pull(params)
+    assert err.value.unreachable
+    monkeypatch.undo()
+    _assert_same(reader.pull(server.publish(pool, "vers-2", tokens=31, seed=4)), _synthetic(4, 4, 31, KH, HD))
+    reader.close()
+    # the other direction: the pool cannot load a reader's metadata; it logs that once, naming both releases
+    stranger = nt.KVReader(timeout_s=2)
+    monkeypatch.setattr(stranger, "_metadata", base64.b64encode(b"nixlSerDes|not a real agent").decode())
+    monkeypatch.setattr(nt, "nixl_release", lambda: "nixl-cu12 0.0.2")
+    with pytest.raises(nt.KVTransferError, match=r"request 'vers-3'.*did not answer the hold"):
+        stranger.pull(server.publish(pool, "vers-3", tokens=32))
+    log = open(server.log.name).read()
+    assert re.search(rf"cannot load the NIXL metadata of reader '{stranger.name}'.*reader runs NIXL nixl-cu12 0\.0\.2"
+                     r" and this process nixl-cu12 \d", log), log[-2000:]
+    monkeypatch.undo()
+    stranger.close()

@@ -35,6 +35,8 @@ import base64
 import collections
 import concurrent.futures
 import dataclasses
+import functools
+import importlib.metadata
 import json
 import os
 import secrets
@@ -72,6 +74,29 @@ def _nixl():
     from nixl._api import nixl_agent, nixl_agent_config
 
     return nixl_agent, nixl_agent_config
+
+
+@functools.cache
+def nixl_release() -> str:
+    """The NIXL build this process runs, as `<distribution> <version>` (e.g. `nixl-cu12 1.5.1`: the package that holds
+    the agent, which the `nixl` meta package only selects), or `unknown`. Agents of different releases may not read
+    each other's metadata (measured over UCX: 1.3.2 and 1.5.1 cannot; 1.4.1, 1.5.1 and 1.5.2 can)."""
+    top = _nixl()[0].__module__.split(".")[0]
+    for dist in importlib.metadata.packages_distributions().get(top, []) + ["nixl"]:
+        try:
+            return f"{dist} {importlib.metadata.version(dist)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def _release_hint(theirs: object, side: str) -> str:
+    """A clause naming both NIXL releases when `theirs` (the peer's `nixl_release()`) differs from ours, else ''."""
+    mine = nixl_release()
+    if not isinstance(theirs, str) or theirs == mine:
+        return ""
+    return (f"; the {side} runs NIXL {theirs} and this process {mine}: agents of different releases may not read "
+            f"each other's metadata, install one release on both sides (launch/vllm_venv.sh pins nixl==1.5.1)")
 
 
 def _new_agent(name: str):
@@ -197,6 +222,7 @@ class KVPool:
         self._free = [(0, self.capacity_bytes)]  # sorted (offset, size) extents
         self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._peers: set[str] = set()
+        self._refused: set[str] = set()  # readers whose metadata failed to load (logged once each)
         self._count = 0
         self._filler_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._stop = threading.Event()
@@ -236,7 +262,7 @@ class KVPool:
         return {PARAMS_KEY: {"protocol": PROTOCOL, "request_id": request_id, "entry": key, "agent": self.name,
                              "agent_metadata": self._metadata, "address": self._base + offset, "nbytes": total,
                              "dtype": dtype, "digest": "xxh3_128", "layers": layers, "lease_s": lease,
-                             "manifest": manifest}}
+                             "nixl": nixl_release(), "manifest": manifest}}
 
     def publish_export(self, path: str, cfg=None, *, verify: bool = True, lease_s: float | None = None) -> dict:
         """Publish a file export (`<kv_dir>/<request_id>`, read by `format.load`, its file digests checked with
@@ -362,7 +388,11 @@ class KVPool:
             try:
                 self._agent.add_remote_agent(base64.b64decode(msg["md"]))
                 self._peers.add(sender)
-            except Exception:  # noqa: BLE001 - a bad peer must not stop the pool; it gets no answer and times out
+            except Exception as e:  # noqa: BLE001 - a bad peer must not stop the pool; it gets no answer and times out
+                if sender not in self._refused:
+                    self._refused.add(sender)
+                    _log(f"{self.name}: cannot load the NIXL metadata of reader {sender!r} ({type(e).__name__}: {e}); "
+                         f"it gets no answer{_release_hint(msg.get('nixl'), 'reader')}")
                 return
         op, key, token = msg.get("op"), str(msg.get("entry")), str(msg.get("token"))
         now = time.monotonic()
@@ -429,6 +459,7 @@ class _Pull:
     nbytes: int
     dtype: np.dtype
     layers: list
+    nixl: str | None = None  # the pool's NIXL release (`nixl_release()`), named in errors when it differs from ours
 
 
 def _spec(params: Mapping) -> _Pull:
@@ -463,7 +494,8 @@ def _spec(params: Mapping) -> _Pull:
         md = base64.b64decode(rec["agent_metadata"], validate=True)
     except ValueError as e:
         bad("agent_metadata", f"not base64 ({e})")
-    return _Pull(rid, rec["entry"], rec["agent"], md, rec["address"], rec["nbytes"], dtype, rec["layers"])
+    release = rec.get("nixl") if isinstance(rec.get("nixl"), str) else None
+    return _Pull(rid, rec["entry"], rec["agent"], md, rec["address"], rec["nbytes"], dtype, rec["layers"], release)
 
 
 def check_record(params: Mapping) -> None:
@@ -571,7 +603,7 @@ class KVReader:
                 name = self._agent.add_remote_agent(spec.metadata)
             except Exception as e:  # noqa: BLE001 - NIXL raises its own error types
                 raise KVTransferError(spec.request_id, f"cannot load the metadata of pool agent {spec.agent!r}: "
-                                      f"{type(e).__name__}: {e}") from e
+                                      f"{type(e).__name__}: {e}{_release_hint(spec.nixl, 'pool')}") from e
             name = name.decode() if isinstance(name, bytes) else name
             if name != spec.agent:
                 raise KVTransferError(spec.request_id, f"the metadata names agent {name!r}, the record {spec.agent!r}")
@@ -591,8 +623,9 @@ class KVReader:
         with self._lock:
             md = None if spec.agent in self._introduced else self._metadata
             try:
+                intro = {"md": md, "nixl": nixl_release()} if md else {}
                 self._agent.send_notif(spec.agent, _message(op="hold", entry=spec.entry, token=token,
-                                                            hold_s=self.hold_s, **({"md": md} if md else {})))
+                                                            hold_s=self.hold_s, **intro))
             except Exception as e:  # noqa: BLE001 - NIXL raises its own error types
                 raise KVTransferError(spec.request_id, f"cannot reach pool agent {spec.agent!r}: "
                                       f"{type(e).__name__}: {e}", unreachable=True) from e
@@ -621,8 +654,8 @@ class KVReader:
                 return None
             if time.monotonic() > deadline:
                 raise KVTransferError(spec.request_id, f"pool agent {spec.agent!r} did not answer the hold of entry "
-                                      f"{spec.entry!r} within {self.timeout_s:g} s (is the prefill side running?)",
-                                      unreachable=True)
+                                      f"{spec.entry!r} within {self.timeout_s:g} s (is the prefill side running?)"
+                                      f"{_release_hint(spec.nixl, 'pool')}", unreachable=True)
             time.sleep(0.0002)
         if reply.get("op") != "held":
             raise KVTransferError(spec.request_id, f"entry {spec.entry!r} is gone from pool {spec.agent!r}: "
@@ -720,15 +753,24 @@ class KVReader:
                 posted[i] = (h, state)
                 cond.notify_all()
 
+    def _state(self, h) -> tuple[str, str]:
+        """A transfer's state (`PROC`, `DONE` or `ERR`) and, for an error NIXL raised instead of returning `ERR` (its
+        peer disconnected mid-READ: `nixlRemoteDisconnectError`), its name and text."""
+        with self._lock:
+            try:
+                return self._agent.check_xfer_state(h), ""
+            except Exception as e:  # noqa: BLE001 - NIXL raises its own error types
+                return "ERR", f"{type(e).__name__}: {e}"
+
     def _wait(self, spec: _Pull, h, lay: dict, t0: float) -> None:
         while True:
-            with self._lock:
-                state = self._agent.check_xfer_state(h)
+            state, why = self._state(h)
             if state == "DONE":
                 return
             if state == "ERR":
-                raise KVTransferError(spec.request_id, f"the NIXL READ of layer {lay['layer']} failed (pool agent "
-                                      f"{spec.agent!r} gone or the memory deregistered)", unreachable=True)
+                raise KVTransferError(spec.request_id, f"the NIXL READ of layer {lay['layer']} failed ("
+                                      f"{why or 'pool agent gone or the memory deregistered'}; pool agent "
+                                      f"{spec.agent!r}{_release_hint(spec.nixl, 'pool')})", unreachable=True)
             if time.monotonic() - t0 > self.timeout_s:
                 raise KVTransferError(spec.request_id, f"the READ of layer {lay['layer']} did not finish within "
                                       f"{self.timeout_s:g} s", unreachable=True)
@@ -739,7 +781,7 @@ class KVReader:
         for h in handles:
             deadline = time.monotonic() + self.timeout_s
             with self._lock:
-                while self._agent.check_xfer_state(h) == "PROC" and time.monotonic() < deadline:
+                while self._state(h)[0] == "PROC" and time.monotonic() < deadline:
                     time.sleep(0.0001)
                 try:
                     h.release()
