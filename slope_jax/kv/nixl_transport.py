@@ -238,7 +238,7 @@ class KVPool:
         `positions` int32 `[T]` and `kind` (`LayerKV`, `PrefillResult.kv`, what `format.load` returns); `manifest`:
         the export's manifest dict (JSON), handed to the reader unchanged. `rec` holds `agent`, `agent_metadata`
         (base64), `entry`, `address`, `nbytes`, `dtype`, `layers` (per layer: `layer`, `kind`, `offset` in the entry,
-        `tokens`, `kv_heads`, `head_dim`, `nbytes`, `xxh3_128`), `lease_s`, `manifest`.
+        `tokens`, `kv_heads`, `head_dim`, `nbytes`, `xxh3_128`), `lease_s`, `nixl` (`nixl_release()`), `manifest`.
         Raises ValueError for inconsistent tensors, KVPoolFull if it does not fit beside the held entries.
         """
         layers, dtype = _layer_layout(kv)
