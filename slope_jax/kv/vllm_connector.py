@@ -382,7 +382,7 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         params = request.kv_transfer_params
         kw = dict(cfg=self._cfg, cache_dtype=self._cache_dtype, weights=self._weights,
                   weights_unknown=self._weights_unknown, cache_salt=getattr(request, "cache_salt", None),
-                  check_fingerprint=self._check_fp)
+                  lora=_lora_name(request), check_fingerprint=self._check_fp)
         nixl, nixl_refused = None, None
         if nt.params_of(params) is not None:
             try:
@@ -811,6 +811,14 @@ class _GilBoost:
         if self._saved is not None:
             sys.setswitchinterval(self._saved)
             self._saved = None
+
+
+def _lora_name(request: "Request") -> str | None:
+    """The name of the LoRA adapter `request` runs (vLLM's `lora_request`), None for the base model."""
+    lora = getattr(request, "lora_request", None)
+    if lora is None:
+        return None
+    return str(getattr(lora, "lora_name", None) or getattr(lora, "lora_int_id", None) or lora)
 
 
 def _torch(a: np.ndarray) -> torch.Tensor:

@@ -43,8 +43,8 @@ class NixlExport(plan.Validated):
 
 
 def validate_record(params: dict, prompt: np.ndarray, cfg, cache_dtype: str, *, weights: str | None,
-                    weights_unknown: str = "", cache_salt: str | None = None, check_fingerprint: bool = True,
-                    **_unused) -> NixlExport:
+                    weights_unknown: str = "", cache_salt: str | None = None, lora: str | None = None,
+                    check_fingerprint: bool = True, **_unused) -> NixlExport:
     """Check that the NIXL record in `params` is this prompt's KV for this model (what `vllm_plan.validate` checks of
     a file export, from the record's manifest; no byte is read). Raises ExportRefused naming the field."""
     rec = nt.params_of(params)
@@ -60,7 +60,7 @@ def validate_record(params: dict, prompt: np.ndarray, cfg, cache_dtype: str, *, 
         compat.check_model(m, cfg, where, check_fingerprint=check_fingerprint)
     except kvfmt.KVFormatError as e:
         raise plan.ExportRefused(str(e)) from None
-    plan.check_identity(where, m, cfg, weights, cache_salt, weights_unknown=weights_unknown)
+    plan.check_identity(where, m, cfg, weights, cache_salt, weights_unknown=weights_unknown, lora=lora)
     n, want_hash = len(prompt), kvfmt.token_hash(prompt)
     if m.get("num_tokens") != n:
         raise plan.ExportRefused(f"{where}: num_tokens: the export holds {m.get('num_tokens')} tokens, the prompt has "

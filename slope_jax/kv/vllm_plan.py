@@ -23,7 +23,9 @@ Notable:
   config would load and silently change vLLM's output), and only if it was computed for the request's `cache_salt`
   (its `prefix.identity` must equal the identity recomputed with the request's salt; an export without one serves
   unsalted requests only), so one tenant never receives another tenant's KV, as vLLM's own prefix cache shares
-  nothing across salts. A missing or unknown digest refuses the export.
+  nothing across salts. A missing or unknown digest refuses the export. A request that runs a LoRA adapter is refused
+  every export: slope_jax computes the base model's KV (an export records no adapter), and vLLM's own prefix cache
+  never shares blocks across adapters either.
 - Every refusal is an `ExportRefused` whose message names the export, the field and both values; the connector
   logs it and lets vLLM prefill the request itself (0 external tokens, the status says why).
 """
@@ -130,8 +132,8 @@ def choose(params: dict | None, prompt: np.ndarray, index: "ExportIndex | None",
 
 
 def validate(path: str, prompt: np.ndarray, cfg, cache_dtype: str, params: dict | None, *, weights: str | None,
-             weights_unknown: str = "", cache_salt: str | None = None, verify_checksums: bool = True,
-             check_fingerprint: bool = True) -> Validated:
+             weights_unknown: str = "", cache_salt: str | None = None, lora: str | None = None,
+             verify_checksums: bool = True, check_fingerprint: bool = True) -> Validated:
     """Check that the export at `path` is this prompt's KV for this model, readable and complete.
 
     Args:
@@ -143,12 +145,14 @@ def validate(path: str, prompt: np.ndarray, cfg, cache_dtype: str, params: dict 
       weights: the digest of the weights vLLM serves (`served_weights`), None if unknown (`weights_unknown` says
         why): every export is then refused.
       cache_salt: the request's `cache_salt` (None or "" for none): the export must have been computed for it.
+      lora: the name of the LoRA adapter the request runs (vLLM's `lora_request`), None for the base model: any
+        adapter refuses the export (exports hold the base model's KV).
       verify_checksums: also compare each file's digest (sizes are always compared).
       check_fingerprint: also compare the model fingerprint (`slope_jax.kv.check_model`).
     Raises:
       ExportRefused naming the field: an inconsistent or unknown manifest, another model (layer count/kinds, KV
       heads, head_dim, window, fingerprint), other or unknown weights (`model.weights_digest`), another tenant
-      (`cache_salt`), another prompt (length or token hash), a dtype the cache cannot hold
+      (`cache_salt`), a LoRA adapter (`lora`), another prompt (length or token hash), a dtype the cache cannot hold
       exactly, a missing/short/modified file. (Whether the sliding layers hold enough tokens depends on the request's
       local prefix hit: `check_sliding`.)
     """
@@ -160,7 +164,7 @@ def validate(path: str, prompt: np.ndarray, cfg, cache_dtype: str, params: dict 
         compat.check_model(m, cfg, path, check_fingerprint=check_fingerprint)
     except kvfmt.KVFormatError as e:
         raise ExportRefused(str(e)) from None
-    check_identity(path, m, cfg, weights, cache_salt, weights_unknown=weights_unknown)
+    check_identity(path, m, cfg, weights, cache_salt, weights_unknown=weights_unknown, lora=lora)
     n = len(prompt)
     if m["num_tokens"] != n:
         raise ExportRefused(f"{path}: num_tokens: the export holds {m['num_tokens']} tokens, the prompt has {n}")
@@ -217,9 +221,13 @@ def weights_digest(path: str) -> str:
 
 
 def check_identity(path: str, m: dict, cfg, weights: str | None, cache_salt: str | None, *,
-                   weights_unknown: str = "") -> None:
+                   weights_unknown: str = "", lora: str | None = None) -> None:
     """Raise ExportRefused unless the export (manifest `m`) was computed with the weights vLLM serves (`weights`,
-    its digest; None: unknown, `weights_unknown` says why) and for the request's `cache_salt` (module doc)."""
+    its digest; None: unknown, `weights_unknown` says why), for the request's `cache_salt`, and the request runs no
+    LoRA adapter (`lora`: its name, None for none) (module doc)."""
+    if lora is not None:
+        raise ExportRefused(f"{path}: lora: the request runs LoRA adapter {lora!r}, the export holds the base model's "
+                            "KV (slope_jax computes no adapter): vLLM prefills it with the adapter")
     theirs = (m.get("model") or {}).get("weights_digest")
     if theirs is None:
         raise ExportRefused(f"{path}: model.weights_digest: the export does not record which weights computed it, "
