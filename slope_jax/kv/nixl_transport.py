@@ -640,7 +640,12 @@ class KVReader:
             reply = None
             if self._lock.acquire(blocking=wait):
                 try:
-                    for msgs in self._agent.get_new_notifs().values():
+                    try:
+                        notifs = self._agent.get_new_notifs()
+                    except Exception as e:  # noqa: BLE001 - NIXL raises its own error types (a peer disconnected)
+                        raise KVTransferError(spec.request_id, f"waiting for pool agent {spec.agent!r} to answer the "
+                                              f"hold: {type(e).__name__}: {e}", unreachable=True) from e
+                    for msgs in notifs.values():
                         for raw in msgs:
                             msg = _parse(raw)
                             if msg is not None and "token" in msg:
