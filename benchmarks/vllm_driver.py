@@ -5,6 +5,7 @@ nothing from tests/ or the rest of benchmarks/.
     python benchmarks/vllm_driver.py spec.json out.json
 
 spec: {"model": dir, "hybrid": bool, "prefix_caching": bool, "extra_config": {...}, "max_tokens": int,
+       "policy": kv_load_failure_policy ("fail", vLLM's default, or "recompute"),
        "phases": [{"wait_for": path or null, "requests": [{"id", "prompt": [ids], "params": {...} or null,
                                                            "cache_salt": str (optional)}]}]}
 Each phase waits for its `wait_for` file (exports still being written), empties vLLM's prefix cache if it says
@@ -29,7 +30,8 @@ def main(spec_path: str, out_path: str) -> None:
         spec = json.load(f)
     t0 = time.perf_counter()
     ktc = KVTransferConfig(kv_connector="SlopeJaxConnector", kv_connector_module_path="slope_jax.kv.vllm_connector",
-                           kv_role="kv_consumer", kv_connector_extra_config=spec.get("extra_config", {}))
+                           kv_role="kv_consumer", kv_connector_extra_config=spec.get("extra_config", {}),
+                           kv_load_failure_policy=spec.get("policy", "fail"))
     llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=spec.get("max_model_len", 2048),
               seed=0, block_size=spec.get("block_size", 128), kv_cache_memory_bytes=spec.get("kv_cache_bytes", 1 << 28),
               kv_transfer_config=ktc,

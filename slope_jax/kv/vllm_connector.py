@@ -224,6 +224,9 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
                 logger.info("SlopeJaxConnector: indexed %s in %.1f ms", self._index.kv_dir,
                             (time.perf_counter() - t0) * 1e3)
         self._layers, self._groups = self._layer_groups(kv_cache_config)
+        self._kinds_differ = self._kind_mismatch(kv_cache_config)
+        if self._kinds_differ and role == KVConnectorRole.SCHEDULER:
+            logger.warning("SlopeJaxConnector: every export will be refused: %s", self._kinds_differ)
         self._cache_dtype = self._find_cache_dtype(vllm_config, kv_cache_config)
         # scheduler side
         self._decisions: dict[str, _Decision] = {}
@@ -297,6 +300,23 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
                     layers[name] = (idx, self._cfg.layer_types[idx], g)
         return layers, groups
 
+    def _kind_mismatch(self, kv_cache_config) -> str | None:
+        """Why vLLM's attention differs from the exports' model, or None: a layer vLLM runs with a sliding window
+        (its KV cache group is a SlidingWindowSpec) that config.layer_types calls full, or the other way round, or
+        another window. vLLM's gpt-oss model makes the even layers sliding whatever config.layer_types says, so a
+        checkpoint of another pattern is another model there: its exports (computed as config.layer_types says, as
+        transformers does) would decode wrongly. Seen only under the hybrid KV cache manager (the plain one turns
+        every group into full attention); `_cut` checks each attention layer on the worker side in every case."""
+        if kv_cache_config is None or not any(sliding for _, sliding in self._groups):
+            return None
+        for idx, kind, g in sorted(self._layers.values()):
+            spec = kv_cache_config.kv_cache_groups[g].kv_cache_spec
+            why = _kind_differs(idx, kind, getattr(spec, "sliding_window", None) if self._groups[g][1] else None,
+                                self._cfg.sliding_window)
+            if why:
+                return why
+        return None
+
     @staticmethod
     def _served_weights(vllm_config, extra) -> tuple[str | None, str]:
         t0 = time.perf_counter()
@@ -356,6 +376,8 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         prompt = np.asarray(request.prompt_token_ids or [], dtype=np.int64)
         if len(prompt) <= 1:
             return _Decision(None, "not used: a 1-token prompt has nothing to load (vLLM computes the last token)")
+        if self._kinds_differ:
+            return _Decision(None, f"not used: {self._kinds_differ}")
         t0 = time.perf_counter()
         try:
             # the manifest and file sizes only: the worker hashes the bytes it reads (no hashing in this loop)
@@ -581,6 +603,9 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
             src_kind, k, v, pos = entry
             if src_kind != kind:
                 raise plan.ExportRefused(f"layer {idx} is {src_kind} in the export, {kind} in the model")
+            why = _kind_differs(idx, kind, getattr(layer, "sliding_window", None), self._cfg.sliding_window)
+            if why:
+                raise plan.ExportRefused(why)
             a = int(torch.searchsorted(pos, lo))
             if a >= len(pos) or int(pos[a]) != lo or int(pos[-1]) < hi - 1:
                 raise plan.ExportRefused(f"layer {idx} holds positions [{int(pos[0])}, {int(pos[-1]) + 1}), "
@@ -811,6 +836,18 @@ class _GilBoost:
         if self._saved is not None:
             sys.setswitchinterval(self._saved)
             self._saved = None
+
+
+def _kind_differs(idx: int, kind: str, vllm_window: int | None, window: int) -> str | None:
+    """Why layer `idx` (`kind` in config.layer_types, sliding window `window`) is another attention in vLLM, which
+    runs it with sliding window `vllm_window` (None: full attention), or None."""
+    if (kind == kvfmt.SLIDING) == (vllm_window is not None) and (vllm_window is None or vllm_window == window):
+        return None
+    theirs = "full attention" if vllm_window is None else f"a sliding window of {vllm_window}"
+    ours = f"a sliding window of {window}" if kind == kvfmt.SLIDING else "full attention"
+    return (f"layer {idx}: vLLM runs it with {theirs}, config.layer_types (what exports are computed with, as in "
+            f"transformers) with {ours} (vLLM's gpt-oss model makes the even layers sliding whatever layer_types "
+            "says): vLLM serves another model than the exports hold, so none is loaded")
 
 
 def _lora_name(request: "Request") -> str | None:
