@@ -490,7 +490,7 @@ conn = object.__new__(vc.SlopeJaxConnector)  # the scheduler side's decision onl
 conn._cfg = compat.model_config(AutoConfig.from_pretrained(ckpt))
 conn._cache_dtype, conn._check_fp, conn._index = "float32", True, None
 conn._weights, conn._weights_unknown = plan.weights_digest(ckpt), ""
-conn._groups, conn._async_min_bytes, conn._kinds_differ = [(128, False), (128, True)], 1 << 20, None
+conn._groups, conn._async_min_bytes, conn._model_differs = [(128, False), (128, True)], 1 << 20, None
 out = {}
 for rid, lora in (("base", None), ("adapter", types.SimpleNamespace(lora_name="sql-ad", lora_int_id=7))):
     req = types.SimpleNamespace(request_id=rid, prompt_token_ids=prompt, kv_transfer_params={plan.PATH_KEY: path},

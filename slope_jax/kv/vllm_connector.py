@@ -224,9 +224,10 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
                 logger.info("SlopeJaxConnector: indexed %s in %.1f ms", self._index.kv_dir,
                             (time.perf_counter() - t0) * 1e3)
         self._layers, self._groups = self._layer_groups(kv_cache_config)
-        self._kinds_differ = self._kind_mismatch(kv_cache_config)
-        if self._kinds_differ and role == KVConnectorRole.SCHEDULER:
-            logger.warning("SlopeJaxConnector: every export will be refused: %s", self._kinds_differ)
+        self._model_differs = next(iter(plan.vllm_model_differences(self._cfg)), None) or self._kind_mismatch(
+            kv_cache_config)
+        if self._model_differs and role == KVConnectorRole.SCHEDULER:
+            logger.warning("SlopeJaxConnector: every export will be refused: %s", self._model_differs)
         self._cache_dtype = self._find_cache_dtype(vllm_config, kv_cache_config)
         # scheduler side
         self._decisions: dict[str, _Decision] = {}
@@ -376,8 +377,8 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         prompt = np.asarray(request.prompt_token_ids or [], dtype=np.int64)
         if len(prompt) <= 1:
             return _Decision(None, "not used: a 1-token prompt has nothing to load (vLLM computes the last token)")
-        if self._kinds_differ:
-            return _Decision(None, f"not used: {self._kinds_differ}")
+        if self._model_differs:
+            return _Decision(None, f"not used: {self._model_differs}")
         t0 = time.perf_counter()
         try:
             # the manifest and file sizes only: the worker hashes the bytes it reads (no hashing in this loop)
@@ -603,7 +604,8 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
             src_kind, k, v, pos = entry
             if src_kind != kind:
                 raise plan.ExportRefused(f"layer {idx} is {src_kind} in the export, {kind} in the model")
-            why = _kind_differs(idx, kind, getattr(layer, "sliding_window", None), self._cfg.sliding_window)
+            why = self._model_differs or _kind_differs(idx, kind, getattr(layer, "sliding_window", None),
+                                                       self._cfg.sliding_window)
             if why:
                 raise plan.ExportRefused(why)
             a = int(torch.searchsorted(pos, lo))

@@ -193,6 +193,25 @@ def validate(path: str, prompt: np.ndarray, cfg, cache_dtype: str, params: dict 
     return Validated(path, m["run_nonce"], m["checksums"], n, m["dtype"], kvfmt.sliding_from(m))
 
 
+# What vLLM's gpt-oss model (vllm/model_executor/models/gpt_oss.py, 0.30-0.32) computes whatever the config says; the
+# layer pattern (sliding on even layers) is checked per layer by the connector, from vLLM's own KV cache specs.
+VLLM_GPT_OSS_FIXED = {"swiglu_limit": 7.0, "rms_norm_eps": 1e-5, "rope_type": "yarn"}
+
+
+def vllm_model_differences(cfg) -> list[str]:
+    """Where vLLM's gpt-oss model computes other than `cfg` (`ModelConfig`, as slope_jax and transformers follow it):
+    each a sentence naming the field, the config's value and vLLM's. An export of such a checkpoint holds KV that vLLM
+    would never compute, so none may be loaded (measured: swiglu_limit 0.5 → |Δ logprob| up to 0.86 against vLLM's
+    own prefill). Empty for every released gpt-oss config."""
+    out = []
+    for field, fixed in VLLM_GPT_OSS_FIXED.items():
+        value = getattr(cfg, field)
+        if value != fixed:
+            out.append(f"config {field} is {value!r}, vLLM's gpt-oss model uses {fixed!r} whatever the config says: "
+                       "vLLM serves another model than the exports hold, so none is loaded")
+    return out
+
+
 def served_weights(model: str, configured: str | None = None) -> tuple[str | None, str]:
     """(digest of the weights vLLM serves, or None; why it is unknown). `configured`
     (kv_connector_extra_config.weights_digest) wins; else `weights_digest(model)` of vLLM's model directory, which

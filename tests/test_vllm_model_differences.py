@@ -1,4 +1,5 @@
-"""A checkpoint whose config.layer_types is not gpt-oss's alternation (sliding on even layers) is another model in vLLM:
+"""Checkpoints whose config vLLM's gpt-oss model does not follow are another model there, and their exports must never
+load. The layer pattern: a checkpoint whose config.layer_types is not gpt-oss's alternation (sliding on even layers) is another model in vLLM:
 its gpt-oss model makes the even layers sliding whatever layer_types says, while slope_jax (and transformers) follow
 layer_types. Exports of such a checkpoint were loaded anyway and vLLM decoded wrong tokens (measured on a held-out
 config: |Δ logprob| up to 1.5 against vLLM's own prefill, prefix caching off) or failed to place them (prefix caching
@@ -6,8 +7,11 @@ on: "token 0 maps to the null block"). The connector now compares each layer's a
 under the hybrid KV cache manager (vLLM's default) the scheduler refuses every export, so vLLM prefills each prompt
 itself (its own tokens, the reason in the status); under the plain manager, which hides the windows from the
 scheduler, the worker refuses the load and kv_load_failure_policy decides (here `recompute`: vLLM's own tokens).
+Fields vLLM fixes (swiglu_limit, rms_norm_eps, the RoPE type) are compared with the config by
+`vllm_plan.vllm_model_differences`, which the same refusal uses.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -77,3 +81,16 @@ def test_exports_of_another_layer_pattern_are_never_loaded(runs, engine):
             assert exp["kv_transfer_params"][plan.LOADED_KEY] == 0
     if engine == "hybrid":
         assert re.search("every export will be refused: " + REASON.format(w=window), logs[engine])
+
+
+def test_fields_vllm_fixes_are_compared_with_the_config():
+    """swiglu_limit, rms_norm_eps and the RoPE type are fixed in vLLM's gpt-oss model: a config with another value is
+    another model there (swiglu_limit 0.5 measured: |Δ logprob| up to 0.86 with the export loaded, against vLLM's own
+    prefill); every shipped and released config passes."""
+    for name in ("gpt-oss-120b.json", "gpt-oss-20b.json", "tiny.json", "tiny-hd64.json", "peer-hd64.json"):
+        assert plan.vllm_model_differences(ModelConfig.from_json(os.path.join(REPO, "configs", name))) == [], name
+    base = ModelConfig.from_json(os.path.join(CKPT, "config.json"))
+    for field, value in (("swiglu_limit", 0.5), ("rms_norm_eps", 1e-6), ("rope_type", "default")):
+        diff = plan.vllm_model_differences(dataclasses.replace(base, **{field: value}))
+        assert len(diff) == 1 and re.match(rf"config {field} is {value!r}, vLLM's gpt-oss model uses "
+                                           rf"{plan.VLLM_GPT_OSS_FIXED[field]!r} whatever", diff[0]), diff
