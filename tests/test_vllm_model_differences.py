@@ -1,14 +1,14 @@
-"""Checkpoints whose config vLLM's gpt-oss model does not follow are another model there, and their exports must never
-load. The layer pattern: a checkpoint whose config.layer_types is not gpt-oss's alternation (sliding on even layers) is another model in vLLM:
-its gpt-oss model makes the even layers sliding whatever layer_types says, while slope_jax (and transformers) follow
-layer_types. Exports of such a checkpoint were loaded anyway and vLLM decoded wrong tokens (measured on a held-out
-config: |Δ logprob| up to 1.5 against vLLM's own prefill, prefix caching off) or failed to place them (prefix caching
-on: "token 0 maps to the null block"). The connector now compares each layer's attention in vLLM with layer_types:
-under the hybrid KV cache manager (vLLM's default) the scheduler refuses every export, so vLLM prefills each prompt
-itself (its own tokens, the reason in the status); under the plain manager, which hides the windows from the
-scheduler, the worker refuses the load and kv_load_failure_policy decides (here `recompute`: vLLM's own tokens).
-Fields vLLM fixes (swiglu_limit, rms_norm_eps, the RoPE type) are compared with the config by
-`vllm_plan.vllm_model_differences`, which the same refusal uses.
+"""Checkpoints whose config vLLM's gpt-oss model does not follow are another model there: their exports never load.
+
+The layer pattern: vLLM's gpt-oss model makes the even layers sliding whatever config.layer_types says, while
+slope_jax (and transformers) follow layer_types. Exports of a checkpoint of another pattern were loaded anyway and vLLM
+decoded wrong tokens (measured on a held-out config: |Δ logprob| up to 1.5 against vLLM's own prefill, prefix caching
+off) or failed to place them (prefix caching on: "token 0 maps to the null block"). The connector now compares each
+layer's attention in vLLM with layer_types: under the hybrid KV cache manager (vLLM's default) the scheduler refuses
+every export, so vLLM prefills each prompt itself (its own tokens, the reason in the status); under the plain
+manager, which hides the windows from the scheduler, the worker refuses the load and kv_load_failure_policy decides
+(here `recompute`: vLLM's own tokens). Fields vLLM fixes (swiglu_limit, swiglu_alpha, rms_norm_eps, the RoPE type)
+are compared with the config by `vllm_plan.vllm_model_differences`, which the same refusal uses.
 """
 
 import dataclasses
@@ -90,7 +90,8 @@ def test_fields_vllm_fixes_are_compared_with_the_config():
     for name in ("gpt-oss-120b.json", "gpt-oss-20b.json", "tiny.json", "tiny-hd64.json", "peer-hd64.json"):
         assert plan.vllm_model_differences(ModelConfig.from_json(os.path.join(REPO, "configs", name))) == [], name
     base = ModelConfig.from_json(os.path.join(CKPT, "config.json"))
-    for field, value in (("swiglu_limit", 0.5), ("rms_norm_eps", 1e-6), ("rope_type", "default")):
+    for field, value in (("swiglu_limit", 0.5), ("swiglu_alpha", 1.5), ("rms_norm_eps", 1e-6),
+                         ("rope_type", "default")):
         diff = plan.vllm_model_differences(dataclasses.replace(base, **{field: value}))
         assert len(diff) == 1 and re.match(rf"config {field} is {value!r}, vLLM's gpt-oss model uses "
                                            rf"{plan.VLLM_GPT_OSS_FIXED[field]!r} whatever", diff[0]), diff

@@ -195,7 +195,7 @@ def validate(path: str, prompt: np.ndarray, cfg, cache_dtype: str, params: dict 
 
 # What vLLM's gpt-oss model (vllm/model_executor/models/gpt_oss.py, 0.30-0.32) computes whatever the config says; the
 # layer pattern (sliding on even layers) is checked per layer by the connector, from vLLM's own KV cache specs.
-VLLM_GPT_OSS_FIXED = {"swiglu_limit": 7.0, "rms_norm_eps": 1e-5, "rope_type": "yarn"}
+VLLM_GPT_OSS_FIXED = {"swiglu_limit": 7.0, "swiglu_alpha": 1.702, "rms_norm_eps": 1e-5, "rope_type": "yarn"}
 
 
 def vllm_model_differences(cfg) -> list[str]:
