@@ -500,3 +500,28 @@ def test_launcher_reuses_prefixes_per_salt_and_reports_cached_tokens(tmp_path):
     assert recs["turn"]["first_token"] == off["turn"]["first_token"]
     assert kv.read_manifest(str(tmp_path / "off" / "doc"))["sliding_policy"] == "last_window"
     assert kv.read_manifest(str(tmp_path / "on" / "doc"))["sliding_policy"] == "full"
+
+
+@pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(ring=2, ulysses=2)], ids=["1dev", "cp-1x2x2"])
+def test_a_window_of_one_reads_no_cached_key(tmp_path, parallel):
+    """sliding_window=1 (a query sees only itself): a sliding layer reads none of the cached rows (W − 1 = 0), which
+    made the prefix attention divide by a zero key tile (ZeroDivisionError for every hit of such a config). Hits
+    inside, at and past a block edge equal the cold prompt."""
+    import dataclasses
+
+    from slope_jax.checkpoints import writer as checkpoint_writer
+
+    cfg = dataclasses.replace(CONFIG_A, sliding_window=1)
+    path = str(tmp_path / "w1")
+    checkpoint_writer.write_hf(path, cfg, checkpoint_writer.random_params(cfg, seed=11), experts="mxfp4")
+    devices = None
+    if parallel.num_devices > 1:
+        import jax
+
+        devices = jax.devices()[:parallel.num_devices]
+    hot, cold = (PrefillEngine.from_checkpoint(path, parallel, dtype="float32", progress=False, devices=devices,
+                                               reuse=prefix_lib.ReuseOptions(block_size=BLOCK), **TILES)
+                 for _ in range(2))
+    hot.prefill([BASE[:40]])
+    for n, cached in [(9, 8), (41, 40), (70, 40)]:
+        _check(cold, hot, _prompt(n, n), cached)

@@ -281,11 +281,15 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: ja
         `model.matmul`) when its query tile holds at least `options.UPCAST_MIN_QUERY_TILE` queries; the fused
         kernels ignore it.
     Returns:
-      Updated AttnState for the `Tq` queries. Scale `D^-0.5` is applied to q·k (docs/model.md §2.3).
+      Updated AttnState for the `Tq` queries (`state`, or the empty state, when there is no key: Tk = 0). Scale
+      `D^-0.5` is applied to q·k (docs/model.md §2.3).
     """
     if impl not in ("xla", "pallas", "cudnn"):
         raise ValueError(f"attention_impl={impl!r}: the step runs a concrete core, 'xla', 'pallas' or 'cudnn' "
                          "(resolve 'auto' with StepOptions.resolve)")
+    if k.shape[0] == 0:  # no keys (a window of 1 over a cached prefix reads none of it): nothing to accumulate
+        return state if state is not None else empty_state(q.shape[0], k.shape[1], q.shape[1] // k.shape[1],
+                                                           q.shape[2])
     if impl == "cudnn":
         gpu = jax.default_backend() in options_lib.GPU_PLATFORMS
         choices = (int(window),) if isinstance(window, int) else windows
