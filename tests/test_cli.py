@@ -38,7 +38,7 @@ def test_rerun_refuses_to_clobber_results_and_all_failed_exits_1(tmp_path):
            f"--kv_dir={tmp_path / 'kv'}"]
     first = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=300)
     assert first.returncode == 1, first.stderr[-3000:]  # every request failed: not a success
-    assert "every request failed (2 error record(s))" in first.stderr
+    assert "no request was served (2 error record(s): all failed); exit status 1" in first.stderr
     records = [json.loads(x) for x in results.read_text().splitlines()]
     assert [r["line"] for r in records] == [1, 2] and all("error" in r for r in records)
     before = results.read_bytes()

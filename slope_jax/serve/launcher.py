@@ -26,8 +26,8 @@ when it was served after it; a request refused by admission gets an error record
 layout mistake is one `slope_jax: error:` line and exit status 2; so is start-up with processes that disagree on
 anything that shapes the compiled step (the differing field is named).
 An existing --results file without --overwrite is refused (a run never replaces an earlier run's outputs silently);
-exit status 1: every request failed. Compiled length buckets are kept in the persistent compilation cache
-(--compile_cache_dir, `slope_jax.compile_cache`).
+exit status 1: no request was served (each failed or was rejected). Compiled length buckets are kept in the
+persistent compilation cache (--compile_cache_dir, `slope_jax.compile_cache`).
 """
 
 
@@ -162,8 +162,10 @@ def _finish(config: LaunchConfig, engine, front, t_start: float) -> int:
     logging.info("process %d done", me)
     records = front.records if front is not None else []
     if me == 0 and records and all("error" in r for r in records):
-        print(f"slope_jax: every request failed ({len(records)} error record(s)); exit status 1", file=sys.stderr,
-              flush=True)
+        rejected = sum(bool(r.get("rejected")) for r in records)
+        why = f"{rejected} rejected by SLO admission, {len(records) - rejected} failed" if rejected else "all failed"
+        print(f"slope_jax: no request was served ({len(records)} error record(s): {why}); exit status 1",
+              file=sys.stderr, flush=True)
         return 1
     return 0
 
