@@ -54,6 +54,19 @@ def test_bad_prompts_are_rejected_by_name(shipped, prompt, match):
         shipped.prefill([prompt])
 
 
+@pytest.mark.parametrize("call,match", [
+    (lambda e: e.prefill(np.array([5, 6, 7])), r"prompt 0: a single value \(5\); prompts must be a list of prompts"),
+    (lambda e: e.prefill(["Four score"]), r"prompt 0: a string; prefill takes token ids"),
+    (lambda e: e.prefill([[5, 6]], cache_salt=7), r"cache_salt: expected a string, a list of strings .* got int"),
+    (lambda e: e.prefill([[5, 6]], cache_salt=["a", "b"]), r"cache_salt: 2 salts for 1 prompts"),
+])
+def test_api_misuse_gets_an_error_that_says_what_to_pass(shipped, call, match):
+    """Common mistakes with the Python API (one prompt not wrapped in a list, text instead of token ids, a salt of the
+    wrong type) get a RequestError saying what to pass, not a numpy shape or a TypeError."""
+    with pytest.raises(RequestError, match=match):
+        call(shipped)
+
+
 def test_bf16_close_to_float32(checkpoints, reference_engines):
     """bf16 weights/activations vs the float32 path on the same checkpoint. Measured: max |Δlogit| 0.024 (0.7% of the
     largest |logit|), correlation 0.99997. Top-1: where float32's margin between its best two logits exceeds twice

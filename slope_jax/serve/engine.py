@@ -291,6 +291,12 @@ class PrefillEngine:
             ids = np.asarray(prompt)
         except Exception as e:  # noqa: BLE001 - anything numpy cannot read is a bad request
             raise RequestError(f"prompt {i}: not a sequence of token ids ({e})") from e
+        if isinstance(prompt, str):
+            raise RequestError(f"prompt {i}: a string; prefill takes token ids (tokenize it first, e.g. with the "
+                               "checkpoint's tokenizer.json; the launcher and the HTTP endpoint take text)")
+        if ids.ndim == 0:
+            raise RequestError(f"prompt {i}: a single value ({ids.item()!r}); prompts must be a list of prompts, "
+                               "each a sequence of token ids (one prompt: [ids])")
         if ids.ndim != 1 or ids.size == 0:
             raise RequestError(f"prompt {i}: expected a non-empty 1-D sequence of token ids, got shape {ids.shape}")
         if not np.issubdtype(ids.dtype, np.integer):
@@ -790,7 +796,13 @@ class PendingExport:
 
 def _salts(cache_salt, count: int) -> list[str | None]:
     """One `cache_salt` per prompt (ValueError for a list of the wrong length or a salt that is not a string)."""
-    salts = [cache_salt] * count if cache_salt is None or isinstance(cache_salt, str) else list(cache_salt)
+    if cache_salt is None or isinstance(cache_salt, str):
+        salts = [cache_salt] * count
+    elif isinstance(cache_salt, (list, tuple)):
+        salts = list(cache_salt)
+    else:
+        raise RequestError(f"cache_salt: expected a string, a list of strings (one per prompt) or None, got "
+                           f"{type(cache_salt).__name__}")
     if len(salts) != count:
         raise RequestError(f"cache_salt: {len(salts)} salts for {count} prompts")
     for i, s in enumerate(salts):
