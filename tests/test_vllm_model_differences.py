@@ -73,6 +73,7 @@ def test_exports_of_another_layer_pattern_are_never_loaded(runs, engine):
     for n in lens:
         exp, ref = got[f"export/{n}"], got[f"plain/{n}"]
         assert exp["tokens"] == ref["tokens"], (engine, n)
+        # vLLM prefills both itself in one engine: equal up to batch-order rounding (measured 0.0 on every run)
         assert exp["logprobs"] == pytest.approx(ref["logprobs"], abs=1e-5), (engine, n)
         status = exp["kv_transfer_params"][plan.STATUS_KEY]
         assert re.search(REASON.format(w=window), status), (engine, status)
