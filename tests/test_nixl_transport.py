@@ -554,9 +554,9 @@ def test_a_peer_of_another_nixl_release_is_named_and_a_disconnect_mid_read_fails
     _assert_same(reader.pull(server.publish(pool, "vers-2", tokens=31, seed=4)), _synthetic(4, 4, 31, KH, HD))
     reader.close()
     # the other direction: the pool cannot load a reader's metadata; it logs that once, naming both releases
+    monkeypatch.setattr(nt, "nixl_release", lambda: "nixl-cu12 0.0.2")  # what the reader names in its first hold
     stranger = nt.KVReader(timeout_s=2)
     monkeypatch.setattr(stranger, "_metadata", base64.b64encode(b"nixlSerDes|not a real agent").decode())
-    monkeypatch.setattr(nt, "nixl_release", lambda: "nixl-cu12 0.0.2")
     with pytest.raises(nt.KVTransferError, match=r"request 'vers-3'.*did not answer the hold"):
         stranger.pull(server.publish(pool, "vers-3", tokens=32))
     log = open(server.log.name).read()

@@ -81,10 +81,10 @@ def nixl_release() -> str:
     """The NIXL build this process runs, as `<distribution> <version>` (e.g. `nixl-cu12 1.5.1`: the package that holds
     the agent, which the `nixl` meta package only selects), or `unknown`. Agents of different releases may not read
     each other's metadata (measured over UCX: 1.3.2 and 1.5.1 cannot; 1.4.1, 1.5.1 and 1.5.2 can)."""
-    top = _nixl()[0].__module__.split(".")[0]
-    for dist in importlib.metadata.packages_distributions().get(top, []) + ["nixl"]:
+    top = _nixl()[0].__module__.split(".")[0]  # nixl_cu12: its distribution's name, normalized (1 ms, no scan)
+    for dist in (top, "nixl"):
         try:
-            return f"{dist} {importlib.metadata.version(dist)}"
+            return f"{dist.replace('_', '-')} {importlib.metadata.version(dist)}"
         except importlib.metadata.PackageNotFoundError:
             continue
     return "unknown"
@@ -211,6 +211,7 @@ class KVPool:
         self.poll_s = poll_s
         self.name = name or f"slope-kvpool-{os.getpid()}-{secrets.token_hex(4)}"
         self._agent = _new_agent(self.name)
+        self._nixl = nixl_release()  # named in every record
         self._arena = np.empty(self.capacity_bytes, np.uint8)
         if prefault:
             self._arena.fill(0)  # np.zeros would map pages lazily: touch them now, not during a publish
@@ -262,7 +263,7 @@ class KVPool:
         return {PARAMS_KEY: {"protocol": PROTOCOL, "request_id": request_id, "entry": key, "agent": self.name,
                              "agent_metadata": self._metadata, "address": self._base + offset, "nbytes": total,
                              "dtype": dtype, "digest": "xxh3_128", "layers": layers, "lease_s": lease,
-                             "nixl": nixl_release(), "manifest": manifest}}
+                             "nixl": self._nixl, "manifest": manifest}}
 
     def publish_export(self, path: str, cfg=None, *, verify: bool = True, lease_s: float | None = None) -> dict:
         """Publish a file export (`<kv_dir>/<request_id>`, read by `format.load`, its file digests checked with
@@ -517,6 +518,7 @@ class KVReader:
         self.name = name or f"slope-kvreader-{os.getpid()}-{secrets.token_hex(4)}"
         self.hold_s, self.timeout_s = hold_s, timeout_s
         self._agent = _new_agent(self.name)
+        self._nixl = nixl_release()  # named in each first hold
         self._metadata = base64.b64encode(self._agent.get_agent_metadata()).decode()
         self._lock = threading.RLock()  # every agent call (NIXL agents are not thread-safe by default)
         self._pools: dict[str, bytes] = {}  # pool agent name -> the metadata loaded for it
@@ -623,7 +625,7 @@ class KVReader:
         with self._lock:
             md = None if spec.agent in self._introduced else self._metadata
             try:
-                intro = {"md": md, "nixl": nixl_release()} if md else {}
+                intro = {"md": md, "nixl": self._nixl} if md else {}
                 self._agent.send_notif(spec.agent, _message(op="hold", entry=spec.entry, token=token,
                                                             hold_s=self.hold_s, **intro))
             except Exception as e:  # noqa: BLE001 - NIXL raises its own error types

@@ -224,8 +224,8 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
                 logger.info("SlopeJaxConnector: indexed %s in %.1f ms", self._index.kv_dir,
                             (time.perf_counter() - t0) * 1e3)
         self._layers, self._groups = self._layer_groups(kv_cache_config)
-        self._model_differs = next(iter(plan.vllm_model_differences(self._cfg)), None) or self._kind_mismatch(
-            kv_cache_config)
+        fixed = plan.vllm_model_differences(self._cfg)  # why vLLM computes another model than the exports hold
+        self._model_differs = fixed[0] if fixed else self._kind_mismatch(kv_cache_config)
         if self._model_differs and role == KVConnectorRole.SCHEDULER:
             logger.warning("SlopeJaxConnector: every export will be refused: %s", self._model_differs)
         self._cache_dtype = self._find_cache_dtype(vllm_config, kv_cache_config)

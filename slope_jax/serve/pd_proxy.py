@@ -97,7 +97,12 @@ def decode_body(body: dict, kv_transfer_params: dict, kv_transport: str = "nixl"
     kv_transfer_params (less the NIXL record with `kv_transport` "files")."""
     if kv_transport == "files":
         kv_transfer_params = {k: v for k, v in kv_transfer_params.items() if k != _NIXL_KEY}
-    return {**{k: v for k, v in body.items() if k != "ttft_slo_ms"}, "kv_transfer_params": kv_transfer_params}
+    return {**_for_decode(body), "kv_transfer_params": kv_transfer_params}
+
+
+def _for_decode(body: dict) -> dict:
+    """The client's body less the fields only the prefill reads (`ttft_slo_ms`)."""
+    return {k: v for k, v in body.items() if k != "ttft_slo_ms"}
 
 
 def export_id(client_id: str) -> str:
@@ -156,12 +161,8 @@ class _Prefilled:
         self.params, self.first, self.export = params, first, export
 
 
-class _Direct:
-    """The prefill server does not serve the request's `model` (a LoRA adapter or another name `vllm serve` serves):
-    the decode server prefills it itself."""
-
-    def __init__(self, model: str):
-        self.model = model
+_DIRECT = object()  # `_prefill`'s answer when the prefill server does not serve the request's `model` (a LoRA
+# adapter or another name `vllm serve` serves): the decode server prefills it itself (`_direct`)
 
 
 def _not_served_model(status: int, raw: bytes) -> bool:
@@ -176,7 +177,7 @@ def _not_served_model(status: int, raw: bytes) -> bool:
 
 
 async def _prefill(application, body: dict, client_id: str, chat: bool):
-    """The prefill of one prompt: a `_Prefilled`, `_Direct` (the prefill server does not serve the request's
+    """The prefill of one prompt: a `_Prefilled`, `_DIRECT` (the prefill server does not serve the request's
     `model`), or the error response to give the client."""
     import aiohttp
     from aiohttp import web
@@ -189,7 +190,7 @@ async def _prefill(application, body: dict, client_id: str, chat: bool):
                                                headers={"X-Request-Id": client_id}) as resp:
             raw = await resp.read()
             if _not_served_model(resp.status, raw):
-                return _Direct(str(body.get("model")))
+                return _DIRECT
             if resp.status != 200:  # the prefill's own answer: 4xx naming the field, 503 SLO rejection, ...
                 return web.Response(body=raw, status=resp.status, content_type=resp.content_type)
             first = json.loads(raw)
@@ -251,11 +252,13 @@ def _answer_headers(client_id: str, done: list[_Prefilled], content_type: str) -
             "X-Slope-Jax-TTFT-ms": ",".join(str(p.first.get("ttft_ms")) for p in done)}
 
 
-async def _direct(request, body: dict, client_id: str, chat: bool, model: str):
+async def _direct(request, body: dict, client_id: str, chat: bool):
     """The whole request (a list of prompts too) to the decode server, which prefills it itself: the prefill server
-    does not serve `model`. vLLM answers as it would without the proxy (its own 404 if it does not serve it either)."""
-    logging.info("%s: model %r is not the prefill server's: the decode server prefills it itself", client_id, model)
-    return await _relay(request, {k: v for k, v in body.items() if k != "ttft_slo_ms"}, client_id, [], chat)
+    does not serve its `model`. vLLM answers as it would without the proxy (its own 404 if it does not serve it
+    either)."""
+    logging.info("%s: model %r is not the prefill server's: the decode server prefills it itself", client_id,
+                 body.get("model"))
+    return await _relay(request, _for_decode(body), client_id, [], chat)
 
 
 async def _completions(request, chat: bool = False):
@@ -270,8 +273,8 @@ async def _completions(request, chat: bool = False):
     if prompts is not None:
         return await _fan_out(request, body, client_id, prompts)
     done = await _prefill(request.app, body, client_id, chat)
-    if isinstance(done, _Direct):
-        return await _direct(request, body, client_id, chat, done.model)
+    if done is _DIRECT:
+        return await _direct(request, body, client_id, chat)
     if not isinstance(done, _Prefilled):
         return done
     consumed = False
@@ -313,9 +316,9 @@ async def _fan_out(request, body: dict, client_id: str, prompts: list):
     ids = [f"{client_id}-{i}" for i in range(len(prompts))]
     results = await asyncio.gather(*(_prefill(request.app, s, i, False) for s, i in zip(subs, ids)))
     done = [r for r in results if isinstance(r, _Prefilled)]
-    if any(isinstance(r, _Direct) for r in results):  # one model for every prompt: none was prefilled
+    if any(r is _DIRECT for r in results):  # one model for every prompt: none was prefilled
         _release(request.app, [p.export for p in done], True)
-        return await _direct(request, body, client_id, False, str(body.get("model")))
+        return await _direct(request, body, client_id, False)
     if len(done) < len(results):  # the first prompt's error; the other exports are never decoded
         _release(request.app, [p.export for p in done], True)
         return next(r for r in results if not isinstance(r, _Prefilled))
