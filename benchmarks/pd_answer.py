@@ -8,7 +8,8 @@ on disk, which the decode side then reads).
 
 One launcher process (`slope_jax.launch --http_port`, ONE CPU device, bf16, every other flag its default: prefix
 reuse on, 128-token blocks, whole-prompt exports), or `--processes` of them with ring attention over their devices
-(as `launch/pd_vllm.sh` starts it: a NIXL answer then gathers the step's K/V to every process first), on the
+(as `launch/pd_vllm.sh` starts it: each process then keeps its pieces in its own NIXL pool and the answer's record
+names every pool, `nixl_transport.compose`), on the
 gpt-oss-20b KV cut of benchmarks/handoff_e2e.py
 (gpt-oss-20b's 24 layers, 8 KV heads of 64: 48 KiB of KV per token; the rest cut small). Per size, `--repeats`
 pairs of requests, each a fresh random prompt (no prefix hit) of the size's token count, sent one at a time with

@@ -38,6 +38,8 @@ if pid == 1:
     rows.offer("too-big", pieces(2, 20000), KINDS)  # 2 x 20000 x 3 x 5 x 4 bytes: more than the 1 MiB pool
     rows.offer("dropped", pieces(3, 9), KINDS)
     rows.offer("empty", [], KINDS)
+    rows.offer("rec", pieces(4, 13), KINDS)  # handed on as a record (a composed answer's part), then dropped
+    rows.offer("rec-too-big", pieces(5, 20000), KINDS)
     client.wait_at_barrier("collected", 60_000)  # "never" is never offered
     deadline = time.monotonic() + 10
     while rows.pool.stats()["entries"] and time.monotonic() < deadline:  # process 0's last release may be in flight
@@ -56,5 +58,13 @@ else:
             report(case, error=str(e))
     rows.discard("dropped")
     report("empty", got=rows.collect("empty"))
+    recs = rows.records("rec")
+    report("records", count=len(recs), pieces=recs[0]["manifest"]["pieces"])
+    rows.drop(recs)  # nobody pulls them: process 1's pool frees the entry
+    try:
+        rows.records("rec-too-big")
+        report("records-too-big", error=None)
+    except RuntimeError as e:
+        report("records-too-big", error=str(e))
     client.wait_at_barrier("collected", 60_000)
 rows.close()

@@ -68,6 +68,14 @@ for line in sys.stdin:
                                                           cmd["hd"]), {"request_id": cmd["rid"]})
             elif op == "publish_export":
                 out = pool.publish_export(cmd["path"])
+            elif op == "publish_half":  # this process's pieces of an export: each layer's first or second half
+                from slope_jax.kv import format as kvfmt
+                kv, pieces = kvfmt.load(cmd["path"]), []
+                for layer, lkv in kv.items():
+                    a, b = int(lkv.positions[0]), int(lkv.positions[-1]) + 1
+                    lo, hi = (a, (a + b) // 2) if cmd["half"] == 0 else ((a + b) // 2, b)
+                    pieces.append((layer, lo, hi, lkv.k[lo - a: hi - a], lkv.v[lo - a: hi - a]))
+                out = pool.publish_pieces(cmd["rid"], pieces, {layer: lkv.kind for layer, lkv in kv.items()})
             elif op == "tamper":
                 pool._arena[cmd["address"] - pool._base] ^= 0xFF
                 out = {}
@@ -185,6 +193,61 @@ def test_pull_equals_the_export_then_the_entry_is_freed(server, reader, tmp_path
     assert st["entries"] == 0 and st["used_bytes"] == 0
     with pytest.raises(nt.KVTransferError, match=r"request 'doc-1'.*gone.*released: the decode side has it"):
         reader.pull(params)
+
+
+def test_composed_record_pulls_each_piece_from_its_own_pool(server, reader, tmp_path):
+    """A multi-process prefill's record (`compose`): each process's pieces stay in its own pool (two processes
+    here, each half of every layer's rows, as ring 2 holds them) and the reader pulls them from both. Whole layers
+    equal the export's bitwise; `on_layer` gets every piece under its layer id with its positions; `done` frees
+    both entries; a tampered byte in one part fails the pull and leaves no hold in either pool; a record whose
+    pieces leave a gap in a layer is refused before any READ."""
+    path = _export(tmp_path, "doc-2", 41)
+    want = kvfmt.load(path)
+    manifest = nt.handoff_manifest(kvfmt.read_manifest(path))
+    other = PoolProcess(tmp_path / "pool2.log")
+    try:
+        pools = [(server, server.pool(capacity_bytes=1 << 20)), (other, other.pool(capacity_bytes=1 << 20))]
+
+        def parts(rid):
+            return [proc("publish_half", pool=p, path=path, half=i, rid=rid) for i, (proc, p) in enumerate(pools)]
+
+        params = nt.compose("doc-2", parts("doc-2#a"), manifest)
+        json.dumps(params)
+        _assert_same(reader.pull(params, release=False), want)  # joined: a copy of the two halves
+        seen = []
+        assert reader.pull(params, release=False, on_layer=lambda layer, lkv: seen.append(
+            (layer, int(lkv.positions[0]), int(lkv.positions[-1]) + 1, lkv.k.tobytes()))) == {}
+        for layer, w in want.items():
+            got = sorted(x for x in seen if x[0] == layer)
+            assert len(got) == 2 and got[0][2] == got[1][1], got  # two pieces that meet
+            assert got[0][3] + got[1][3] == w.k.tobytes() and (got[0][1], got[1][2]) == (w.positions[0],
+                                                                                         w.positions[-1] + 1)
+        reader.done(params)
+        for proc, p in pools:
+            assert proc.wait_stats(p, lambda s: s["entries"] == 0)["entries"] == 0
+
+        params = nt.compose("doc-3", parts("doc-3#a"), manifest)
+        rec = params[nt.PARAMS_KEY]["parts"][1]
+        lay = rec["layers"][1]
+        assert other("tamper", pool=pools[1][1], address=rec["address"] + lay["offset"] + 5) == {}
+        with pytest.raises(nt.KVTransferError, match=r"request 'doc-3'.*layer 1: XXH3-128 digest mismatch"):
+            reader.pull(params)
+        for proc, p in pools:
+            st = proc.wait_stats(p, lambda s: s["held"] == 0)
+            assert st["held"] == 0 and st["entries"] == 1, st
+
+        gap = json.loads(json.dumps(params))
+        for field in (gap[nt.PARAMS_KEY]["parts"][1]["manifest"]["pieces"], gap[nt.PARAMS_KEY]["parts"][1]["layers"]):
+            del field[0]  # the second half of layer 0 is missing
+        with pytest.raises(nt.KVTransferError, match=r"request 'doc-3'.*slope_jax_nixl.parts: layer 0: pieces "
+                                                     r"\[\(\d+, \d+\)\] do not tile its rows \[\d+, \d+\]"):
+            nt.check_record(gap)
+        late = json.loads(json.dumps(params))
+        late[nt.PARAMS_KEY]["parts"][1]["manifest"]["pieces"][0][1] += 1  # a piece one row shorter than its region
+        with pytest.raises(nt.KVTransferError, match=r"slope_jax_nixl.parts\[1\].manifest.pieces: .*differ"):
+            nt.check_record(late)
+    finally:
+        other.close()
 
 
 def test_reused_buffer_and_many_pulls(server, reader):
@@ -395,7 +458,8 @@ def test_publish_from_the_host_tier_equals_publishing_the_export(checkpoints, tm
 def test_endpoint_answers_over_nixl_before_its_export_is_written(reader, tmp_path, processes):
     """The P/D endpoint (one launcher process, or two: ring 2, each holding half the sequence) answers a request
     that hands its KV over NIXL as soon as its first token is on the host (`HttpIntake.deliver_early`; under two
-    processes the other process offers its rows over NIXL, as the broadcast batch marks the request `early`):
+    processes the other process offers its rows over NIXL, as the broadcast batch marks the request `early`, and the
+    record names both processes' pools):
     `export_pending` in the answer, the record published from the step's KV in memory; what the decode side pulls is
     bitwise the export written after, whose final record then lands in the results file; so too for a prefix hit
     (its cached rows joined to the computed ones). A prompt shorter than a reuse block is answered so too, and
@@ -455,6 +519,8 @@ def test_endpoint_answers_over_nixl_before_its_export_is_written(reader, tmp_pat
                                         "kv_transfer_params": {"do_remote_decode": True}})
         params = body["kv_transfer_params"]
         assert body["export_pending"] is True and body["publish_from"] == "memory", body
+        # two processes: each one's rows stay in its own pool, the record names both (`nixl_transport.compose`)
+        assert len(params[nt.PARAMS_KEY].get("parts", [None])) == processes, params[nt.PARAMS_KEY].keys()
         path = pulled_equals_export(params)
         assert params[nt.PARAMS_KEY]["manifest"]["first_token"] == body["choices"][0]["token_ids"][0]
         # a prefix hit of it (its first 64 tokens from the export just written), answered early too
@@ -494,13 +560,11 @@ def test_endpoint_answers_over_nixl_before_its_export_is_written(reader, tmp_pat
             p.wait(timeout=60)
 
 
-def test_peer_rows_join_tiles_each_layer_from_pieces_in_any_order():
-    """`serve.peer_rows.join` (process 0 joining every process's pieces of a request): layers come out whole and in
-    token order whatever order the pieces arrive in (zigzag ring pieces interleave), a layer of one piece is that
-    piece unchanged, the joined rows land in the given buffer (views), and a missing or overlapping piece is a
-    ValueError naming the layer and its rows."""
-    from slope_jax.serve import peer_rows
-
+def test_join_tiles_each_layer_from_pieces_in_any_order():
+    """`nixl_transport.join` (a composed record's pull; process 0 joining every process's pieces of a request):
+    layers come out whole and in token order whatever order the pieces arrive in (zigzag ring pieces interleave), a
+    layer of one piece is that piece unchanged, the joined rows land in the given buffer (views), and a missing or
+    overlapping piece is a ValueError naming the layer and its rows."""
     rng = np.random.default_rng(5)
     k, v = (rng.standard_normal((23, 3, 5)).astype(np.float32) for _ in range(2))
     manifest = {"layers": [{"layer": 0, "kind": "sliding_attention", "token_range": [7, 23]},
@@ -509,7 +573,7 @@ def test_peer_rows_join_tiles_each_layer_from_pieces_in_any_order():
               (1, 0, 5, k[:5], v[:5]), (1, 5, 12, k[5:12], v[5:12])]
     buf = np.zeros(1 << 12, np.uint8)
     for out in (None, buf):
-        got = peer_rows.join(manifest, pieces[::-1] if out is None else pieces, out=out)
+        got = nt.join(manifest, pieces[::-1] if out is None else pieces, out=out)
         assert sorted(got) == [0, 1] and got[0].kind == "sliding_attention" and got[1].kind == "full_attention"
         assert got[0].k is pieces[1][3]  # one piece: itself
         np.testing.assert_array_equal(got[0].positions, np.arange(7, 23))
@@ -519,7 +583,7 @@ def test_peer_rows_join_tiles_each_layer_from_pieces_in_any_order():
     assert np.shares_memory(got[1].k, buf) and np.shares_memory(got[1].v, buf)
     for bad in (pieces[:-1], pieces + [(1, 4, 6, k[4:6], v[4:6])], [p for p in pieces if p[0] == 1]):
         with pytest.raises(ValueError, match=r"layer \d: pieces .* do not tile its rows \[\d+, 23\)"):
-            peer_rows.join(manifest, bad)
+            nt.join(manifest, bad)
 
 
 def test_a_peer_of_another_nixl_release_is_named_and_a_disconnect_mid_read_fails_cleanly(server, monkeypatch):

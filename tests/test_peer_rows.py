@@ -1,7 +1,8 @@
 """`serve.peer_rows` between two real processes (jax.distributed on 127.0.0.1, NIXL over UCX): what process 0
 collects is bitwise what the peer offered; a peer that cannot offer (its pool too small) and a peer that never posts
 are RuntimeErrors naming the process and the cause, within the timeout (the endpoint then answers after the export);
-offers process 0 drops or pulls leave the peer's pool empty."""
+records handed on (a composed answer's parts) name the peer's pieces; offers process 0 drops, discards or pulls leave
+the peer's pool empty."""
 
 import json
 import os
@@ -28,6 +29,8 @@ def test_peer_rows_collect_offer_failures_and_discard(tmp_path):
     assert "process 1 could not offer its rows of too-big: KVPoolFull" in lines["too-big"]["error"]
     assert "process 1 posted no rows of never within 2 s" in lines["never"]["error"]
     assert lines["empty"]["got"] == []
+    assert lines["records"] == {"case": "records", "count": 1, "pieces": [[1, 0, 4], [0, 4, 13]]}
+    assert "process 1 could not offer its rows of rec-too-big: KVPoolFull" in lines["records-too-big"]["error"]
     assert lines["pool"]["entries"] == 0 and lines["pool"]["used_bytes"] == 0, lines["pool"]
 
 

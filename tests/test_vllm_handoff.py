@@ -119,3 +119,55 @@ def test_nixl_record_is_validated_like_a_file_export(tmp_path):
     refused(lambda r: r["layers"][0].update(nbytes=5), match=r"layers\[0\]")
     with pytest.raises(plan.ExportRefused, match="first_token"):
         handoff.validate_record({**params, plan.FIRST_TOKEN_KEY: 18}, np.arange(N), **KW)
+
+
+def _composed(path: str) -> dict:
+    """kv_transfer_params as a 2-process prefill answers (`nixl_transport.compose`): each layer's rows split in two,
+    the first half in one pool's part, the second in another's (dummy digests and addresses, as `_record`)."""
+    kv = kvfmt.load(path)
+    parts = []
+    for half in (0, 1):
+        pieces = {}
+        for layer, lkv in kv.items():
+            a, b = int(lkv.positions[0]), int(lkv.positions[-1]) + 1
+            lo, hi = (a, (a + b) // 2) if half == 0 else ((a + b) // 2, b)
+            pieces[len(pieces)] = (layer, lo, hi, kvfmt.LayerKV(lkv.k[lo - a: hi - a], lkv.v[lo - a: hi - a],
+                                                                np.arange(lo, hi, dtype=np.int32), lkv.kind))
+        layers, dtype = nt._layer_layout({i: p[3] for i, p in pieces.items()})
+        for lay in layers:
+            lay["xxh3_128"] = "00" * 16
+        parts.append({"protocol": nt.PROTOCOL, "request_id": f"key-{half}", "entry": f"e#{half}",
+                      "agent": f"pool{half}", "agent_metadata": base64.b64encode(b"md").decode(), "address": 4096,
+                      "nbytes": layers[-1]["offset"] + layers[-1]["nbytes"], "dtype": dtype, "digest": "xxh3_128",
+                      "layers": layers, "lease_s": 60.0,
+                      "manifest": {"pieces": [list(p[:3]) for p in pieces.values()]}})
+    return nt.compose("r3", parts, nt.handoff_manifest(kvfmt.read_manifest(path)))
+
+
+def test_composed_nixl_record_is_validated_like_one_pools(tmp_path):
+    """A multi-process prefill's record (one part per process's pool, each layer in pieces) passes the same checks
+    as one pool's, per piece, and its pieces must tile every layer's rows (checked before any READ)."""
+    path = _export(tmp_path / "kv", "r3")
+    params = {**_composed(path), plan.FIRST_TOKEN_KEY: 17}
+    export = handoff.validate_record(params, np.arange(N), **KW)
+    single = handoff.validate_record({**_record(path), plan.FIRST_TOKEN_KEY: 17}, np.arange(N), **KW)
+    assert (export.num_tokens, export.dtype, export.sliding_from) == (single.num_tokens, single.dtype,
+                                                                      single.sliding_from)
+    assert export.path == "nixl:pool0/e#0 (+1 pool)" and export.record is params[nt.PARAMS_KEY]
+
+    def refused(change, match):
+        p = copy.deepcopy(params)
+        change(p[nt.PARAMS_KEY])
+        with pytest.raises(plan.ExportRefused, match=match):
+            handoff.validate_record(p, np.arange(N), **KW)
+
+    flip = {"full_attention": "sliding_attention", "sliding_attention": "full_attention"}
+    refused(lambda r: r["parts"][1]["layers"][1].update(kind=flip[r["parts"][1]["layers"][1]["kind"]]), "layer 1")
+    heads = CONFIG_A.num_key_value_heads * CONFIG_A.head_dim  # the same bytes per row as one head of all of them
+    refused(lambda r: [lay.update(kv_heads=1, head_dim=heads) for lay in r["parts"][1]["layers"]],
+            rf"layers\[0\]: 1 KV heads of {heads} in the record")
+    refused(lambda r: (r["parts"][1]["layers"].pop(0), r["parts"][1]["manifest"]["pieces"].pop(0)),
+            r"layer 0: pieces .* do not tile")
+    refused(lambda r: r["parts"][0].update(parts=[]), r"parts\[0\]: a composed record cannot be a part")
+    refused(lambda r: r.update(nbytes=10), "nbytes")
+    refused(lambda r: r["manifest"]["model"].update(weights_digest="cd" * 16), "model.weights_digest")

@@ -154,6 +154,57 @@ def params_of(kv_transfer_params: Mapping | None) -> dict | None:
     return rec if isinstance(rec, dict) else None
 
 
+def compose(request_id: str, parts: list[dict], manifest: dict) -> dict:
+    """One hand-off record over several pools: the request's `kv_transfer_params` (`{PARAMS_KEY: rec}`) whose
+    `rec["parts"]` are the records of `KVPool.publish_pieces` (each process of a multi-process prefill publishes
+    its own pieces in its own pool), so a reader pulls every piece straight from the process that computed it: each
+    byte crosses the network once, and the pools are read in parallel. `rec` also holds `request_id`, `protocol`,
+    `nbytes` (the staging a reader needs: the parts page-aligned one after another), `dtype`, `nixl` and `manifest`
+    (the export's, whose `layers[].token_range` the pieces must tile). Raises ValueError for parts of different
+    dtypes or without pieces."""
+    parts = [params_of(p) or p for p in parts]
+    dtypes = {p.get("dtype") for p in parts}
+    if not parts or len(dtypes) != 1 or any(not isinstance((p.get("manifest") or {}).get("pieces"), list)
+                                            for p in parts):
+        raise ValueError(f"request {request_id!r}: compose needs publish_pieces records of one dtype, got "
+                         f"{len(parts)} with dtypes {sorted(map(str, dtypes))}")
+    nbytes = sum(_aligned(int(p["nbytes"]), _ENTRY_ALIGN) for p in parts)
+    return {PARAMS_KEY: {"protocol": PROTOCOL, "request_id": request_id, "parts": parts, "nbytes": nbytes,
+                         "dtype": dtypes.pop(), "nixl": nixl_release(), "manifest": manifest}}
+
+
+def join(manifest: dict, pieces: list, out: np.ndarray | None = None) -> dict[int, LayerKV]:
+    """Whole layers from pieces (`(layer, a, b, k, v)`, any order, every process's): global layer id → LayerKV over
+    the manifest's `token_range` of that layer (its `kind`), in token order; a layer of one piece is that piece, the
+    others are joined in `out` (a uint8 buffer large enough: views into it) or fresh arrays. Raises ValueError when
+    the pieces do not tile a layer's range exactly (a piece missing or overlapping)."""
+    by_layer: dict[int, list] = {}
+    for p in pieces:
+        by_layer.setdefault(int(p[0]), []).append(p)
+    result, at = {}, 0
+    for rec in manifest["layers"]:
+        layer, (a, b) = int(rec["layer"]), (int(x) for x in rec["token_range"])
+        have = sorted(by_layer.get(layer, []), key=lambda p: p[1])
+        spans = [(int(p[1]), int(p[2])) for p in have]
+        if not have or [lo for lo, _ in spans] != [a] + [hi for _, hi in spans[:-1]] or spans[-1][1] != b:
+            raise ValueError(f"layer {layer}: pieces {spans} do not tile its rows [{a}, {b})")
+        kv = []
+        for i in (3, 4):
+            parts = [p[i] for p in have]
+            if len(parts) == 1:
+                kv.append(parts[0])
+                continue
+            shape, dtype = (b - a, *parts[0].shape[1:]), parts[0].dtype
+            dst = None
+            if out is not None:
+                n = int(np.prod(shape)) * dtype.itemsize
+                dst = out[at:at + n].view(dtype).reshape(shape)
+                at = -(-(at + n) // 64) * 64
+            kv.append(np.concatenate(parts, out=dst))
+        result[layer] = LayerKV(kv[0], kv[1], np.arange(a, b, dtype=np.int32), rec["kind"])
+    return result
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Prefill side
 @dataclasses.dataclass
@@ -274,6 +325,17 @@ class KVPool:
         manifest = kvfmt.read_manifest(target)
         kv = kvfmt.load(target, cfg, verify=verify)
         return self.publish(manifest["request_id"], kv, handoff_manifest(manifest), lease_s=lease_s)
+
+    def publish_pieces(self, request_id: str, pieces: list, kinds: Mapping[int, str], *,
+                       lease_s: float | None = None) -> dict:
+        """Publish one process's pieces of a request's KV (a multi-process prefill holds each layer's rows spread
+        over its processes): `pieces` are `(layer, a, b, K [b − a, K, H], V)`, the rows [a, b) of global layer
+        `layer` (`kinds[layer]`: its kind). Returns `publish`'s kv_transfer_params whose record's `layers[i]` is
+        piece i and whose manifest is `{"pieces": [[layer, a, b], ...]}`: a part of a `compose`d record. Raises what
+        `publish` raises."""
+        kv = {i: LayerKV(k, v, np.arange(a, b, dtype=np.int32), kinds[layer])
+              for i, (layer, a, b, k, v) in enumerate(pieces)}
+        return self.publish(request_id, kv, {"pieces": [[int(x) for x in p[:3]] for p in pieces]}, lease_s=lease_s)
 
     def _fillers(self) -> concurrent.futures.ThreadPoolExecutor:
         """The threads that copy and digest a publication's layers (created on first use, one per core up to 4)."""
@@ -463,14 +525,30 @@ class _Pull:
     nixl: str | None = None  # the pool's NIXL release (`nixl_release()`), named in errors when it differs from ours
 
 
-def _spec(params: Mapping) -> _Pull:
-    """Validate a hand-off record (`kv_transfer_params` or its `PARAMS_KEY` part). Raises KVTransferError."""
+@dataclasses.dataclass
+class _Parts:
+    """A validated `compose`d record: `parts[i]` is pulled into the staging at `offsets[i]`; `pieces[i][j]` is the
+    (layer, a, b) of its `layers[j]`."""
+
+    request_id: str
+    parts: list
+    pieces: list
+    offsets: list
+    nbytes: int
+    manifest: dict
+
+
+def _spec(params: Mapping, where: str = PARAMS_KEY) -> _Pull | _Parts:
+    """Validate a hand-off record (`kv_transfer_params` or its `PARAMS_KEY` part; a `compose`d one's parts each as
+    a record of their own, `where` naming it). Raises KVTransferError naming the field."""
     rec = params_of(params) or params
     rid = str(rec.get("request_id", "?"))
 
     def bad(field, why):
-        raise KVTransferError(rid, f"kv_transfer_params.{PARAMS_KEY}.{field}: {why}")
+        raise KVTransferError(rid, f"kv_transfer_params.{where}.{field}: {why}")
 
+    if "parts" in rec:
+        return _parts_spec(rec, rid, bad)
     if rec.get("protocol") != PROTOCOL:
         bad("protocol", f"{rec.get('protocol')!r}, this reader speaks {PROTOCOL}")
     for field, typ in (("entry", str), ("agent", str), ("agent_metadata", str), ("address", int), ("nbytes", int),
@@ -497,6 +575,59 @@ def _spec(params: Mapping) -> _Pull:
         bad("agent_metadata", f"not base64 ({e})")
     release = rec.get("nixl") if isinstance(rec.get("nixl"), str) else None
     return _Pull(rid, rec["entry"], rec["agent"], md, rec["address"], rec["nbytes"], dtype, rec["layers"], release)
+
+
+def _parts_spec(rec: Mapping, rid: str, bad) -> _Parts:
+    """`_spec` of a `compose`d record: each part a record, its pieces one per layer region with the region's token
+    count, the parts page-aligned within `nbytes`, every layer of the manifest tiled exactly by the pieces."""
+    if rec.get("protocol") != PROTOCOL:
+        bad("protocol", f"{rec.get('protocol')!r}, this reader speaks {PROTOCOL}")
+    parts, manifest = rec.get("parts"), rec.get("manifest")
+    if not isinstance(parts, list) or not parts or not all(isinstance(p, dict) for p in parts):
+        bad("parts", "expected a non-empty list of records")
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("layers"), list):
+        bad("manifest", "missing, or without layers")
+    specs, pieces, offsets, at = [], [], [], 0
+    for i, part in enumerate(parts):
+        if "parts" in part:
+            bad(f"parts[{i}]", "a composed record cannot be a part")
+        spec = _spec({**part, "request_id": rid}, f"{PARAMS_KEY}.parts[{i}]")
+        got = (part.get("manifest") or {}).get("pieces")
+        try:
+            got = [(int(p[0]), int(p[1]), int(p[2])) for p in got]
+        except (TypeError, ValueError, IndexError) as e:
+            bad(f"parts[{i}].manifest.pieces", f"malformed ({e!r})")
+        if len(got) != len(spec.layers) or any(b - a != int(lay["tokens"]) or a < 0
+                                               for (_, a, b), lay in zip(got, spec.layers)):
+            bad(f"parts[{i}].manifest.pieces", f"{len(got)} pieces for {len(spec.layers)} regions, or a piece's rows "
+                "differ from its region's tokens")
+        specs.append(spec)
+        pieces.append(got)
+        offsets.append(at)
+        at += _aligned(spec.nbytes, _ENTRY_ALIGN)
+    if len({s.dtype for s in specs}) != 1:
+        bad("parts", f"parts of dtypes {sorted({s.dtype.name for s in specs})}: expected one")
+    if not isinstance(rec.get("nbytes"), int) or rec["nbytes"] < at:
+        bad("nbytes", f"{rec.get('nbytes')!r}: the parts need {at}")
+    try:
+        _check_tiling(manifest, [p for got in pieces for p in got])
+    except (KeyError, TypeError, ValueError) as e:
+        bad("parts", str(e))
+    return _Parts(rid, specs, pieces, offsets, at, manifest)
+
+
+def _check_tiling(manifest: dict, pieces: list) -> None:
+    """ValueError unless the (layer, a, b) pieces tile every layer's `token_range` of the manifest exactly."""
+    by_layer: dict[int, list] = {}
+    for layer, a, b in pieces:
+        by_layer.setdefault(layer, []).append((a, b))
+    want = {int(rec["layer"]): tuple(int(x) for x in rec["token_range"]) for rec in manifest["layers"]}
+    for layer in sorted(set(want) | set(by_layer)):
+        spans = sorted(by_layer.get(layer, []))
+        if layer not in want or not spans or spans[0][0] != want[layer][0] or spans[-1][1] != want[layer][1] or \
+                any(hi != lo for (_, hi), (lo, _) in zip(spans, spans[1:])):
+            raise ValueError(f"layer {layer}: pieces {spans} do not tile its rows "
+                             f"{list(want[layer]) if layer in want else '(not in the manifest)'}")
 
 
 def check_record(params: Mapping) -> None:
@@ -531,7 +662,9 @@ class KVReader:
         """Pull a request's KV: global layer id → `LayerKV(k, v, positions, kind)`, as `format.load` returns.
 
         Args:
-          params: the request's `kv_transfer_params` (or its `PARAMS_KEY` record), from `KVPool.publish`.
+          params: the request's `kv_transfer_params` (or its `PARAMS_KEY` record), from `KVPool.publish`, or from
+            `compose` (several pools, pulled in parallel: `on_layer` then gets each piece — a layer's rows
+            [a, b), `positions` saying which — and the pull returns {}; without `on_layer` whole layers, joined).
           out: a uint8 buffer of at least the record's `nbytes` to read into (registered with NIXL on first use and
             kept registered: reuse it to avoid registration and first-touch page faults); the returned arrays are
             views into it. Default: a fresh buffer per pull.
@@ -543,18 +676,24 @@ class KVReader:
         lease expired, evicted, unknown), no answer from the pool, a failed READ, a digest mismatch.
         """
         spec = _spec(params)
+        buf, temp = self._staging(spec, out)
+        try:
+            if isinstance(spec, _Parts):
+                return self._pull_parts(spec, buf, release, on_layer)
+            return self._pull_one(spec, buf, release, on_layer)
+        finally:
+            if temp is not None:
+                with self._lock:
+                    self._agent.deregister_memory(temp)
+
+    def _pull_one(self, spec: _Pull, buf: np.ndarray, release: bool, on_layer) -> dict[int, LayerKV]:
+        """Pull one pool's entry into `buf` (registered): hold, READs checked layer by layer, release."""
         self._connect(spec)
         token = secrets.token_hex(8)
         ok = False
         try:
             self._ask_hold(spec, token)
-            buf, temp = self._staging(spec, out)
-            try:
-                kv = self._read_layers(spec, buf, on_layer, token)
-            finally:
-                if temp is not None:
-                    with self._lock:
-                        self._agent.deregister_memory(temp)
+            kv = self._read_layers(spec, buf, on_layer, token)
             ok = True
             return kv
         except KVTransferError as e:
@@ -565,13 +704,60 @@ class KVReader:
             if ok or spec.agent in self._pools:
                 self._release(spec, token, bool(ok and release))
 
+    def _pull_parts(self, spec: _Parts, buf: np.ndarray, release: bool, on_layer) -> dict[int, LayerKV]:
+        """Pull a `compose`d record's parts, each from its own pool, in parallel (one thread per part beyond the
+        first); `on_layer` gets each piece under its global layer id, one call at a time. Waits for every part
+        before it returns or raises (the first part's error first): no piece arrives after. `release` tells every
+        pool once all parts arrived. Returns whole layers (`join`: a copy of layers of several pieces) when
+        `on_layer` is None, else {} (the pieces went to it)."""
+        lock, got, errors = threading.Lock(), [None] * len(spec.parts), [None] * len(spec.parts)
+
+        def one(i: int) -> None:
+            pieces = spec.pieces[i]
+
+            def hand(j: int, lkv: LayerKV) -> None:
+                with lock:
+                    on_layer(pieces[j][0], lkv)
+
+            region = buf[spec.offsets[i]: spec.offsets[i] + spec.parts[i].nbytes]
+            try:
+                got[i] = self._pull_one(spec.parts[i], region, False, None if on_layer is None else hand)
+            except BaseException as e:  # noqa: BLE001 - raised by the caller once every part has ended
+                errors[i] = e
+
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(1, len(spec.parts))]
+        for t in threads:
+            t.start()
+        one(0)
+        for t in threads:
+            t.join()
+        for e in errors:
+            if e is not None:
+                raise e
+        if release:  # only once every part arrived: a failed pull leaves every entry for a retry or its lease
+            for part in spec.parts:
+                self._release(part, secrets.token_hex(8), True)
+        if on_layer is not None:
+            return {}
+        return join(spec.manifest, [(layer, a, b, got[i][j].k, got[i][j].v)
+                                    for i, pieces in enumerate(spec.pieces) for j, (layer, a, b) in enumerate(pieces)])
+
     def done(self, params: Mapping) -> None:
         """Tell the pool the decode side is done with this record's entry (after one or more `pull(...,
-        release=False)`): it is freed once no reader holds it. Best effort, like `pull`'s release; a malformed
-        record raises KVTransferError."""
+        release=False)`): it is freed once no reader holds it (a composed record: every part's pool). Best effort,
+        like `pull`'s release; a malformed record, or a pool whose metadata cannot be loaded (after telling the
+        others), raises KVTransferError."""
         spec = _spec(params)
-        self._connect(spec)  # a release needs no answer: the pool need not know this reader
-        self._release(spec, secrets.token_hex(8), True)
+        failed = None
+        for part in spec.parts if isinstance(spec, _Parts) else [spec]:
+            try:
+                self._connect(part)  # a release needs no answer: the pool need not know this reader
+            except KVTransferError as e:  # that pool's lease frees its entry; the others are still told
+                failed = failed or e
+                continue
+            self._release(part, secrets.token_hex(8), True)
+        if failed is not None:
+            raise failed
 
     def drop_buffer(self, out: np.ndarray) -> None:
         """Deregister a buffer registered by `pull(out=...)` (before freeing or replacing it)."""
@@ -669,7 +855,7 @@ class KVReader:
                                   f"{reply.get('reason', reply)}")
         return float(reply.get("hold_s", 0.0))
 
-    def _staging(self, spec: _Pull, out: np.ndarray | None):
+    def _staging(self, spec: _Pull | _Parts, out: np.ndarray | None):
         """(buffer, registration to drop after the pull or None)."""
         if out is None:
             buf = np.empty(max(1, spec.nbytes), np.uint8)

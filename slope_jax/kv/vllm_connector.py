@@ -586,10 +586,11 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
                 out.setdefault(idx, []).append(name)
         return out
 
-    def _cut(self, load: _Load, idx: int, entry, names: list[str]) -> list[_Rows]:
+    def _cut(self, load: _Load, idx: int, entry, names: list[str], piece: bool = False) -> list[_Rows]:
         """Export layer `idx` (`(kind, K [t, K, H], V, int positions [t])` or None if the export lacks it) cut for
         each attention layer it fills: [(layer, K rows `[hi - lo, K_local, H]`, V rows, int64 slots)] in the cache
-        dtype (views where no cast or head split is needed); `names`: the attention layers (`_layer_names`). Raises
+        dtype (views where no cast or head split is needed); `names`: the attention layers (`_layer_names`). With
+        `piece` (a composed NIXL record's piece of the layer), only the rows of [lo, hi) it holds. Raises
         ExportRefused."""
         if entry is None:
             raise plan.ExportRefused(f"layer {idx} is not in the export")
@@ -599,9 +600,13 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
             _, kind, g = self._layers[name]
             layer = self._static_layers[name]
             lo, hi, slot = load.rows[(g, kind)]
+            src_kind, k, v, pos = entry
+            if piece:  # the piece's share of [lo, hi), and of the slots
+                a, b = (int(pos[0]), int(pos[-1]) + 1) if len(pos) else (lo, lo)
+                a, b = max(lo, a), min(hi, b)
+                lo, hi, slot = a, b, slot[a - lo: b - lo]
             if hi <= lo:
                 continue
-            src_kind, k, v, pos = entry
             if src_kind != kind:
                 raise plan.ExportRefused(f"layer {idx} is {src_kind} in the export, {kind} in the model")
             why = self._model_differs or _kind_differs(idx, kind, getattr(layer, "sliding_window", None),
@@ -621,6 +626,16 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
             dt = layer.kv_cache.dtype
             k, v = (x.to(dtype=dt).contiguous() for x in (k, v))
             out.append((layer, k, v, torch.from_numpy(slot)))
+        return out
+
+    def _rows_wanted(self, load: _Load, names: list[str]) -> int:
+        """Rows `_cut` writes for one export layer into these attention layers (0: none, e.g. a sliding layer whose
+        rows vLLM's prefix cache already holds)."""
+        out = 0
+        for name in names:
+            _, kind, g = self._layers[name]
+            lo, hi, _ = load.rows[(g, kind)]
+            out += max(0, hi - lo)
         return out
 
     def _load_background(self, load: _Load) -> _Done:
@@ -643,7 +658,9 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
             raise plan.ExportRefused("the scheduler could not place the KV")
         if isinstance(load.export, handoff.NixlExport):
             names = self._layer_names()
-            todo, writes = set(names), []
+            pieces = "parts" in load.export.record  # a composed record: each layer may come in several pieces
+            left = {idx: self._rows_wanted(load, names[idx]) for idx in names}  # rows not yet cut, per layer
+            writes = []
             if self._writer is None:
                 self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="slope_jax_kv_write",
                                                                      initializer=_one_compute_thread)
@@ -651,10 +668,11 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
             def on_layer(idx: int, lkv) -> None:
                 if load.req_id in self._aborted:
                     raise _Aborted(load.req_id)
-                if idx in todo:
+                if left.get(idx):
                     entry = (lkv.kind, _torch(lkv.k), _torch(lkv.v), torch.from_numpy(lkv.positions))
-                    writes.append(self._writer.submit(self._write_rows, self._cut(load, idx, entry, names[idx])))
-                    todo.discard(idx)
+                    rows = self._cut(load, idx, entry, names[idx], piece=pieces)
+                    left[idx] -= sum(int(r[1].shape[0]) for r in rows)
+                    writes.append(self._writer.submit(self._write_rows, rows))
 
             try:
                 try:
@@ -663,8 +681,9 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
                 finally:  # every write ends before the staging buffer is reused (the next pull) or the load fails
                     concurrent.futures.wait(writes)
                 write_s = sum(w.result() for w in writes)
-                if todo:
-                    raise plan.ExportRefused(f"layers {sorted(todo)} are not in the pulled KV")
+                if any(left.values()):
+                    raise plan.ExportRefused(f"layers {sorted(i for i, n in left.items() if n)} are not (all) in the "
+                                             "pulled KV")
                 return _Done(handoff.NIXL, time.perf_counter() - t0, read_s, write_s)
             except nt.KVTransferError as e:
                 if load.fallback is None:

@@ -52,7 +52,9 @@ def validate_record(params: dict, prompt: np.ndarray, cfg, cache_dtype: str, *, 
         nt.check_record(rec)
     except nt.KVTransferError as e:
         raise plan.ExportRefused(e.cause) from None
-    where = f"nixl:{rec['agent']}/{rec['entry']}"
+    parts = rec.get("parts") or [rec]
+    more = len(parts) - 1
+    where = f"nixl:{parts[0]['agent']}/{parts[0]['entry']}" + (f" (+{more} pool{'s' * (more > 1)})" if more else "")
     m = rec.get("manifest")
     if not isinstance(m, dict) or m.get("format") != kvfmt.FORMAT:
         raise plan.ExportRefused(f"{where}: manifest: missing or not a {kvfmt.FORMAT} manifest")
@@ -85,15 +87,19 @@ def _check_layout(where: str, rec: dict, m: dict, cfg, cache_dtype: str) -> None
     if (rec["dtype"], cache_dtype) not in plan._EXACT_CASTS:
         raise plan.ExportRefused(f"{where}: dtype: the export is {rec['dtype']}, vLLM's KV cache is {cache_dtype}: "
                                  "only exact (equal or widening) conversions are done")
-    layers = {int(lay["layer"]): lay for lay in rec["layers"]}
+    regions = {}  # global layer id → its regions (one; a composed record's pieces: the parts checked the tiling)
+    for part in rec.get("parts") or [rec]:
+        pieces = (part.get("manifest") or {}).get("pieces") if "parts" in rec else None
+        for j, lay in enumerate(part["layers"]):
+            regions.setdefault(int(pieces[j][0] if pieces else lay["layer"]), []).append(lay)
     for i, kind in enumerate(cfg.layer_types):
-        lay = layers.get(i)
-        if lay is None or lay["kind"] != kind:
-            raise plan.ExportRefused(f"{where}: layers: layer {i} is {lay and lay['kind']} in the record, {kind} in "
-                                     "the model")
-        if (int(lay["kv_heads"]), int(lay["head_dim"])) != (cfg.num_key_value_heads, cfg.head_dim):
-            raise plan.ExportRefused(f"{where}: layers[{i}]: {lay['kv_heads']} KV heads of {lay['head_dim']} in the "
-                                     f"record, the model has {cfg.num_key_value_heads} of {cfg.head_dim}")
+        for lay in regions.get(i) or [None]:
+            if lay is None or lay["kind"] != kind:
+                raise plan.ExportRefused(f"{where}: layers: layer {i} is {lay and lay['kind']} in the record, {kind} "
+                                         "in the model")
+            if (int(lay["kv_heads"]), int(lay["head_dim"])) != (cfg.num_key_value_heads, cfg.head_dim):
+                raise plan.ExportRefused(f"{where}: layers[{i}]: {lay['kv_heads']} KV heads of {lay['head_dim']} in "
+                                         f"the record, the model has {cfg.num_key_value_heads} of {cfg.head_dim}")
 
 
 class Pin:

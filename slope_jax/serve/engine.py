@@ -538,9 +538,17 @@ class PrefillEngine:
     def _collected_rows(self, step: Step, j: int, kv_full: bool, manifest: dict) -> dict[int, LayerKV]:
         """Process 0: prompt j's export rows from its own pieces and the ones its peers offered (`_share_rows`).
         Views into `peer_rows`' buffers, valid until the next prompt's rows are asked. Raises what
-        `PeerRows.collect` and `peer_rows.join` raise."""
+        `PeerRows.collect` and `nixl_transport.join` raise."""
         key = step.offers.pop(j)  # collected, or failed: nothing left to discard
         return self.peer_rows.joined(manifest, self._own_pieces(step, j, kv_full) + self.peer_rows.collect(key))
+
+    def _offered_parts(self, step: Step, j: int, kv_full: bool) -> Offered:
+        """Process 0: prompt j's own pieces and its peers' offered records (`_share_rows`), nothing pulled. Raises
+        what `PeerRows.records` raises."""
+        key = step.offers.pop(j)  # taken, or failed: nothing left to discard
+        records = self.peer_rows.records(key)
+        return Offered(self._own_pieces(step, j, kv_full), records, dict(enumerate(self.cfg.layer_types)),
+                       functools.partial(self.peer_rows.drop, records))
 
     def step_key(self, n: int, cached: int = 0) -> tuple[int, int]:
         """(bucket of the tokens the step computes, rows compiled for the cached prefix) of an n-token prompt of
@@ -650,7 +658,8 @@ class PrefillEngine:
             return functools.partial(self.export_rows, step, j)
 
         return [PendingExport(functools.partial(manifest, j), rows(j),
-                              jax.process_count() == 1 or step.host_kv is not None or j in step.offers)
+                              jax.process_count() == 1 or step.host_kv is not None or j in step.offers,
+                              functools.partial(self._offered_parts, step, j, kv_full) if j in step.offers else None)
                 for j in range(len(step.ids))]
 
     def export_rows(self, step: Step, j: int, manifest: dict) -> dict[int, LayerKV]:
@@ -779,10 +788,14 @@ class PendingExport:
     the rows it will hold (global layer id → `kv.format.LayerKV`, as `kv.format.load` returns them). `local`:
     whether `rows()` may be asked (one process, or process 0 of several for `prefill`'s `rows_for`; otherwise this
     process holds only its shards). The rows are views: of the step's K/V (valid until `on_computed` returns) or,
-    under several processes with `peer_rows`, of its reused buffers (valid until the next `rows()`)."""
+    under several processes with `peer_rows`, of its reused buffers (valid until the next `rows()`). There, `offer()`
+    instead hands over process 0's own pieces and the peers' pool records without pulling them (`Offered`: what a
+    composed NIXL record names)."""
 
-    def __init__(self, manifest: Callable[[], dict], rows: Callable[[dict], dict], local: bool):
+    def __init__(self, manifest: Callable[[], dict], rows: Callable[[dict], dict], local: bool,
+                 offered: Callable[[], "Offered"] | None = None):
         self._manifest, self._rows, self.local = manifest, rows, local
+        self._offered = offered
 
     @functools.cached_property
     def manifest(self) -> dict:
@@ -792,6 +805,31 @@ class PendingExport:
         if not self.local:
             raise RuntimeError("the rows of a multi-process step are spread over its processes")
         return self._rows(self.manifest)
+
+    @property
+    def offered(self) -> bool:
+        """Whether `offer()` may be asked: process 0 of several whose peers offered their pieces (`peer_rows`)."""
+        return self._offered is not None
+
+    def offer(self) -> "Offered":
+        """Process 0 of several, instead of `rows()` (one or the other, once): its own pieces and the peers' pool
+        records, nothing pulled (`Offered`). Raises RuntimeError when a peer could not offer (`PeerRows.records`)."""
+        if self._offered is None:
+            raise RuntimeError("no peer offered pieces of this prompt (one process, or no peer_rows)")
+        return self._offered()
+
+
+@dataclasses.dataclass
+class Offered:
+    """Process 0's view of a prompt's rows spread over several processes (`PendingExport.offer`): `pieces`, its own
+    `(layer, a, b, K [b − a, K, H], V)`; `records`, the peers' `KVPool.publish_pieces` records (parts of a
+    `nixl_transport.compose`d record); `kinds`, global layer id → kind; `drop()` frees the peers' entries when no
+    reader will pull them."""
+
+    pieces: list
+    records: list
+    kinds: dict
+    drop: Callable[[], None]
 
 
 def _salts(cache_salt, count: int) -> list[str | None]:

@@ -14,9 +14,10 @@ r"""The prefill endpoint of a prefill/decode (P/D) deployment: an OpenAI-style c
            ($SLOPE_JAX_KV_POOL_GIB, default 1 GiB; lease $SLOPE_JAX_KV_LEASE_S, default 60 s) and pulled by the
            decode side over NIXL (UCX) without a shared filesystem; `publish_ms` says what the copy took. This answer
            goes out as soon as the first token is on the host, before the export is written (`"export_pending":
-           true`, `"publish_from": "memory"`; under several processes process 0 first pulls the others' pieces from
-           their own pools, `serve.peer_rows`; the record's manifest is the one the export will have, less its file
-           checksums). Absent if
+           true`, `"publish_from": "memory"`; under several processes each process's rows stay in its own pool and
+           the record names every pool, `nixl_transport.compose`, `serve.peer_rows`: the decode side pulls each
+           piece from the process that computed it; the record's manifest is the one the export will have, less its
+           file checksums). Absent if
            NIXL is not installed, the pool is off (0 GiB) or full of held entries, and unless the request's
            kv_transfer_params say {"do_remote_decode": true} (a P/D proxy's: the KV goes to a remote decoder) without
            "slope_jax_transport": "files".
@@ -80,7 +81,7 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from absl import logging
 
@@ -455,6 +456,7 @@ class HttpIntake:
         self.kv_pool = None  # the NIXL pool (`start`), None: files only
         self.host_tier = host_tier  # the engine's host prefix tier: what the pool is filled from when it can be
         self._entries: dict[str, str] = {}  # request id → its pool entry (discarded on release)
+        self._peer_drops: dict[str, Callable[[], None]] = {}  # request id → drops its peers' entries (`compose`)
         self._exporting: set[str] = set()  # ids answered over NIXL before their export was written (`deliver_early`)
         self._reclaim_when_written: set[str] = set()  # of those, ids released meanwhile
         self._limits = dict(model_name=model_name, vocab_size=vocab_size, max_tokens=max_tokens, top_k=top_k,
@@ -531,30 +533,52 @@ class HttpIntake:
             return
         t0 = time.perf_counter()
         try:
-            rows = export.rows()
-            t1 = time.perf_counter()
-            params = self.kv_pool.publish(rid, rows, nt.handoff_manifest(export.manifest))
-        except nt.KVPoolFull as e:
-            logging.info("request %s: not published before its export (%s)", rid, e)
-            return
+            params, drop, t1 = self._publish_early(rid, export)
         except Exception as e:  # noqa: BLE001 - never fails the step: the request's record answers it as before
-            logging.warning("request %s: early publish failed (%s: %s); answered after its export", rid,
-                            type(e).__name__, e)
+            log = logging.info if isinstance(e, nt.KVPoolFull) else logging.warning
+            log("request %s: not published before its export (%s: %s); answered after it", rid, type(e).__name__, e)
             return
         handoff = {**params, "publish_ms": round((time.perf_counter() - t0) * 1e3, 3), "publish_from": "memory"}
+        own = params[nt.PARAMS_KEY].get("parts", [params[nt.PARAMS_KEY]])[0]["entry"]
         with self._lock:
             waiter = self._waiters.pop(rid, None)
             if waiter is not None:
-                self._entries[rid] = params[nt.PARAMS_KEY]["entry"]
+                self._entries[rid] = own
+                self._peer_drops[rid] = drop
                 self._exporting.add(rid)
-        if waiter is None:  # its client left meanwhile: nobody reads this entry
-            self.kv_pool.discard(params[nt.PARAMS_KEY]["entry"])
+        if waiter is None:  # its client left meanwhile: nobody reads these entries
+            self.kv_pool.discard(own)
+            drop()
             return
+        parts = len(params[nt.PARAMS_KEY].get("parts", ()))
         logging.info("request %s: answered over NIXL before its export is written (%s ms to publish: %.1f ms "
-                     "gathering its rows, %.1f ms copying them into the pool)", rid, handoff["publish_ms"],
-                     (t1 - t0) * 1e3, handoff["publish_ms"] - (t1 - t0) * 1e3)
+                     "gathering its rows%s, %.1f ms copying them into the pool)", rid, handoff["publish_ms"],
+                     (t1 - t0) * 1e3, f" (the record names {parts} processes' pools)" if parts > 1 else "",
+                     handoff["publish_ms"] - (t1 - t0) * 1e3)
         if self._loop is not None:
             self._loop.call_soon_threadsafe(_resolve, waiter[0], {**record, "_handoff": handoff})
+
+    def _publish_early(self, rid: str, export) -> tuple[dict, Callable[[], None], float]:
+        """(kv_transfer_params, a function dropping the peers' entries, when the rows were at hand). Several
+        processes whose peers offered their pieces: this process's pieces go into its pool and the record names
+        every process's pool (`nixl_transport.compose`: the decode side pulls each piece from where it was
+        computed); else the whole rows go into this pool. Raises KVPoolFull, or what gathering the rows raises."""
+        from slope_jax.kv import nixl_transport as nt
+
+        manifest = nt.handoff_manifest(export.manifest)
+        if not export.offered:
+            rows = export.rows()
+            return self.kv_pool.publish(rid, rows, manifest), lambda: None, time.perf_counter()
+        offered = export.offer()
+        t1, own = time.perf_counter(), None
+        try:
+            own = self.kv_pool.publish_pieces(rid, offered.pieces, offered.kinds)[nt.PARAMS_KEY]
+            return nt.compose(rid, [own] + offered.records, manifest), offered.drop, t1
+        except BaseException:
+            offered.drop()
+            if own is not None:
+                self.kv_pool.discard(own["entry"])
+            raise
 
     def publish(self, rid: str, kv_path: str) -> dict | None:
         """Publish the export of `rid` in the NIXL pool: its hand-off kv_transfer_params (`KVPool.publish`'s, plus
@@ -623,12 +647,15 @@ class HttpIntake:
         later prompts sharing its prefix; kv_dir retention (--kv_dir_max_gib, --kv_dir_max_age_h) bounds those."""
         with self._lock:
             entry = self._entries.pop(rid, None)
+            drop = self._peer_drops.pop(rid, None)
             exporting = rid in self._exporting
             if exporting:  # answered over NIXL before its export: `deliver` reclaims it once its record comes
                 self._reclaim_when_written.add(rid)
         if entry is not None and not self.kv_pool.discard(entry):
             logging.info("request %s: pool entry %s is held by a reader (or gone): the reader's release or the lease "
                          "frees it", rid, entry)
+        if drop is not None:  # the other processes' entries: freed once no reader holds them
+            drop()
         if exporting:
             return False, "its export is still being written: reclaimed once written"
         path = os.path.join(self._limits["kv_store"].kv_dir, rid)

@@ -1,18 +1,23 @@
-"""A computed request's KV rows collected on process 0 over NIXL, under several processes, before its export is
-written: what the P/D endpoint's early answer publishes (`serve.http.HttpIntake.deliver_early`).
+"""A computed request's KV rows made reachable from process 0 over NIXL, under several processes, before its
+export is written: what the P/D endpoint's early answer publishes (`serve.http.HttpIntake.deliver_early`).
 
 Each process holds only its shards of a step's K/V. Every other process copies its pieces of the request
 (`kv.exporter.KVExporter.own_pieces`: (layer, start, end, K `[b − a, K, H]`, V) in natural token order, the pieces
-its export file will hold) into its own registered host-memory pool (`kv.nixl_transport.KVPool`: one entry, one
-region per piece) and posts the entry's record under a key of JAX's coordination service; process 0 reads that
-record, pulls the pieces with one `KVReader.pull` (one NIXL READ per piece, RDMA between hosts; the pull's release
-frees the peer's entry) and joins them with its own into whole layers (`join`). Each byte crosses the network once,
-to process 0, instead of the whole step going to every process (`PrefillEngine._gather_kv`, an all-gather: over Gloo
-on CPU, ~0.3 GB/s on the 2-core test machine).
+its export file will hold) into its own registered host-memory pool (`kv.nixl_transport.KVPool.publish_pieces`: one
+entry, one region per piece) and posts the entry's record under a key of JAX's coordination service. Process 0 then
+either
+- hands the records on (`records`): the endpoint publishes its own pieces in its pool and answers with one record
+  naming every pool (`nixl_transport.compose`), which the decode side pulls from each process in parallel — each
+  byte crosses the network once, from the process that computed it to the decode side; or
+- pulls the pieces itself (`collect`: one `KVReader.pull` per peer, one NIXL READ per piece; the pull's release frees
+  the peer's entry) and joins them with its own into whole layers (`joined`): `PendingExport.rows()` of the Python
+  API's `rows_for`.
+Either way no step is all-gathered to every process (`PrefillEngine._gather_kv`: over Gloo on CPU, ~0.3 GB/s on the
+2-core test machine).
 
-A peer that cannot offer its pieces (its pool full, NIXL gone) posts the error instead: process 0's `collect` raises
-RuntimeError naming the process, and the request is answered after its export. An offer process 0 does not collect
-(the client left) is dropped by `discard`.
+A peer that cannot offer its pieces (its pool full, NIXL gone) posts the error instead: process 0's `records` /
+`collect` raise RuntimeError naming the process, and the request is answered after its export. An offer process 0
+does not take (the client left) is dropped by `discard` / `drop`.
 
 Imports JAX (the coordination service) and `kv.nixl_transport` (numpy, xxhash); `nixl` when a pool or reader starts.
 """
@@ -62,9 +67,7 @@ class PeerRows:
         `key` (the same on every process) and post the record, or the error that prevented it. Never raises."""
         try:
             if pieces:
-                kv = {i: LayerKV(k, v, np.arange(a, b, dtype=np.int32), kinds[layer])
-                      for i, (layer, a, b, k, v) in enumerate(pieces)}
-                rec = self.pool.publish(key, kv, {"pieces": [[int(x) for x in p[:3]] for p in pieces]})[nt.PARAMS_KEY]
+                rec = self.pool.publish_pieces(key, pieces, dict(enumerate(kinds)))[nt.PARAMS_KEY]
             else:
                 rec = {"pieces": []}
         except Exception as e:  # noqa: BLE001 - reported to process 0, which answers after the export instead
@@ -88,11 +91,37 @@ class PeerRows:
                 out.append((layer, a, b, got[i].k, got[i].v))
         return out
 
+    def records(self, key: str) -> list[dict]:
+        """Process 0: the peers' pool records of `key` (`KVPool.publish_pieces`' records, peers without pieces
+        left out), nothing pulled: parts of a `nixl_transport.compose`d record, which the decode side pulls from each
+        peer's pool itself. Raises RuntimeError naming the process whose offer failed or did not come within
+        `timeout_s` (the other peers' entries are then dropped)."""
+        out = []
+        try:
+            for pid, rec in self._records(key):
+                if "error" in rec:
+                    raise RuntimeError(f"process {pid} could not offer its rows of {key}: {rec['error']}")
+                if rec.get("layers"):
+                    out.append(rec)
+        except BaseException:
+            self.drop(out)
+            raise
+        return out
+
+    def drop(self, records: list[dict]) -> None:
+        """Process 0: tell the peers' pools nobody will pull these records (`records`); each entry is freed once
+        no reader holds it. Never raises."""
+        for rec in records:
+            try:
+                self.reader.done({nt.PARAMS_KEY: rec})
+            except Exception as e:  # noqa: BLE001 - the peer's lease frees it
+                logging.warning("peer entry %s not dropped: %s", rec.get("entry"), e)
+
     def joined(self, manifest: dict, pieces: list) -> dict[int, LayerKV]:
         """Process 0: `join` into this object's reused buffer (views valid until the next `joined`)."""
         need = sum(2 * p[3].nbytes for p in pieces) + 128 * len(manifest["layers"])  # K and V, each aligned
         self._joined = self._grown(self._joined, need, register=False)
-        return join(manifest, pieces, out=self._joined)
+        return nt.join(manifest, pieces, out=self._joined)
 
     def _grown(self, buf: np.ndarray | None, need: int, register: bool = True) -> np.ndarray:
         """`buf`, or a buffer of at least 1.5× its size holding `need` bytes, its pages touched now (and the old one
@@ -135,38 +164,6 @@ class PeerRows:
         for x in (self.pool, self.reader):
             if x is not None:
                 x.close()
-
-
-def join(manifest: dict, pieces: list, out: np.ndarray | None = None) -> dict[int, LayerKV]:
-    """Whole layers from pieces (`(layer, a, b, k, v)`, any order, every process's): global layer id → LayerKV over
-    the manifest's `token_range` of that layer (its `kind`), in token order; a layer of one piece is that piece, the
-    others are joined in `out` (a uint8 buffer large enough: views into it) or fresh arrays. Raises ValueError when
-    the pieces do not tile a layer's range exactly (a piece missing or overlapping)."""
-    by_layer: dict[int, list] = {}
-    for p in pieces:
-        by_layer.setdefault(int(p[0]), []).append(p)
-    result, at = {}, 0
-    for rec in manifest["layers"]:
-        layer, (a, b) = int(rec["layer"]), (int(x) for x in rec["token_range"])
-        have = sorted(by_layer.get(layer, []), key=lambda p: p[1])
-        spans = [(int(p[1]), int(p[2])) for p in have]
-        if not have or [lo for lo, _ in spans] != [a] + [hi for _, hi in spans[:-1]] or spans[-1][1] != b:
-            raise ValueError(f"layer {layer}: pieces {spans} do not tile its rows [{a}, {b})")
-        kv = []
-        for i in (3, 4):
-            parts = [p[i] for p in have]
-            if len(parts) == 1:
-                kv.append(parts[0])
-                continue
-            shape, dtype = (b - a, *parts[0].shape[1:]), parts[0].dtype
-            dst = None
-            if out is not None:
-                n = int(np.prod(shape)) * dtype.itemsize
-                dst = out[at:at + n].view(dtype).reshape(shape)
-                at = -(-(at + n) // 64) * 64
-            kv.append(np.concatenate(parts, out=dst))
-        result[layer] = LayerKV(kv[0], kv[1], np.arange(a, b, dtype=np.int32), rec["kind"])
-    return result
 
 
 def start(config) -> PeerRows | None:
