@@ -454,9 +454,11 @@ def test_publish_from_the_host_tier_equals_publishing_the_export(checkpoints, tm
 
 # two processes under -m slow (68 s of a cold suite): the default suite covers them with tests/test_pd_vllm.py (a
 # 2-process endpoint answering vLLM over NIXL) and tests/test_peer_rows.py (the offered rows bitwise the export)
-@pytest.mark.parametrize("processes", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_endpoint_answers_over_nixl_before_its_export_is_written(reader, tmp_path, processes):
-    """The P/D endpoint (one launcher process, or two: ring 2, each holding half the sequence) answers a request
+@pytest.mark.parametrize("processes,axis", [(1, "ring"), pytest.param(2, "ring", marks=pytest.mark.slow),
+                                            pytest.param(2, "pipeline", marks=pytest.mark.slow)])
+def test_endpoint_answers_over_nixl_before_its_export_is_written(reader, tmp_path, processes, axis):
+    """The P/D endpoint (one launcher process, or two: ring 2, each holding half the sequence, or pipeline 2, each
+    holding half the layers) answers a request
     that hands its KV over NIXL as soon as its first token is on the host (`HttpIntake.deliver_early`; under two
     processes the other process offers its rows over NIXL, as the broadcast batch marks the request `early`, and the
     record names both processes' pools):
@@ -473,7 +475,7 @@ def test_endpoint_answers_over_nixl_before_its_export_is_written(reader, tmp_pat
     procs = []
     for i in reversed(range(processes)):
         multi = [f"--num_processes={processes}", f"--process_id={i}", f"--coordinator_address=127.0.0.1:{coord}",
-                 f"--ring={processes}"] if processes > 1 else []
+                 f"--{axis}={processes}"] if processes > 1 else []
         cmd = [sys.executable, "-m", "slope_jax.launch", "--cpu_devices=1", f"--checkpoint={SHIPPED}", *multi,
                "--dtype=float32", "--q_tile=32", "--kv_tile=32", "--moe_tile=32", f"--http_port={port}",
                f"--kv_dir={base / 'kv'}", f"--results={base / 'results.jsonl'}", "--prefix_block=16",
