@@ -458,12 +458,11 @@ def test_publish_from_the_host_tier_equals_publishing_the_export(checkpoints, tm
                                             pytest.param(2, "pipeline", marks=pytest.mark.slow)])
 def test_endpoint_answers_over_nixl_before_its_export_is_written(reader, tmp_path, processes, axis):
     """The P/D endpoint (one launcher process, or two: ring 2, each holding half the sequence, or pipeline 2, each
-    holding half the layers) answers a request
-    that hands its KV over NIXL as soon as its first token is on the host (`HttpIntake.deliver_early`; under two
-    processes the other process offers its rows over NIXL, as the broadcast batch marks the request `early`, and the
-    record names both processes' pools):
-    `export_pending` in the answer, the record published from the step's KV in memory; what the decode side pulls is
-    bitwise the export written after, whose final record then lands in the results file; so too for a prefix hit
+    holding half the layers) answers a request that hands its KV over NIXL as soon as its first token is on the host
+    (`HttpIntake.deliver_early`; under two processes the other process offers its rows over NIXL, as the broadcast
+    batch marks the request `early`, and the record names both processes' pools): `export_pending` in the answer,
+    the record published from the step's KV in memory; what the decode side pulls is bitwise the export written
+    after, whose final record then lands in the results file; so too for a prefix hit
     (its cached rows joined to the computed ones). A prompt shorter than a reuse block is answered so too, and
     released before its export is written, that export is removed once written. A request over files waits for its
     export (on disk when answered); /v1/kv/release frees the pool entries."""
