@@ -39,6 +39,7 @@ import functools
 import importlib.metadata
 import json
 import os
+import queue
 import secrets
 import threading
 import time
@@ -705,33 +706,43 @@ class KVReader:
                 self._release(spec, token, bool(ok and release))
 
     def _pull_parts(self, spec: _Parts, buf: np.ndarray, release: bool, on_layer) -> dict[int, LayerKV]:
-        """Pull a `compose`d record's parts, each from its own pool, in parallel (one thread per part beyond the
-        first); `on_layer` gets each piece under its global layer id, one call at a time. Waits for every part
-        before it returns or raises (the first part's error first): no piece arrives after. `release` tells every
-        pool once all parts arrived. Returns whole layers (`join`: a copy of layers of several pieces) when
-        `on_layer` is None, else {} (the pieces went to it)."""
-        lock, got, errors = threading.Lock(), [None] * len(spec.parts), [None] * len(spec.parts)
+        """Pull a `compose`d record's parts, each from its own pool on a thread of its own (NIXL and the digests
+        only), in parallel; `on_layer` gets each verified piece under its global layer id on the calling thread, in
+        arrival order (so a caller's per-thread settings, e.g. torch's thread count, hold for it). Waits for every
+        part before it returns or raises (`on_layer`'s error first, then the first part's): no piece arrives after.
+        `release` tells every pool once all parts arrived. Returns whole layers (`join`: a copy of layers of several
+        pieces) when `on_layer` is None, else {} (the pieces went to it)."""
+        n = len(spec.parts)
+        got, errors, arrived = [None] * n, [None] * n, queue.SimpleQueue()
 
         def one(i: int) -> None:
             pieces = spec.pieces[i]
-
-            def hand(j: int, lkv: LayerKV) -> None:
-                with lock:
-                    on_layer(pieces[j][0], lkv)
-
-            region = buf[spec.offsets[i]: spec.offsets[i] + spec.parts[i].nbytes]
+            hand = None if on_layer is None else (lambda j, lkv: arrived.put((pieces[j][0], lkv)))
             try:
-                got[i] = self._pull_one(spec.parts[i], region, False, None if on_layer is None else hand)
+                got[i] = self._pull_one(spec.parts[i], buf[spec.offsets[i]: spec.offsets[i] + spec.parts[i].nbytes],
+                                        False, hand)
             except BaseException as e:  # noqa: BLE001 - raised by the caller once every part has ended
                 errors[i] = e
+            finally:
+                arrived.put(None)
 
-        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(1, len(spec.parts))]
+        threads = [threading.Thread(target=one, args=(i,), name=f"{self.name}-part{i}", daemon=True)
+                   for i in range(n)]
         for t in threads:
             t.start()
-        one(0)
+        ended, failed = 0, None
+        while ended < n:
+            item = arrived.get()
+            if item is None:
+                ended += 1
+            elif failed is None:
+                try:
+                    on_layer(*item)
+                except BaseException as e:  # noqa: BLE001 - raised once every part has ended
+                    failed = e
         for t in threads:
             t.join()
-        for e in errors:
+        for e in [failed] + errors:
             if e is not None:
                 raise e
         if release:  # only once every part arrived: a failed pull leaves every entry for a retry or its lease
