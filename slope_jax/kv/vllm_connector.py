@@ -657,34 +657,8 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         if load.rows is None:
             raise plan.ExportRefused("the scheduler could not place the KV")
         if isinstance(load.export, handoff.NixlExport):
-            names = self._layer_names()
-            pieces = "parts" in load.export.record  # a composed record: each layer may come in several pieces
-            left = {idx: self._rows_wanted(load, names[idx]) for idx in names}  # rows not yet cut, per layer
-            writes = []
-            if self._writer is None:
-                self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="slope_jax_kv_write",
-                                                                     initializer=_one_compute_thread)
-
-            def on_layer(idx: int, lkv) -> None:
-                if load.req_id in self._aborted:
-                    raise _Aborted(load.req_id)
-                if left.get(idx):
-                    entry = (lkv.kind, _torch(lkv.k), _torch(lkv.v), torch.from_numpy(lkv.positions))
-                    rows = self._cut(load, idx, entry, names[idx], piece=pieces)
-                    left[idx] -= sum(int(r[1].shape[0]) for r in rows)
-                    writes.append(self._writer.submit(self._write_rows, rows))
-
             try:
-                try:
-                    self._pull(load.req_id, load.export.record, on_layer)
-                    read_s = time.perf_counter() - t0
-                finally:  # every write ends before the staging buffer is reused (the next pull) or the load fails
-                    concurrent.futures.wait(writes)
-                write_s = sum(w.result() for w in writes)
-                if any(left.values()):
-                    raise plan.ExportRefused(f"layers {sorted(i for i, n in left.items() if n)} are not (all) in the "
-                                             "pulled KV")
-                return _Done(handoff.NIXL, time.perf_counter() - t0, read_s, write_s)
+                return self._load_nixl(load, t0)
             except nt.KVTransferError as e:
                 if load.fallback is None:
                     raise
@@ -700,6 +674,37 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
             raise _Aborted(load.req_id)
         write_s = self._write_rows(rows)
         return _Done(via, time.perf_counter() - t0, read_s, write_s)
+
+    def _load_nixl(self, load: _Load, t0: float) -> _Done:
+        """`_load_background`'s NIXL pull: each verified layer (a composed record: each piece) cut for this rank and
+        written by the writer thread while later ones arrive. Raises KVTransferError (the caller falls back to the
+        file export), ExportRefused (a layer's rows not all pulled, or refused by `_cut`), `_Aborted`."""
+        names = self._layer_names()
+        pieces = "parts" in load.export.record  # a composed record: each layer may come in several pieces
+        left = {idx: self._rows_wanted(load, names[idx]) for idx in names}  # rows not yet cut, per layer
+        writes = []
+        if self._writer is None:
+            self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="slope_jax_kv_write",
+                                                                 initializer=_one_compute_thread)
+
+        def on_layer(idx: int, lkv) -> None:
+            if load.req_id in self._aborted:
+                raise _Aborted(load.req_id)
+            if left.get(idx):
+                entry = (lkv.kind, _torch(lkv.k), _torch(lkv.v), torch.from_numpy(lkv.positions))
+                rows = self._cut(load, idx, entry, names[idx], piece=pieces)
+                left[idx] -= sum(int(r[1].shape[0]) for r in rows)
+                writes.append(self._writer.submit(self._write_rows, rows))
+
+        try:
+            self._pull(load.req_id, load.export.record, on_layer)
+            read_s = time.perf_counter() - t0
+        finally:  # every write ends before the staging buffer is reused (the next pull) or the load fails
+            concurrent.futures.wait(writes)
+        write_s = sum(w.result() for w in writes)
+        if any(left.values()):
+            raise plan.ExportRefused(f"layers {sorted(i for i, n in left.items() if n)} are not (all) in the pulled KV")
+        return _Done(handoff.NIXL, time.perf_counter() - t0, read_s, write_s)
 
     def _pull(self, req_id: str, record: dict, on_layer) -> None:
         """Pull a NIXL entry into the staging buffer (grown as needed; each layer's XXH3-128 checked as it arrives),
