@@ -24,6 +24,11 @@ Lifetime (the pool never frees KV a reader is pulling; a reader never accepts KV
 Each layer is one contiguous region [K | V | positions] (64-byte aligned) with its own READ, so a connector can write
 layer i into its cache while later layers are in flight (`on_layer`).
 
+Several processes (a multi-process prefill: each holds its shards of every step): each publishes its own pieces —
+rows [a, b) of a layer — in its own pool (`KVPool.publish_pieces`), and `compose` names every pool in one record;
+a reader pulls the parts in parallel, each with its own hold, and gets each piece under its layer id (`on_layer`)
+or whole layers (`join`). Each byte then crosses the network once, from the process that computed it.
+
 Imports numpy, xxhash and ml_dtypes at module level (no JAX, no torch: vLLM's venv imports it); `nixl` on first use.
 UCX picks its transports itself (shared memory / CMA between processes of one host, RDMA or TCP between hosts);
 `UCX_NET_DEVICES=lo` keeps it on loopback (what the tests and `benchmarks/handoff.py` set).
