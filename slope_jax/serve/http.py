@@ -35,7 +35,8 @@ r"""The prefill endpoint of a prefill/decode (P/D) deployment: an OpenAI-style c
            prefix-reuse blocks (then it stays as the prefill's cache for later
            prompts sharing its prefix, under --kv_dir_max_gib / --kv_dir_max_age_h retention). 404: not an id this
            server answered.
-    GET /v1/kv/pool  the NIXL pool's capacity_bytes, used_bytes, entries, held (readers pulling now), lease_s.
+    GET /v1/kv/pool  the NIXL pool's capacity_bytes, used_bytes, entries, held (readers pulling now), lease_s (process
+                     0's pool: under several processes the others hold their own shares).
     GET /health  200 once the engine is loaded (the server starts after that).    GET /v1/models  the served model.
 
 Body fields. `prompt`: a non-empty string (tokenized with the checkpoint's tokenizer.json by the boundary's rule:
