@@ -21,7 +21,8 @@
 # there, falling back to the file export if the pull fails; files: vLLM reads the export files), KV_POOL_GIB (the
 # pool's size, 1), KV_LEASE_S (how long an unread pool entry lives, 60), UCX_NET_DEVICES (lo: this script serves
 # 127.0.0.1; UCX uses shared memory / cross-memory attach between the processes of one host anyway),
-# SLOPE_JAX_FLAGS (more launcher flags, e.g. "--ttft_slo_ms=500"), VLLM_FLAGS (more `vllm serve` flags),
+# SLOPE_JAX_FLAGS (more launcher flags, e.g. "--ttft_slo_ms=500"), VLLM_FLAGS (more `vllm serve` flags; vLLM keeps
+# its defaults otherwise, prefix caching on: a prompt it has cached loads only the tokens it lacks),
 # READY_TIMEOUT (seconds to wait for /health, 900).
 # vLLM-CPU decodes gpt-oss wrongly with its split-KV decode path, which turns on when a connector reserves a core:
 # VLLM_CPU_ATTN_SPLIT_KV=0 is set here. The `vllm` command of the vllm-cpu package fails on its own version look-up
@@ -73,7 +74,7 @@ kv_config=$(printf '{"kv_connector":"SlopeJaxConnector","kv_connector_module_pat
 # shellcheck disable=SC2086
 VLLM_CPU_ATTN_SPLIT_KV=0 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} \
   "$vpy" -m vllm.entrypoints.openai.api_server --model "$ckpt" --host 127.0.0.1 --port "$decode_port" \
-  --served-model-name "$name" --dtype float32 --no-enable-prefix-caching --enable-prompt-tokens-details --kv-transfer-config "$kv_config" ${VLLM_FLAGS:-} \
+  --served-model-name "$name" --dtype float32 --enable-prompt-tokens-details --kv-transfer-config "$kv_config" ${VLLM_FLAGS:-} \
   >"$log_dir/decode.log" 2>&1 &
 pids+=("$!")
 

@@ -68,7 +68,10 @@ def servers(tmp_path_factory):
     env = {**launcher_env(), **{k: str(v) for k, v in ports.items()}, "PYTHON": sys.executable,
            "VLLM_PYTHON": VLLM_PYTHON, "KV_DIR": str(base / "kv"), "LOG_DIR": str(base), "READY_TIMEOUT": "1500",
            # a second name vLLM serves and the prefill does not (argparse: the last --served-model-name wins)
-           "VLLM_FLAGS": f"--max-model-len=2048 --enforce-eager --served-model-name {MODEL} {ALIAS}"}
+           # prefix caching off (pd_vllm.sh keeps vLLM's default, on): the same prompts go through vLLM alone and
+           # both proxies, and each must load its n − 1 tokens from the export, not from vLLM's own cache
+           "VLLM_FLAGS": f"--max-model-len=2048 --enforce-eager --no-enable-prefix-caching "
+                         f"--served-model-name {MODEL} {ALIAS}"}
     proc = subprocess.Popen(["bash", os.path.join(REPO, "launch", "pd_vllm.sh"), CKPT], cwd=REPO, env=env,
                             stdout=open(base / "pd_vllm.out", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     proxy = f"http://127.0.0.1:{ports['PROXY_PORT']}"
@@ -101,7 +104,7 @@ def test_pd_over_http_equals_vllm_alone(servers):
     # token ids below the special tokens (the last ten of the vocabulary), W + 1 of them: crossing the window
     prompts = {"text": TEXT, "ids": np.random.default_rng(5).integers(0, VOCAB - 10, W + 1).tolist()}
     request = {"model": MODEL, "max_tokens": 16, "temperature": 0, "logprobs": 1, "return_token_ids": True}
-    # vLLM alone first: no export of these prompts exists yet, and prefix caching is off (pd_vllm.sh)
+    # vLLM alone first: no export of these prompts exists yet, and prefix caching is off (`servers`)
     alone = {}
     for name, prompt in prompts.items():
         status, _, body = _post(decode + "/v1/completions", {**request, "prompt": prompt})
