@@ -12,7 +12,8 @@ a load closed only by request id). Phases:
   first token is a stop token (as EOS would be);
 - nixl: the BIG export and a 2·B+1 one published in the driver's NIXL pool and pulled by the connector (XXH3 per
   layer, background); one published with the manifest known before its export is written (no files, no path: as
-  the P/D endpoint answers early); one whose pull starts after its lease expired, with the file export beside the
+  the P/D endpoint answers early); the BIG and the 2·B+1 exports as composed records (each layer split over two
+  pools, as a 2-process prefill answers); one whose pull starts after its lease expired, with the file export beside the
   record: read from the file instead (the status says so);
 - fail (vLLM's default kv_load_failure_policy): the export's file truncated, or one byte flipped, right after the
   scheduler validated it (the driver's hook in `update_state_after_alloc`), inline and background, a NIXL pull after
@@ -80,7 +81,9 @@ def _phases(exports, tampered, go):
                   if rid.startswith(p)] for p in ("fail", "recompute", "race")}
     nixl = [_req("nixl/big", "big", e["big"], nixl={}), _req("nixl/2B1", "2B1", e["2B1"], nixl={}),
             _req("nixl/pre-export", "mid", e["mid"], nixl={"pre_export": True}),
-            _req("nixl/fallback", "mid", e["mid"], nixl={**LEASE, "file": True})]
+            _req("nixl/fallback", "mid", e["mid"], nixl={**LEASE, "file": True}),
+            _req("nixl/composed-big", "big", e["big"], nixl={"composed": True}),
+            _req("nixl/composed-2B1", "2B1", e["2B1"], nixl={"composed": True})]
     faults["fail"] += [_req("fail/nixl-lease", "mid", e["mid"], nixl=LEASE),
                        _req("fail/nixl-flip", "short", e["short"], nixl={"flip": True})]
     faults["recompute"] += [_req("recompute/nixl-lease", "2B", e["2B"], nixl=LEASE)]
@@ -205,12 +208,15 @@ def test_nixl_pull_loads_like_a_file(run):
     """KV pulled over NIXL from the pool (background, XXH3 per layer): n−1 loaded, the plain tokens, transport nixl
     (also for a record whose manifest lists no files, as the P/D endpoint publishes one before its export is written);
     a pull after the lease expired falls back to the file export when the record has one (status loaded, transport
-    says why); every entry a request pulled, or tried to pull (the corrupted one too), is freed once that request
-    finished. The staging buffer is the one sized at start-up (`nixl_staging_mib`): no pull grew it."""
+    says why); a composed record (each layer's rows split over two pools, off the block boundaries, as a 2-process
+    prefill answers) loads the same, with prefix caching on; every entry a request pulled, or tried to pull (the
+    corrupted one too), is freed once that request finished, in both pools. The staging buffer is the one sized at
+    start-up (`nixl_staging_mib`): no pull grew it."""
     results, data, log = run
     assert data["staging_bytes"] == STAGING_MIB << 20, data["staging_bytes"]
     assert re.search(rf"NIXL staging buffer of {STAGING_MIB} MiB ready", log)
-    for rid, name in (("nixl/big", "big"), ("nixl/2B1", "2B1"), ("nixl/pre-export", "mid")):
+    for rid, name in (("nixl/big", "big"), ("nixl/2B1", "2B1"), ("nixl/pre-export", "mid"),
+                      ("nixl/composed-big", "big"), ("nixl/composed-2B1", "2B1")):
         params = _same_as_plain(results, rid, name, LENGTHS[name] - 1)
         assert params[handoff.TRANSPORT_KEY] == handoff.NIXL, params
     params = _same_as_plain(results, "nixl/fallback", "mid", LENGTHS["mid"] - 1)
@@ -218,6 +224,7 @@ def test_nixl_pull_loads_like_a_file(run):
     load_ms = float(re.findall(r"injected 7999 tokens from nixl:\S+ in ([0-9.]+) ms \(background;", log)[0])
     print(f"NIXL background load of {N_BIG} tokens (~40 MB): {load_ms:.0f} ms")
     assert data["pool"]["entries"] == 0 and data["pool"]["used_bytes"] == 0, data["pool"]
+    assert data["pool2"]["entries"] == 0 and data["pool2"]["used_bytes"] == 0, data["pool2"]
 
 
 def test_failed_load_is_recomputed_under_recompute(run):

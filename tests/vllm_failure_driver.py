@@ -114,7 +114,10 @@ def _publish(r: dict) -> dict:
 
     if not _POOL:
         _POOL.append(nt.KVPool(256 << 20, name="driver-pool"))
+        _POOL.append(nt.KVPool(256 << 20, name="driver-pool-2"))  # the second process's pool of a composed record
     pool, spec, path = _POOL[0], r["nixl"], r["params"][plan.PATH_KEY]
+    if spec.get("composed"):  # as a 2-process prefill answers: each layer's rows split over two pools
+        return _composed(r["id"], path)
     if spec.get("pre_export"):  # as the endpoint answers before the export is written: its manifest has no files
         from slope_jax.kv import format as kvfmt
 
@@ -127,6 +130,23 @@ def _publish(r: dict) -> dict:
         pool._arena[rec["address"] - pool._base + rec["layers"][-1]["offset"] + 1] ^= 0xFF
     time.sleep(spec.get("delay_s", 0.0))
     return {**params, **({plan.PATH_KEY: path} if spec.get("file") else {})}
+
+
+def _composed(rid: str, path: str) -> dict:
+    """A composed record of the export at `path`: each layer's rows [a, b) split at a + 2/5 of them (off vLLM's block
+    boundaries), the first piece in one pool, the second in the other (`nixl_transport.compose`)."""
+    from slope_jax.kv import format as kvfmt
+    from slope_jax.kv import nixl_transport as nt
+
+    kv, halves = kvfmt.load(path), ([], [])
+    for layer, lkv in kv.items():
+        a, b = int(lkv.positions[0]), int(lkv.positions[-1]) + 1
+        cut = a + 2 * (b - a) // 5
+        for half, (lo, hi) in zip(halves, ((a, cut), (cut, b))):
+            half.append((layer, lo, hi, lkv.k[lo - a: hi - a], lkv.v[lo - a: hi - a]))
+    kinds = {layer: lkv.kind for layer, lkv in kv.items()}
+    parts = [pool.publish_pieces(rid, half, kinds) for pool, half in zip(_POOL, halves)]
+    return nt.compose(rid, parts, nt.handoff_manifest(kvfmt.read_manifest(path)))
 
 
 def _params(r: dict, results: dict):
@@ -227,8 +247,9 @@ def main(spec_path: str, out_path: str) -> None:
     out["staging_bytes"] = 0 if staging is None else int(staging.nbytes)
     time.sleep(0.5)  # the connector's "done" notifications reach the pool
     out["pool"] = _POOL[0].stats() if _POOL else None
-    if _POOL:
-        _POOL[0].close()  # its notification thread stopped before the interpreter tears the agent down
+    out["pool2"] = _POOL[1].stats() if _POOL else None
+    for pool in _POOL:
+        pool.close()  # its notification thread stopped before the interpreter tears the agent down
     tmp = out_path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(out, f)
