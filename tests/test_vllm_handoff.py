@@ -168,6 +168,8 @@ def test_composed_nixl_record_is_validated_like_one_pools(tmp_path):
             rf"layers\[0\]: 1 KV heads of {heads} in the record")
     refused(lambda r: (r["parts"][1]["layers"].pop(0), r["parts"][1]["manifest"]["pieces"].pop(0)),
             r"layer 0: pieces .* do not tile")
-    refused(lambda r: r["parts"][0].update(parts=[]), r"parts\[0\]: a composed record cannot be a part")
+    refused(lambda r: r["parts"][0].update(protocol=nt.COMPOSED_PROTOCOL), r"parts\[0\]: a composed record cannot "
+            "be a part")
+    refused(lambda r: r.update(protocol=nt.PROTOCOL), r"slope_jax_nixl.entry: missing")  # parts of a single record
     refused(lambda r: r.update(nbytes=10), "nbytes")
     refused(lambda r: r["manifest"]["model"].update(weights_digest="cd" * 16), "model.weights_digest")

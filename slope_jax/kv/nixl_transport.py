@@ -56,7 +56,8 @@ import xxhash
 from slope_jax.kv.format import DTYPES, LayerKV
 
 PARAMS_KEY = "slope_jax_nixl"  # kv_transfer_params[PARAMS_KEY]: what a reader needs (see `KVPool.publish`)
-PROTOCOL = 1
+PROTOCOL = 1  # one pool's record
+COMPOSED_PROTOCOL = 2  # `compose`'s: a reader that knows only 1 refuses it by its protocol, not a missing field
 _MSG = b"sjkv1:"  # notification prefix: the lease protocol's messages, JSON after it
 _ALIGN = 64  # layer regions start on cache lines
 _ENTRY_ALIGN = 4096  # entries start on pages
@@ -152,6 +153,12 @@ def handoff_manifest(manifest: dict) -> dict:
     return out
 
 
+def is_composed(rec: Mapping) -> bool:
+    """Whether a hand-off record (the `PARAMS_KEY` part) is a `compose`d one (by its protocol, the only field a
+    reader trusts before validating it)."""
+    return rec.get("protocol") == COMPOSED_PROTOCOL
+
+
 def params_of(kv_transfer_params: Mapping | None) -> dict | None:
     """The NIXL hand-off record of a request's kv_transfer_params (`kv_transfer_params[PARAMS_KEY]`), or None."""
     if not kv_transfer_params:
@@ -175,7 +182,7 @@ def compose(request_id: str, parts: list[dict], manifest: dict) -> dict:
         raise ValueError(f"request {request_id!r}: compose needs publish_pieces records of one dtype, got "
                          f"{len(parts)} with dtypes {sorted(map(str, dtypes))}")
     nbytes = sum(_aligned(int(p["nbytes"]), _ENTRY_ALIGN) for p in parts)
-    return {PARAMS_KEY: {"protocol": PROTOCOL, "request_id": request_id, "parts": parts, "nbytes": nbytes,
+    return {PARAMS_KEY: {"protocol": COMPOSED_PROTOCOL, "request_id": request_id, "parts": parts, "nbytes": nbytes,
                          "dtype": dtypes.pop(), "nixl": nixl_release(), "manifest": manifest}}
 
 
@@ -553,10 +560,10 @@ def _spec(params: Mapping, where: str = PARAMS_KEY) -> _Pull | _Parts:
     def bad(field, why):
         raise KVTransferError(rid, f"kv_transfer_params.{where}.{field}: {why}")
 
-    if "parts" in rec:
+    if is_composed(rec):
         return _parts_spec(rec, rid, bad)
     if rec.get("protocol") != PROTOCOL:
-        bad("protocol", f"{rec.get('protocol')!r}, this reader speaks {PROTOCOL}")
+        bad("protocol", f"{rec.get('protocol')!r}, this reader speaks {PROTOCOL} and {COMPOSED_PROTOCOL}")
     for field, typ in (("entry", str), ("agent", str), ("agent_metadata", str), ("address", int), ("nbytes", int),
                        ("dtype", str), ("layers", list)):
         if not isinstance(rec.get(field), typ):
@@ -586,8 +593,6 @@ def _spec(params: Mapping, where: str = PARAMS_KEY) -> _Pull | _Parts:
 def _parts_spec(rec: Mapping, rid: str, bad) -> _Parts:
     """`_spec` of a `compose`d record: each part a record, its pieces one per layer region with the region's token
     count, the parts page-aligned within `nbytes`, every layer of the manifest tiled exactly by the pieces."""
-    if rec.get("protocol") != PROTOCOL:
-        bad("protocol", f"{rec.get('protocol')!r}, this reader speaks {PROTOCOL}")
     parts, manifest = rec.get("parts"), rec.get("manifest")
     if not isinstance(parts, list) or not parts or not all(isinstance(p, dict) for p in parts):
         bad("parts", "expected a non-empty list of records")
@@ -595,7 +600,7 @@ def _parts_spec(rec: Mapping, rid: str, bad) -> _Parts:
         bad("manifest", "missing, or without layers")
     specs, pieces, offsets, at = [], [], [], 0
     for i, part in enumerate(parts):
-        if "parts" in part:
+        if is_composed(part):
             bad(f"parts[{i}]", "a composed record cannot be a part")
         spec = _spec({**part, "request_id": rid}, f"{PARAMS_KEY}.parts[{i}]")
         got = (part.get("manifest") or {}).get("pieces")

@@ -680,7 +680,7 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         written by the writer thread while later ones arrive. Raises KVTransferError (the caller falls back to the
         file export), ExportRefused (a layer's rows not all pulled, or refused by `_cut`), `_Aborted`."""
         names = self._layer_names()
-        pieces = "parts" in load.export.record  # a composed record: each layer may come in several pieces
+        pieces = nt.is_composed(load.export.record)  # each layer may come in several pieces
         left = {idx: self._rows_wanted(load, names[idx]) for idx in names}  # rows not yet cut, per layer
         writes = []
         if self._writer is None:

@@ -540,7 +540,8 @@ class HttpIntake:
             log("request %s: not published before its export (%s: %s); answered after it", rid, type(e).__name__, e)
             return
         handoff = {**params, "publish_ms": round((time.perf_counter() - t0) * 1e3, 3), "publish_from": "memory"}
-        own = params[nt.PARAMS_KEY].get("parts", [params[nt.PARAMS_KEY]])[0]["entry"]
+        rec = params[nt.PARAMS_KEY]
+        own = (rec["parts"] if nt.is_composed(rec) else [rec])[0]["entry"]
         with self._lock:
             waiter = self._waiters.pop(rid, None)
             if waiter is not None:
@@ -551,7 +552,7 @@ class HttpIntake:
             self.kv_pool.discard(own)
             drop()
             return
-        parts = len(params[nt.PARAMS_KEY].get("parts", ()))
+        parts = len(rec["parts"]) if nt.is_composed(rec) else 1
         logging.info("request %s: answered over NIXL before its export is written (%s ms to publish: %.1f ms "
                      "gathering its rows%s, %.1f ms copying them into the pool)", rid, handoff["publish_ms"],
                      (t1 - t0) * 1e3, f" (the record names {parts} processes' pools)" if parts > 1 else "",
