@@ -172,4 +172,5 @@ def test_composed_nixl_record_is_validated_like_one_pools(tmp_path):
             "be a part")
     refused(lambda r: r.update(protocol=nt.PROTOCOL), r"slope_jax_nixl.entry: missing")  # parts of a single record
     refused(lambda r: r.update(nbytes=10), "nbytes")
+    refused(lambda r: r.update(dtype="float32"), r"slope_jax_nixl.dtype: 'float32', its parts hold \['bfloat16'\]")
     refused(lambda r: r["manifest"]["model"].update(weights_digest="cd" * 16), "model.weights_digest")

@@ -616,8 +616,9 @@ def _parts_spec(rec: Mapping, rid: str, bad) -> _Parts:
         pieces.append(got)
         offsets.append(at)
         at += _aligned(spec.nbytes, _ENTRY_ALIGN)
-    if len({s.dtype for s in specs}) != 1:
-        bad("parts", f"parts of dtypes {sorted({s.dtype.name for s in specs})}: expected one")
+    if {s.dtype.name for s in specs} != {rec.get("dtype")}:  # the record's dtype is what readers check and cast from
+        bad("dtype", f"{rec.get('dtype')!r}, its parts hold {sorted({s.dtype.name for s in specs})}: expected one, "
+            "the same")
     if not isinstance(rec.get("nbytes"), int) or rec["nbytes"] < at:
         bad("nbytes", f"{rec.get('nbytes')!r}: the parts need {at}")
     try:
