@@ -240,7 +240,7 @@ def test_composed_record_pulls_each_piece_from_its_own_pool(server, reader, tmp_
         for field in (gap[nt.PARAMS_KEY]["parts"][1]["manifest"]["pieces"], gap[nt.PARAMS_KEY]["parts"][1]["layers"]):
             del field[0]  # the second half of layer 0 is missing
         with pytest.raises(nt.KVTransferError, match=r"request 'doc-3'.*slope_jax_nixl.parts: layer 0: pieces "
-                                                     r"\[\(\d+, \d+\)\] do not tile its rows \[\d+, \d+\]"):
+                                                     r"\[\(\d+, \d+\)\] do not tile its rows \[\d+, \d+\)"):
             nt.check_record(gap)
         late = json.loads(json.dumps(params))
         late[nt.PARAMS_KEY]["parts"][1]["manifest"]["pieces"][0][1] += 1  # a piece one row shorter than its region

@@ -48,7 +48,7 @@ import queue
 import secrets
 import threading
 import time
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import xxhash
@@ -190,17 +190,15 @@ def join(manifest: dict, pieces: list, out: np.ndarray | None = None) -> dict[in
     """Whole layers from pieces (`(layer, a, b, k, v)`, any order, every process's): global layer id → LayerKV over
     the manifest's `token_range` of that layer (its `kind`), in token order; a layer of one piece is that piece, the
     others are joined in `out` (a uint8 buffer large enough: views into it) or fresh arrays. Raises ValueError when
-    the pieces do not tile a layer's range exactly (a piece missing or overlapping)."""
+    the pieces do not tile a layer's range exactly (a piece missing or overlapping, `_check_tiling`)."""
+    _check_tiling(manifest, [(int(p[0]), int(p[1]), int(p[2])) for p in pieces])
     by_layer: dict[int, list] = {}
     for p in pieces:
         by_layer.setdefault(int(p[0]), []).append(p)
     result, at = {}, 0
     for rec in manifest["layers"]:
         layer, (a, b) = int(rec["layer"]), (int(x) for x in rec["token_range"])
-        have = sorted(by_layer.get(layer, []), key=lambda p: p[1])
-        spans = [(int(p[1]), int(p[2])) for p in have]
-        if not have or [lo for lo, _ in spans] != [a] + [hi for _, hi in spans[:-1]] or spans[-1][1] != b:
-            raise ValueError(f"layer {layer}: pieces {spans} do not tile its rows [{a}, {b})")
+        have = sorted(by_layer[layer], key=lambda p: p[1])
         kv = []
         for i in (3, 4):
             parts = [p[i] for p in have]
@@ -339,13 +337,13 @@ class KVPool:
         kv = kvfmt.load(target, cfg, verify=verify)
         return self.publish(manifest["request_id"], kv, handoff_manifest(manifest), lease_s=lease_s)
 
-    def publish_pieces(self, request_id: str, pieces: list, kinds: Mapping[int, str], *,
+    def publish_pieces(self, request_id: str, pieces: list, kinds: Sequence[str] | Mapping[int, str], *,
                        lease_s: float | None = None) -> dict:
         """Publish one process's pieces of a request's KV (a multi-process prefill holds each layer's rows spread
         over its processes): `pieces` are `(layer, a, b, K [b − a, K, H], V)`, the rows [a, b) of global layer
-        `layer` (`kinds[layer]`: its kind). Returns `publish`'s kv_transfer_params whose record's `layers[i]` is
-        piece i and whose manifest is `{"pieces": [[layer, a, b], ...]}`: a part of a `compose`d record. Raises what
-        `publish` raises."""
+        `layer` (`kinds[layer]`: its kind, e.g. the config's `layer_types`). Returns `publish`'s kv_transfer_params
+        whose record's `layers[i]` is piece i and whose manifest is `{"pieces": [[layer, a, b], ...]}`: a part of a
+        `compose`d record. Raises what `publish` raises."""
         kv = {i: LayerKV(k, v, np.arange(a, b, dtype=np.int32), kinds[layer])
               for i, (layer, a, b, k, v) in enumerate(pieces)}
         return self.publish(request_id, kv, {"pieces": [[int(x) for x in p[:3]] for p in pieces]}, lease_s=lease_s)
@@ -638,8 +636,8 @@ def _check_tiling(manifest: dict, pieces: list) -> None:
         spans = sorted(by_layer.get(layer, []))
         if layer not in want or not spans or spans[0][0] != want[layer][0] or spans[-1][1] != want[layer][1] or \
                 any(hi != lo for (_, hi), (lo, _) in zip(spans, spans[1:])):
-            raise ValueError(f"layer {layer}: pieces {spans} do not tile its rows "
-                             f"{list(want[layer]) if layer in want else '(not in the manifest)'}")
+            rows = "[{}, {})".format(*want[layer]) if layer in want else "(not in the manifest)"
+            raise ValueError(f"layer {layer}: pieces {spans} do not tile its rows {rows}")
 
 
 def check_record(params: Mapping) -> None:

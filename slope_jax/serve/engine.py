@@ -547,7 +547,7 @@ class PrefillEngine:
         what `PeerRows.records` raises."""
         key = step.offers.pop(j)  # taken, or failed: nothing left to discard
         records = self.peer_rows.records(key)
-        return Offered(self._own_pieces(step, j, kv_full), records, dict(enumerate(self.cfg.layer_types)),
+        return Offered(self._own_pieces(step, j, kv_full), records, self.cfg.layer_types,
                        functools.partial(self.peer_rows.drop, records))
 
     def step_key(self, n: int, cached: int = 0) -> tuple[int, int]:
@@ -823,12 +823,12 @@ class PendingExport:
 class Offered:
     """Process 0's view of a prompt's rows spread over several processes (`PendingExport.offer`): `pieces`, its own
     `(layer, a, b, K [b − a, K, H], V)`; `records`, the peers' `KVPool.publish_pieces` records (parts of a
-    `nixl_transport.compose`d record); `kinds`, global layer id → kind; `drop()` frees the peers' entries when no
-    reader will pull them."""
+    `nixl_transport.compose`d record); `kinds`, each global layer's kind (`layer_types`); `drop()` frees the peers'
+    entries when no reader will pull them."""
 
     pieces: list
     records: list
-    kinds: dict
+    kinds: tuple
     drop: Callable[[], None]
 
 

@@ -57,8 +57,8 @@ class PeerRows:
         self.timeout_s = float(timeout_s)
         self.pool = nt.KVPool(pool_bytes, lease_s=lease_s, prefault=True) if self.me != 0 else None
         self.reader = nt.KVReader(hold_s=timeout_s, timeout_s=timeout_s) if self.me == 0 else None
-        # process 0's buffers, reused (registered once; their pages touched once, not per request): one per peer to
-        # pull into, one the layers are joined in (`join`)
+        # process 0's buffers, reused (registered once; their pages touched once, not per request): one per offering
+        # peer to pull into, one the layers are joined in (`join`)
         self._staging: dict[int, np.ndarray] = {}
         self._joined: np.ndarray | None = None
 
@@ -67,7 +67,7 @@ class PeerRows:
         `key` (the same on every process) and post the record, or the error that prevented it. Never raises."""
         try:
             if pieces:
-                rec = self.pool.publish_pieces(key, pieces, dict(enumerate(kinds)))[nt.PARAMS_KEY]
+                rec = self.pool.publish_pieces(key, pieces, kinds)[nt.PARAMS_KEY]
             else:
                 rec = {"pieces": []}
         except Exception as e:  # noqa: BLE001 - reported to process 0, which answers after the export instead
@@ -80,15 +80,11 @@ class PeerRows:
         reuses). Raises RuntimeError naming the process whose offer failed or did not come within `timeout_s`,
         KVTransferError for a failed pull."""
         out = []
-        for pid, rec in self._records(key):
-            if "error" in rec:
-                raise RuntimeError(f"process {pid} could not offer its rows of {key}: {rec['error']}")
-            if not rec.get("layers"):
-                continue
-            buf = self._staging[pid] = self._grown(self._staging.get(pid), int(rec["nbytes"]))
+        for i, rec in enumerate(self.records(key)):
+            buf = self._staging[i] = self._grown(self._staging.get(i), int(rec["nbytes"]))
             got = self.reader.pull({nt.PARAMS_KEY: rec}, out=buf)  # its release frees the peer's entry
-            for i, (layer, a, b) in enumerate(rec["manifest"]["pieces"]):
-                out.append((layer, a, b, got[i].k, got[i].v))
+            for j, (layer, a, b) in enumerate(rec["manifest"]["pieces"]):
+                out.append((layer, a, b, got[j].k, got[j].v))
         return out
 
     def records(self, key: str) -> list[dict]:
