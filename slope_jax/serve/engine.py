@@ -428,7 +428,8 @@ class PrefillEngine:
             first token is known, and the directory's earlier exports are prefix-cache entries.
           ids: export directory names (default "0", "1", …); each must be a plain file name.
           kv_full: export every token of sliding layers too (default: True while prefix reuse is on — a later
-            request can then reuse the export from any block boundary — else their last W tokens).
+            request can then reuse the export from any block boundary — else the last W tokens and the rows back to the
+            vLLM KV-block boundary at or before them, `kv.format`).
           return_kv: fill `PrefillResult.kv` (default: True without `kv_dir` in a single-process run, else False:
             under several processes it gathers the whole cache to each, ~10 GB per 128K tokens of gpt-oss-120b).
           top_k: how many (token, logit) pairs to report.

@@ -49,9 +49,10 @@ flags.DEFINE_string("results", "-", "JSONL file for results, or '-' for stdout (
                     "--overwrite.")
 flags.DEFINE_string("kv_dir", None, "Export each request's KV cache to KV_DIR/<id>/ (safetensors + manifest.json). "
                     "Every process writes the pieces it holds; use a shared filesystem across hosts.")
-flags.DEFINE_bool("kv_full", None, "Export every token of sliding-window layers (--kv_full) or only their last W "
-                  "tokens, all a decoder needs (--nokv_full). Default: every token while --prefix_reuse is on (a "
-                  "later prompt can then reuse an export from any block boundary), else the last W.")
+flags.DEFINE_bool("kv_full", None, "Export every token of sliding-window layers (--kv_full) or only the rows a "
+                  "decoder needs (--nokv_full: the last W tokens and back to the vLLM KV-block boundary at or before "
+                  "them, docs/kv-format.md). Default: every token while --prefix_reuse is on (a later prompt can then "
+                  "reuse an export from any block boundary), else those rows.")
 flags.DEFINE_bool("prefix_reuse", True, "Prefix reuse: a prompt whose leading blocks were prefilled before (same "
                   "weights, dtype, KV layout and cache_salt) computes only its new tokens, attending to the cached "
                   "KV, which comes from host memory or from the --kv_dir exports (also those of earlier runs). "
@@ -126,8 +127,9 @@ flags.DEFINE_string("http_model_name", None, "--http_port: the model name client
                     "--checkpoint directory's name).")
 flags.DEFINE_float("kv_pool_gib", None, "--http_port: GiB of registered host memory (process 0) in which each P/D "
                    "request's KV is also published for the decode side to pull over NIXL (0: off, the export files "
-                   "alone serve); under several processes each other process holds a pool of this size for its "
-                   "pieces, which process 0 pulls. Default: $SLOPE_JAX_KV_POOL_GIB, else 1.")
+                   "alone serve); under several processes every process holds a pool of this size for its own "
+                   "pieces and the answer's record names every pool (vLLM pulls each piece from the process that "
+                   "computed it). Default: $SLOPE_JAX_KV_POOL_GIB, else 1.")
 flags.DEFINE_float("kv_lease_s", None, "--http_port: seconds an unread NIXL pool entry lives after its publication or "
                    "its last hold (a reader that reports it received frees it at once). Default: "
                    "$SLOPE_JAX_KV_LEASE_S, else 60.")

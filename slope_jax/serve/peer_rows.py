@@ -191,6 +191,6 @@ def start(config) -> PeerRows | None:
             out.close()
         logging.info("early P/D answers gather each step's K/V to every process (NIXL is missing on a process)")
         return None
-    logging.info("early P/D answers: process 0 pulls the other processes' rows over NIXL (%s ready in %.1f s)",
+    logging.info("early P/D answers: every process's rows reachable over NIXL (%s ready in %.1f s)",
                  "reader" if out.me == 0 else f"pool of {gib:g} GiB", time.perf_counter() - t0)
     return out
