@@ -290,11 +290,43 @@ def test_orbax_restore_is_bitwise_the_hf_load_in_any_layout(checkpoints, tmp_pat
     for par, dtype in ((ParallelConfig(2, 2, 2), "bfloat16"), (ParallelConfig(1, 2, 4), "bfloat16"),
                        (ParallelConfig(4, 1, 2), "bfloat16"), (ParallelConfig(1, 1, 1), "bfloat16"),
                        (ParallelConfig(1, 2, 4), "float32")):
-        want = PrefillEngine.from_checkpoint(src, par, dtype, progress=False).params
-        got = PrefillEngine.from_checkpoint(out, par, dtype, progress=False).params  # detects the orbax dir
+        hf_engine = PrefillEngine.from_checkpoint(src, par, dtype, progress=False)
+        orbax_engine = PrefillEngine.from_checkpoint(out, par, dtype, progress=False)  # detects the orbax dir
+        want, got = hf_engine.params, orbax_engine.params
         _assert_same_placed(got, want, f"{name} {par} {dtype}")
         _assert_replicas_share_host_blocks(got, f"orbax {name} {par} {dtype}")
         _assert_replicas_share_host_blocks(want, f"hf {name} {par} {dtype}")
+        # bitwise the same weights, so the same identity: prefix-cache keys and exports (which vLLM's connector
+        # checks against the source checkpoint it serves) name the source's weights
+        assert orbax_engine.weights_digest == hf_engine.weights_digest == meta["source_weights_digest"]
+
+
+def test_a_lossy_conversion_does_not_claim_the_source_weights(checkpoints, tmp_path):
+    """A float32 source converted to bfloat16 rounds its weights: the marker records no source weights digest and the
+    restored engine names its own parameters; the same source converted to float32 keeps every value and names the
+    source's weights (as a bf16 source converted to bf16 does, above)."""
+    from safetensors import safe_open
+
+    from slope_jax.atomic import atomic_safetensors
+    from slope_jax.checkpoints import digest, orbax_store
+    from slope_jax.serve.engine import PrefillEngine
+
+    src = str(tmp_path / "f32")
+    shutil.copytree(checkpoints["A"]["dense"], src)
+    rng = np.random.default_rng(0)
+    for f in (f for f in os.listdir(src) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(src, f), "numpy") as h:
+            t = {k: h.get_tensor(k) for k in h.keys()}
+        t = {k: (v.astype(np.float32) * (1 + 1e-4 * rng.standard_normal(v.shape)).astype(np.float32)
+                 if v.dtype != np.uint8 else v) for k, v in t.items()}  # values off the bf16 grid
+        atomic_safetensors(os.path.join(src, f), t, {"format": "pt"})
+    want = digest.weights_digest(src)
+    lossy = orbax_store.convert(src, str(tmp_path / "bf16"), dtype="bfloat16", progress=False)
+    exact = orbax_store.convert(src, str(tmp_path / "fp32"), dtype="float32", progress=False)
+    assert lossy["source_weights_digest"] is None and exact["source_weights_digest"] == want
+    got = PrefillEngine.from_checkpoint(str(tmp_path / "bf16"), dtype="float32", progress=False).weights_digest
+    assert got != want and len(got) == 32
+    assert PrefillEngine.from_checkpoint(str(tmp_path / "fp32"), dtype="float32", progress=False).weights_digest == want
 
 
 def test_convert_cli_and_refusals(tmp_path):

@@ -12,7 +12,8 @@ while the exports are computed and first decodes the plain references.
 
 Identity (issue 31): the same run decodes exports computed with other weights of the same config and exports of
 another tenant's cache_salt, by kv_transfer_params and by the kv_dir lookup: vLLM computes those prompts itself (the
-plain run's tokens, 0 external tokens, the reason in the status); the request with the export's own salt loads it.
+plain run's tokens, 0 external tokens, the reason in the status); the request with the export's own salt loads it, and
+so does an export computed from a converted (orbax, float32) copy of the checkpoint vLLM serves.
 
 The vLLM-free decisions (`slope_jax.kv.vllm_plan`: slots, rows per layer kind and KV manager, refusals) are also
 checked directly, without vLLM (the identity refusals in tests/test_vllm_identity.py).
@@ -58,6 +59,8 @@ IDENTITY_CASES = [
     ("identity/salt-a/params", W + 1, "salted/len-41", SALT, None),
     ("identity/salt-b/lookup", BLOCK + 1, None, "tenant-b", r"cache_salt: .*computed for another cache_salt"),
     ("identity/salt-a/lookup", BLOCK + 1, None, SALT, None),
+    # from a converted (orbax, float32: every value kept) copy of the checkpoint vLLM serves: the same weights
+    ("identity/converted/params", W + 1, "converted/len-41", None, None),
 ]
 VLLM_PYTHON = os.environ.get("SLOPE_VLLM_PYTHON", os.path.join(REPO, ".venv-vllm", "bin", "python"))
 
@@ -148,6 +151,17 @@ def _export_other_weights(base, out):
     del eng
 
 
+def _export_converted(base, out):
+    """The W+1 prompt prefilled from a float32 orbax conversion of CKPT into out: the restored engine names the
+    source's weights (`orbax_store.weights_digest`), so vLLM serving CKPT loads it."""
+    from slope_jax.checkpoints import orbax_store
+
+    orbax_store.convert(CKPT, str(base / "converted-ckpt"), dtype="float32", progress=False)
+    eng = PrefillEngine.from_checkpoint(str(base / "converted-ckpt"), dtype="float32", progress=False)
+    eng.prefill([_prompts()[LENGTHS.index(W + 1)]], str(out), ids=[f"len-{W + 1}"])
+    del eng
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """Exports from every default layout and policy, the tampered copies, and the hybrid-manager vLLM engine over
@@ -166,6 +180,7 @@ def run(tmp_path_factory):
                               phases=[_plain_phase(), _export_phase(exports, go, tampered, lookups, identity)])
     _export_layouts(LAYOUTS, exports, salted=identity / "salted")
     _export_other_weights(base, identity / "other-weights")
+    _export_converted(base, identity / "converted")
     # another model's KV of the same prompt: the shipped head_dim-24 checkpoint (6 layers)
     other = PrefillEngine.from_checkpoint(SHIPPED, dtype="float32", progress=False)
     other.prefill([_prompts()[LENGTHS.index(TAMPER_LEN)]], str(base / "other-model"), ids=["x"])

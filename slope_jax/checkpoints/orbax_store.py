@@ -3,7 +3,8 @@
 Layout of a converted directory:
   params/                 orbax PyTree checkpoint (OCDBT/zarr via tensorstore)
   slope_jax_orbax.json    the marker, written last: format, model config, dtype, the layout it was saved from,
-                          the parameter shapes, a fingerprint, the source checkpoint
+                          the parameter shapes, a fingerprint, the source checkpoint, and the source's weights
+                          digest where the conversion kept its values exactly (`source_weights_digest`)
   tokenizer.json, …       small non-weight files of the source, copied (the launcher reads the tokenizer here)
 
 What is stored (and why this shape): every per-layer parameter as one array per layer (`layers/<name>/<layer>`,
@@ -182,9 +183,37 @@ def _source_id(ckpt) -> str:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Save / restore
+def source_weights_digest(ckpt, path: str, dtype) -> str | None:
+    """The source checkpoint's weights digest (`digest.weights_digest(path)`, the files' XXH3 that prefix-cache keys,
+    KV exports and vLLM's connector compare) when a conversion in `dtype` keeps every source value exactly, else None.
+
+    Exact when `dtype` is float32 (BF16, F16 and F32 values all are float32 values) or every float tensor of the
+    source is BF16 (MXFP4 blocks and scales are stored as they are). Then a restore in any dtype casts the source's
+    own values, so it holds bit for bit what loading the source in that dtype gives (checked in
+    tests/test_checkpoint.py) and the engine can name the source's weights: a converted prefill's exports load into a
+    vLLM that serves the source checkpoint. Otherwise (a float32 source converted to bfloat16) the restored weights
+    are rounded copies: the engine digests its parameters instead and shares no KV with the source.
+    """
+    floats = [dt for dt, _ in ckpt.source.header.values() if dt not in ("U8", "I8")]
+    if jnp.dtype(dtype) != jnp.float32 and any(dt != "BF16" for dt in floats):
+        return None
+    try:
+        return digest.weights_digest(path)
+    except FileNotFoundError:
+        return None
+
+
+def weights_digest(path) -> str | None:
+    """The weights digest a converted directory's marker records for its source (`source_weights_digest`), or None
+    (a lossy conversion, or a marker written before it was recorded). Raises CheckpointError for a bad marker."""
+    return read_marker(path).get("source_weights_digest")
+
+
 def save(out: str, cfg: ModelConfig, params: dict, pl: Placement, dtype, *, source: str = "",
-         source_id: str = "") -> dict:
+         source_id: str = "", source_weights: str | None = None) -> dict:
     """Save placed params (the pytree `PrefillEngine` holds for layout `pl`) under `out`; returns the marker dict.
+    `source_weights`: the source's weights digest when the conversion kept its values exactly
+    (`source_weights_digest`), recorded in the marker.
 
     Every process must call this (orbax writes each process's shards); process 0 writes the marker last, so a
     directory without it is an interrupted conversion. Raises CheckpointError if `out` already holds one.
@@ -223,6 +252,7 @@ def save(out: str, cfg: ModelConfig, params: dict, pl: Placement, dtype, *, sour
                          "ulysses": int(pl.mesh.shape["ulysses"])},
         "params": _declared(cfg, dtype), "bytes": nbytes, "source": source,
         "fingerprint": fingerprint(cfg, dtype, source_id), "source_id": source_id,
+        "source_weights_digest": source_weights,
     }
     if jax.process_index() == 0:
         atomic_json(os.path.join(out, MARKER), meta)
@@ -462,4 +492,5 @@ def convert(checkpoint, out, parallel: ParallelConfig = ParallelConfig(), dtype=
             src = os.path.join(ck.path if os.path.isfile(os.path.join(ck.path, f)) else os.fspath(checkpoint), f)
             if os.path.isfile(src):
                 atomic_write(os.path.join(out, f), lambda tmp, src=src: shutil.copyfile(src, tmp))
-    return save(out, cfg, params, pl, dtype, source=os.path.abspath(os.fspath(checkpoint)), source_id=_source_id(ck))
+    return save(out, cfg, params, pl, dtype, source=os.path.abspath(os.fspath(checkpoint)), source_id=_source_id(ck),
+                source_weights=source_weights_digest(ck, os.fspath(checkpoint), dtype))

@@ -101,7 +101,9 @@ class PrefillEngine:
         `parallel.mesh`.
       reuse: prefix reuse (`kv.prefix.ReuseOptions`: on by default, 128-token blocks, 2 GiB host tier).
       weights_digest: the identity of the weights (`checkpoints.digest.weights_digest`; `from_checkpoint` passes
-        the checkpoint files' digest); default: a digest of `params` as placed, computed when first needed.
+        the checkpoint files' digest, for a converted directory its source's where the conversion kept the values
+        exactly, `checkpoints.orbax_store.weights_digest`); default: a digest of `params` as placed, computed when
+        first needed.
       kv_dir_max_bytes, kv_dir_max_age_s: retention of every `kv_dir` this engine exports to (`kv.store.KVStore`;
         default None: unbounded).
     Compiled programs go to the persistent XLA compilation cache (`slope_jax.compile_cache`: on by default,
@@ -218,6 +220,7 @@ class PrefillEngine:
         """
         devices = list(jax.devices() if devices is None else devices)
         if orbax_store.is_orbax_checkpoint(path):
+            kwargs.setdefault("weights_digest", orbax_store.weights_digest(path))  # the source's, if kept exactly
             cfg, params, _ = orbax_store.restore(path, parallel, dtype, devices=devices, progress=progress)
             return cls(cfg, params, parallel, dtype, devices=devices, _placed=True, **kwargs)
         ck = ckpt_lib.open_checkpoint(path)
