@@ -326,7 +326,11 @@ def test_a_lossy_conversion_does_not_claim_the_source_weights(checkpoints, tmp_p
     assert lossy["source_weights_digest"] is None and exact["source_weights_digest"] == want
     got = PrefillEngine.from_checkpoint(str(tmp_path / "bf16"), dtype="float32", progress=False).weights_digest
     assert got != want and len(got) == 32
-    assert PrefillEngine.from_checkpoint(str(tmp_path / "fp32"), dtype="float32", progress=False).weights_digest == want
+    for dtype in ("float32", "bfloat16"):  # what the exact conversion's restore holds is the source's load, bitwise
+        restored = PrefillEngine.from_checkpoint(str(tmp_path / "fp32"), dtype=dtype, progress=False)
+        loaded = PrefillEngine.from_checkpoint(src, dtype=dtype, progress=False)
+        _assert_same_placed(restored.params, loaded.params, f"float32 conversion restored in {dtype}")
+        assert restored.weights_digest == loaded.weights_digest == want
 
 
 def test_convert_cli_and_refusals(tmp_path):
