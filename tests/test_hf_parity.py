@@ -38,7 +38,8 @@ def _hf_run(model, ids):
     with torch.no_grad():
         out = model(torch.tensor(ids, dtype=torch.long)[None], use_cache=True)
     kv = {}
-    for i, layer in enumerate(out.past_key_values.layers):
+    cache = out.cache if hasattr(out, "cache") else out.past_key_values  # transformers >= 5.2x renamed it
+    for i, layer in enumerate(cache.layers):
         kv[i] = (layer.keys[0].permute(1, 0, 2).numpy(), layer.values[0].permute(1, 0, 2).numpy())
     return out.logits[0, -1].numpy(), kv
 
