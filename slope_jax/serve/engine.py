@@ -430,9 +430,8 @@ class PrefillEngine:
           kv_dir: if given, each prompt's KV cache is exported to `kv_dir/<id>/` (`slope_jax.kv` format) after its
             first token is known, and the directory's earlier exports are prefix-cache entries.
           ids: export directory names (default "0", "1", …); each must be a plain file name.
-          kv_full: export every token of sliding layers too (default: True while prefix reuse is on — a later
-            request can then reuse the export from any block boundary — else the last W tokens and the rows back to the
-            vLLM KV-block boundary at or before them, `kv.format`).
+          kv_full: export every token of sliding layers (default while prefix reuse is on: reusable from any block
+            boundary), else the last W and back to the vLLM KV-block boundary before them (`kv.format`).
           return_kv: fill `PrefillResult.kv` (default: True without `kv_dir` in a single-process run, else False:
             under several processes it gathers the whole cache to each, ~10 GB per 128K tokens of gpt-oss-120b).
           top_k: how many (token, logit) pairs to report.
