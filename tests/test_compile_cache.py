@@ -213,4 +213,13 @@ def test_compile_estimate_is_per_shape(fresh_cache):
     assert model.compile_ms((160, 1)) == 6100.0
     other = _Engine(dtype="bfloat16")  # another dtype is another program: nothing of it is cached
     assert slo.BatchModel(other, lambda t, m: float(t), compile_prior_ms=8000.0).compile_ms((64, 1)) == 8000.0
-    assert compile_cache.compiled_steps(model.identity) == {"64,1", "128,1"}
+    # a prefix hit's program ((bucket, cached rows), prompts): a plain one's estimate x HIT_COMPILE_FACTOR until a
+    # hit program is measured here, then that one (and a plain shape then comes from the latest plain compile)
+    f = slo.HIT_COMPILE_FACTOR
+    assert slo.BatchModel(other, lambda t, m: float(t), compile_prior_ms=8000.0).compile_ms(((64, 512), 1)) == \
+        pytest.approx(8000.0 * f)
+    assert model.compile_ms(((64, 512), 1)) == pytest.approx(6100.0 * f)
+    second.compile_ms[(32, 1, 512)], second.compile_source[(32, 1, 512)] = 9900.0, "compiled"
+    assert model.compile_ms(((64, 512), 1)) == 9900.0 and model.compile_ms((160, 1)) == 6100.0
+    assert model.compile_ms(((32, 512), 1)) == 0.0
+    assert compile_cache.compiled_steps(model.identity) == {"64,1", "128,1", "32,1,512"}

@@ -58,6 +58,11 @@ DEFAULT_COMPILE_S = 30.0
 # A persistent-cache hit still traces and lowers the step: measured 2.5-3.1 s per step program where a miss took
 # 29-45 s (tiny checkpoint, ring 2 x Ulysses 4, buckets 32 and 768, the 2-core host at load average 27).
 CACHE_HIT_FRACTION = 0.1
+# A prefix hit's step program (its new tokens attending to cached keys: a branch per kind of layer, the prefix
+# attention's own tiles) compiles longer than a plain bucket's: 14.7 / 15.2 s vs 10.2 / 10.3 s (README command 1's
+# two processes on the 2-core AMX Xeon, 2026-12-06), 14.8 s where a plain bucket's prior said 10 s. Applied to a hit
+# shape's estimate while this process has measured only plain programs (or none), and inversely.
+HIT_COMPILE_FACTOR = 1.45
 
 
 # when this run started (this module is imported at start-up, before the engine compiles anything)
@@ -157,9 +162,10 @@ class BatchModel:
     earlier run compiled it into the persistent cache: a load, which still traces and lowers) the latest cache load
     measured in this process, else `compile_prior_ms` × `CACHE_HIT_FRACTION`; for any other shape (never compiled
     here: a full compile, however many other entries the cache holds) the latest full compile measured in this
-    process, else `compile_prior_ms` (`compile_prior_ms()` with a cold cache). Compile time barely depends on the
-    shape: layers are scanned and attention/MoE tiles looped (16–25 s for buckets 32–1536 on the CPU). The shapes
-    this process compiles are added to the index (`observe`, `compile_ms`).
+    process, else `compile_prior_ms` (`compile_prior_ms()` with a cold cache). A prefix hit's program is estimated
+    from the latest of its kind, else × `HIT_COMPILE_FACTOR` of a plain one's (and the prior likewise). Compile time
+    barely depends on the shape: layers are scanned and attention/MoE tiles looped (16–25 s for buckets 32–1536 on
+    the CPU). The shapes this process compiles are added to the index (`observe`, `compile_ms`).
     """
 
     def __init__(self, engine, step_ms, compile_prior_ms: float, hit_ms=None):
@@ -198,14 +204,20 @@ class BatchModel:
             compile_cache.record_steps(self.identity, new)
             self.cached.update(compile_cache.step_key(k) for k in new)
 
-    def _latest(self, loads: bool) -> float | None:
+    def _latest(self, loads: bool, hit: bool) -> float | None:
         """The latest compile measured in this process that was a cache load (`loads`) or a full compile (a step
-        without a recorded source counts as a full compile)."""
+        without a recorded source counts as a full compile), of a prefix-hit program (`hit`) or a plain one: the
+        latest of that kind, else the latest of the other kind scaled by `HIT_COMPILE_FACTOR`."""
         source = dict(_items(getattr(self.engine, "compile_source", {})))
+        other = None
         for key, ms in reversed(_items(self.engine.compile_ms)):
-            if (source.get(key) == "cache") == loads:
+            if (source.get(key) == "cache") != loads:
+                continue
+            if (len(key) == 3) == hit:
                 return ms
-        return None
+            if other is None:
+                other = ms * HIT_COMPILE_FACTOR if hit else ms / HIT_COMPILE_FACTOR
+        return other
 
     def compile_ms(self, shape: tuple) -> float:
         """Expected ms to compile the step of `shape` = (bucket length, prompts per step), or for a prefix hit
@@ -218,11 +230,13 @@ class BatchModel:
         self._record()
         if key in self.engine.compile_ms:
             return 0.0
+        hit = len(key) == 3
+        prior = self.compile_prior_ms * (HIT_COMPILE_FACTOR if hit else 1.0)
         if compile_cache.step_key(key) in self.cached:
-            ms = self._latest(loads=True)
-            return self.compile_prior_ms * CACHE_HIT_FRACTION if ms is None else ms
-        ms = self._latest(loads=False)
-        return self.compile_prior_ms if ms is None else ms
+            ms = self._latest(loads=True, hit=hit)
+            return prior * CACHE_HIT_FRACTION if ms is None else ms
+        ms = self._latest(loads=False, hit=hit)
+        return prior if ms is None else ms
 
     def observe(self, lengths: list[int], measured_ms: float) -> None:
         """Fold in one finished batch's measured compute (ms, compilation excluded)."""
