@@ -66,5 +66,9 @@ else:
         report("records-too-big", error=None)
     except RuntimeError as e:
         report("records-too-big", error=str(e))
+    deadline = time.monotonic() + 10  # process 1 posts its pool's occupancy every STATS_PERIOD_S
+    while 1 not in rows.peer_pools() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    report("peer-pools", pools={str(k): v for k, v in rows.peer_pools().items()})
     client.wait_at_barrier("collected", 60_000)
 rows.close()

@@ -146,11 +146,20 @@ def test_pd_over_http_equals_vllm_alone(servers):
     records = [json.loads(x) for x in (base / "prefill_results.jsonl").read_text().splitlines()]
     assert len([r for r in records if "error" not in r]) == 2 * 2 * len(prompts)
     _wait_reclaimed([r["kv_path"] for r in records])
-    # the NIXL pool: every entry freed (by its reader once its request finished, or by the proxy's release)
-    with urllib.request.urlopen(SERVERS["prefill"] + "/v1/kv/pool", timeout=30) as r:
-        pool = json.loads(r.read())
-    print(f"NIXL pool after the run: {pool}")
+    # the NIXL pools: every entry freed (by its reader once its request finished, or by the proxy's release), process
+    # 0's and, as process 1 last posted it (every second), process 1's
+    deadline = time.monotonic() + 10
+    while True:
+        with urllib.request.urlopen(SERVERS["prefill"] + "/v1/kv/pool", timeout=30) as r:
+            pool = json.loads(r.read())
+        peers = pool.get("peers", {})
+        if (set(peers) == {"1"} and peers["1"]["entries"] == 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    print(f"NIXL pools after the run: {pool}")
     assert pool["pool"] and pool["entries"] == 0 and pool["used_bytes"] == 0, pool
+    assert set(peers) == {"1"} and peers["1"]["entries"] == 0 and peers["1"]["used_bytes"] == 0, pool
+    assert peers["1"]["pool"] != pool["pool"] and peers["1"]["age_s"] < 5, pool
 
 
 def test_malformed_request_gets_the_prefill_4xx(servers):

@@ -32,6 +32,10 @@ def test_peer_rows_collect_offer_failures_and_discard(tmp_path):
     assert lines["records"] == {"case": "records", "count": 1, "pieces": [[1, 0, 4], [0, 4, 13]]}
     assert "process 1 could not offer its rows of rec-too-big: KVPoolFull" in lines["records-too-big"]["error"]
     assert lines["pool"]["entries"] == 0 and lines["pool"]["used_bytes"] == 0, lines["pool"]
+    # process 0 sees process 1's pool as process 1 last posted it (GET /v1/kv/pool's "peers")
+    peer = lines["peer-pools"]["pools"]["1"]
+    assert set(lines["peer-pools"]["pools"]) == {"1"} and peer["capacity_bytes"] == 1 << 20, peer
+    assert peer["pool"].startswith("slope-kvpool-") and 0 <= peer["age_s"] < 5 and peer["entries"] >= 0, peer
 
 
 # the all-gather fallback (no NIXL) under -m slow: 26 s of a cold suite for the path a deployment without NIXL takes

@@ -144,9 +144,10 @@ def request_stream(config: LaunchConfig):
 
 
 def start_source(config: LaunchConfig, src, cfg, max_tokens: int, tokenizer_path: str | None, kv_store,
-                 host_tier=None):
+                 host_tier=None, peer_pools=None):
     """The request source: a `LineReader` thread over `src`, or (src None) the started HTTP intake (publishing into
-    its NIXL pool from `host_tier`, the engine's, when that holds the prompt)."""
+    its NIXL pool from `host_tier`, the engine's, when that holds the prompt; `peer_pools`: the other processes'
+    pool occupancy its GET /v1/kv/pool shows, `PeerRows.peer_pools`)."""
     if src is not None:
         from slope_jax.serve.batching import LineReader
 
@@ -156,7 +157,8 @@ def start_source(config: LaunchConfig, src, cfg, max_tokens: int, tokenizer_path
     name = config.http_model_name or os.path.basename(os.path.normpath(config.checkpoint))
     source = HttpIntake(config.http_host, config.http_port, vocab_size=cfg.vocab_size, max_tokens=max_tokens,
                         model_name=name, tokenizer_path=tokenizer_path, top_k=config.top_k, kv_store=kv_store,
-                        kv_pool_gib=config.kv_pool_gib, kv_lease_s=config.kv_lease_s, host_tier=host_tier)
+                        kv_pool_gib=config.kv_pool_gib, kv_lease_s=config.kv_lease_s, host_tier=host_tier,
+                        peer_pools=peer_pools)
     try:
         source.start()
     except OSError as e:
@@ -205,7 +207,8 @@ class Front:
         front = cls(engine, config, cfg, max_tokens, tokenizer, out, kv_store, memory)
         front.predict_ms = slo.batch_model(engine, hardware, config.dtype, jax.local_device_count())
         front.scheduler = _scheduler(config, engine, front.predict_ms)
-        front.source = start_source(config, src, cfg, max_tokens, tok_path, kv_store, engine.host_tier)
+        peers = engine.peer_rows.peer_pools if engine.peer_rows is not None else None
+        front.source = start_source(config, src, cfg, max_tokens, tok_path, kv_store, engine.host_tier, peers)
         front.intake = Intake(front.source, front.scheduler, front.parse_line, front.emit, config.ttft_slo_ms,
                               peek=front.expected_hit)
         return front

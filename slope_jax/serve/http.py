@@ -36,7 +36,8 @@ r"""The prefill endpoint of a prefill/decode (P/D) deployment: an OpenAI-style c
            prompts sharing its prefix, under --kv_dir_max_gib / --kv_dir_max_age_h retention). 404: not an id this
            server answered.
     GET /v1/kv/pool  the NIXL pool's capacity_bytes, used_bytes, entries, held (readers pulling now), lease_s (process
-                     0's pool: under several processes the others hold their own shares).
+                     0's pool); under several processes "peers": {process: the same of its pool, age_s (seconds
+                     since it posted them, about 1 when live)} for the pools holding the others' shares.
     GET /health  200 once the engine is loaded (the server starts after that).    GET /v1/models  the served model.
 
 Body fields. `prompt`: a non-empty string (tokenized with the checkpoint's tokenizer.json by the boundary's rule:
@@ -444,18 +445,21 @@ class HttpIntake:
       host_tier: the engine's host prefix tier (`PrefillEngine.host_tier`, None: off): a request's KV is published
         into the pool from its whole-prompt entry there when it has one (`kv.prefix.export_rows`), else re-read from
         the export just written.
+      peer_pools: under several processes, `() -> {process: occupancy}` of the other processes' pools
+        (`serve.peer_rows.PeerRows.peer_pools`), shown by GET /v1/kv/pool; None: one process.
     """
 
     VALIDATION_THREADS = 8
 
     def __init__(self, host: str, port: int, *, model_name: str, vocab_size: int, max_tokens: int,
                  tokenizer_path: str | None, top_k: int, kv_store, kv_pool_gib: float | None = None,
-                 kv_lease_s: float | None = None, host_tier=None):
+                 kv_lease_s: float | None = None, host_tier=None, peer_pools=None):
         self.host, self.port, self.model_name = host, port, model_name
         self.kv_pool_gib = float(os.environ.get(POOL_GIB_ENV, 1.0) if kv_pool_gib is None else kv_pool_gib)
         self.kv_lease_s = float(os.environ.get(LEASE_ENV, 60.0) if kv_lease_s is None else kv_lease_s)
         self.kv_pool = None  # the NIXL pool (`start`), None: files only
         self.host_tier = host_tier  # the engine's host prefix tier: what the pool is filled from when it can be
+        self.peer_pools = peer_pools  # () -> {process: its pool's occupancy} under several processes, else None
         self._entries: dict[str, str] = {}  # request id → its pool entry (discarded on release)
         self._peer_drops: dict[str, Callable[[], None]] = {}  # request id → drops its peers' entries (`compose`)
         self._exporting: set[str] = set()  # ids answered over NIXL before their export was written (`deliver_early`)
@@ -776,7 +780,8 @@ class HttpIntake:
             return web.json_response({"pool": None})
         stats = self.kv_pool.stats()
         stats.pop("per_entry")
-        return web.json_response({"pool": self.kv_pool.name, "lease_s": self.kv_lease_s, **stats})
+        peers = {} if self.peer_pools is None else {"peers": {str(k): v for k, v in self.peer_pools().items()}}
+        return web.json_response({"pool": self.kv_pool.name, "lease_s": self.kv_lease_s, **stats, **peers})
 
     async def _release(self, request):
         """POST /v1/kv/release {"request_id": id}: the decode side is done with the export of `id` (`reclaim`)."""

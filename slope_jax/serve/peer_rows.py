@@ -25,6 +25,8 @@ Imports JAX (the coordination service) and `kv.nixl_transport` (numpy, xxhash); 
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import numpy as np
 from absl import logging
@@ -33,6 +35,8 @@ from slope_jax.kv import nixl_transport as nt
 from slope_jax.kv.format import LayerKV
 
 KEY_PREFIX = "slope_jax/peer_rows/"
+STATS_PREFIX = "slope_jax/peer_pool_stats/"  # + process id: that process's pool occupancy (`PeerRows.peer_pools`)
+STATS_PERIOD_S = 1.0
 
 
 def _client():
@@ -61,6 +65,45 @@ class PeerRows:
         # peer to pull into, one the layers are joined in (`join`)
         self._staging: dict[int, np.ndarray] = {}
         self._joined: np.ndarray | None = None
+        self._stop = threading.Event()
+        self._poster = None
+        if self.pool is not None:  # its occupancy, for process 0's GET /v1/kv/pool
+            self._poster = threading.Thread(target=self._post_stats, name="peer-pool-stats", daemon=True)
+            self._poster.start()
+
+    def _post_stats(self) -> None:
+        """A peer's thread: post its pool's occupancy (`KVPool.stats` less per-entry detail, the pool's name and the
+        posting time) under `STATS_PREFIX`<process> every `STATS_PERIOD_S`, until `close`."""
+        key, failed = f"{STATS_PREFIX}{self.me}", False
+        while not self._stop.is_set():
+            try:
+                stats = self.pool.stats()
+                stats.pop("per_entry")
+                _client().key_value_set(key, json.dumps({"pool": self.pool.name, **stats, "posted": time.time()}),
+                                        allow_overwrite=True)
+            except Exception as e:  # noqa: BLE001 - a diagnostic: logged once, retried
+                if not failed:
+                    logging.warning("process %d: pool occupancy not posted: %s: %s", self.me, type(e).__name__, e)
+                failed = True
+            self._stop.wait(STATS_PERIOD_S)
+
+    def peer_pools(self) -> dict[int, dict]:
+        """Process 0: every other process's pool as it last posted it (`_post_stats`: capacity_bytes, used_bytes,
+        entries, held, pool name) with `age_s`, the seconds since (~`STATS_PERIOD_S` when live), keyed by process.
+        {} when none posted yet or the coordination service cannot be read. Never raises."""
+        try:
+            items = _client().key_value_dir_get(STATS_PREFIX)
+        except Exception:  # noqa: BLE001 - a diagnostic
+            return {}
+        out, now = {}, time.time()
+        for name, raw in items:
+            try:
+                stats = json.loads(raw)
+                stats["age_s"] = round(now - stats.pop("posted"), 3)
+                out[int(name.rsplit("/", 1)[1])] = stats
+            except (ValueError, KeyError, TypeError):
+                continue
+        return dict(sorted(out.items()))
 
     def offer(self, key: str, pieces: list, kinds: list[str]) -> None:
         """A peer: publish its pieces of one request (`(layer, a, b, k, v)`; `kinds[layer]`: the layer's kind) under
@@ -157,6 +200,9 @@ class PeerRows:
         return f"{KEY_PREFIX}{key}/{pid}"
 
     def close(self) -> None:
+        self._stop.set()
+        if self._poster is not None:
+            self._poster.join(timeout=5)
         for x in (self.pool, self.reader):
             if x is not None:
                 x.close()
