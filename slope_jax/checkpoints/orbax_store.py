@@ -194,8 +194,7 @@ def source_weights_digest(ckpt, path: str, dtype) -> str | None:
     vLLM that serves the source checkpoint. Otherwise (a float32 source converted to bfloat16) the restored weights
     are rounded copies: the engine digests its parameters instead and shares no KV with the source.
     """
-    floats = [dt for dt, _ in ckpt.source.header.values() if dt not in ("U8", "I8")]
-    if jnp.dtype(dtype) != jnp.float32 and any(dt != "BF16" for dt in floats):
+    if jnp.dtype(dtype) != jnp.float32 and any(dt not in ("BF16", "U8") for dt, _ in ckpt.source.header.values()):
         return None
     try:
         return digest.weights_digest(path)

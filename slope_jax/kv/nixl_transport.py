@@ -159,6 +159,11 @@ def is_composed(rec: Mapping) -> bool:
     return rec.get("protocol") == COMPOSED_PROTOCOL
 
 
+def parts_of(rec: Mapping) -> list:
+    """The one-pool records a hand-off record is made of: a `compose`d record's parts, else the record itself."""
+    return list(rec["parts"]) if is_composed(rec) else [rec]
+
+
 def params_of(kv_transfer_params: Mapping | None) -> dict | None:
     """The NIXL hand-off record of a request's kv_transfer_params (`kv_transfer_params[PARAMS_KEY]`), or None."""
     if not kv_transfer_params:

@@ -52,7 +52,7 @@ def validate_record(params: dict, prompt: np.ndarray, cfg, cache_dtype: str, *, 
         nt.check_record(rec)
     except nt.KVTransferError as e:
         raise plan.ExportRefused(e.cause) from None
-    parts = rec["parts"] if nt.is_composed(rec) else [rec]  # validated by check_record
+    parts = nt.parts_of(rec)  # validated by check_record
     more = len(parts) - 1
     where = f"nixl:{parts[0]['agent']}/{parts[0]['entry']}" + (f" (+{more} pool{'s' * (more > 1)})" if more else "")
     m = rec.get("manifest")
@@ -89,7 +89,7 @@ def _check_layout(where: str, rec: dict, m: dict, cfg, cache_dtype: str) -> None
                                  "only exact (equal or widening) conversions are done")
     regions = {}  # global layer id → its regions (one; a composed record's pieces: the parts checked the tiling)
     composed = nt.is_composed(rec)
-    for part in rec["parts"] if composed else [rec]:
+    for part in nt.parts_of(rec):
         pieces = part["manifest"]["pieces"] if composed else None
         for j, lay in enumerate(part["layers"]):
             regions.setdefault(int(pieces[j][0] if pieces else lay["layer"]), []).append(lay)

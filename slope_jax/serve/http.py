@@ -545,7 +545,7 @@ class HttpIntake:
             return
         handoff = {**params, "publish_ms": round((time.perf_counter() - t0) * 1e3, 3), "publish_from": "memory"}
         rec = params[nt.PARAMS_KEY]
-        own = (rec["parts"] if nt.is_composed(rec) else [rec])[0]["entry"]
+        own = nt.parts_of(rec)[0]["entry"]
         with self._lock:
             waiter = self._waiters.pop(rid, None)
             if waiter is not None:
@@ -556,7 +556,7 @@ class HttpIntake:
             self.kv_pool.discard(own)
             drop()
             return
-        parts = len(rec["parts"]) if nt.is_composed(rec) else 1
+        parts = len(nt.parts_of(rec))
         logging.info("request %s: answered over NIXL before its export is written (%s ms to publish: %.1f ms "
                      "gathering its rows%s, %.1f ms copying them into the pool)", rid, handoff["publish_ms"],
                      (t1 - t0) * 1e3, f" (the record names {parts} processes' pools)" if parts > 1 else "",
@@ -780,7 +780,10 @@ class HttpIntake:
             return web.json_response({"pool": None})
         stats = self.kv_pool.stats()
         stats.pop("per_entry")
-        peers = {} if self.peer_pools is None else {"peers": {str(k): v for k, v in self.peer_pools().items()}}
+        peers = {}
+        if self.peer_pools is not None:  # a coordination-service call: off the event loop
+            got = await asyncio.get_running_loop().run_in_executor(None, self.peer_pools)
+            peers = {"peers": {str(k): v for k, v in got.items()}}
         return web.json_response({"pool": self.kv_pool.name, "lease_s": self.kv_lease_s, **stats, **peers})
 
     async def _release(self, request):
