@@ -457,14 +457,21 @@ def test_hit_equals_cold_over_two_processes(tmp_path):
         assert p.returncode == 0, (tmp_path / f"p{i}.log").read_text()[-3000:]
     got = json.loads((tmp_path / "result.json").read_text())
     assert got["cached_tokens"] == 64
-    cold = PrefillEngine.from_checkpoint(SHIPPED, dtype="float32", progress=False, q_tile=32, kv_tile=32,
-                                         moe_tile=32).prefill([prompt], prefix_reuse=False, return_kv=True)[0]
+    one = PrefillEngine.from_checkpoint(SHIPPED, dtype="float32", progress=False, q_tile=32, kv_tile=32,
+                                        moe_tile=32, reuse=prefix_lib.ReuseOptions(block_size=16))
+    cold = one.prefill([prompt], prefix_reuse=False, return_kv=True)[0]
     assert got["first_token"] == cold.first_token
     assert np.abs(np.load(tmp_path / "logits.npy") - cold.logits).max() < TOL
     export = kv.load(str(tmp_path / "kv" / "turn"))
     for layer, lk in export.items():
         np.testing.assert_array_equal(lk.positions, np.arange(len(prompt)))
         assert np.abs(lk.k - cold.kv[layer].k).max() < TOL and np.abs(lk.v - cold.kv[layer].v).max() < TOL
+    # a restart with another process count and layout (one process, one device) reuses what the two wrote
+    longer = np.asarray(prompt + random_prompt(CONFIG_A, 23, seed=13).tolist(), np.int32)
+    hit = one.prefill([longer], str(tmp_path / "kv"), ids=["restarted"])[0]
+    assert hit.cached_tokens == 96  # the 101-token turn's six whole blocks of 16
+    want = one.prefill([longer], prefix_reuse=False)[0]
+    assert hit.first_token == want.first_token and np.abs(hit.logits - want.logits).max() < TOL
 
 
 def test_launcher_reuses_prefixes_per_salt_and_reports_cached_tokens(tmp_path):
