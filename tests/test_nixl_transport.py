@@ -320,6 +320,33 @@ def test_lease_frees_unread_entries_but_not_held_ones(server, reader):
     assert server("gone", pool=pool, entry=slow[nt.PARAMS_KEY]["entry"])["reason"] == "released: the decode side has it"
 
 
+def test_done_from_a_reader_that_never_pulled_frees_the_entry_without_further_calls(server):
+    """`done` from a reader that never talked to the pool (process 0 dropping a peer's offer, a decode side whose
+    request ended before its pull) frees the entry at once. The reader's agent has no progress thread: its release
+    went out only on its next NIXL call, so the entry stayed until its lease (60 s here) when none came."""
+    pool = server.pool(capacity_bytes=1 << 20, lease_s=60)
+    a, b = server.publish(pool, "never-pulled-a", tokens=20), server.publish(pool, "never-pulled-b", tokens=20)
+    fresh = nt.KVReader(timeout_s=20)
+    try:
+        assert fresh.done(a) is True  # the pool answered
+        st = server.wait_stats(pool, lambda s: s["entries"] == 1, timeout=1.0)  # no reader call meanwhile
+        assert st["entries"] == 1, st
+        gone = server("gone", pool=pool, entry=a[nt.PARAMS_KEY]["entry"])["reason"]
+        assert gone == "released: the decode side has it"
+        assert fresh.done(b) is True and server("stats", pool=pool)["entries"] == 0  # answered: already freed
+        # a pool that does not answer: done returns False after ack_timeout_s, it never raises or hangs
+        quiet = nt.KVReader(timeout_s=20, ack_timeout_s=0.2)
+        try:
+            c = server.publish(pool, "unanswered", tokens=20)
+            server("close", pool=pool)
+            t0 = time.monotonic()
+            assert quiet.done(c) is False and time.monotonic() - t0 < 2.0
+        finally:
+            quiet.close()
+    finally:
+        fresh.close()
+
+
 def test_pull_of_a_freed_or_unknown_entry_fails_cleanly(server, reader):
     pool = server.pool(capacity_bytes=1 << 20)
     params = server.publish(pool, "gone-1", tokens=20)

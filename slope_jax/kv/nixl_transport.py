@@ -18,7 +18,9 @@ Lifetime (the pool never frees KV a reader is pulling; a reader never accepts KV
   is never freed. The reader posts its READs with the question and uses nothing before the answer `held` (safe:
   entry keys are never reused and a freed entry never returns, so an entry live at the answer was live since its
   publication). After the READs it sends `release` (`done`: the decode side has the KV, free it once no other hold
-  is live; a failed pull drops only its hold). A hold that outlives its seconds (a reader that died) lapses; every
+  is live; a failed pull drops only its hold) and waits, briefly, for the pool's `released`: the reader's agent has
+  no progress thread, so a notification it sends goes out only while it calls NIXL, and a release left queued kept
+  the entry until its hold or lease lapsed. A hold that outlives its seconds (a reader that died) lapses; every
   layer's digest is checked, so even a reader whose hold lapsed mid-pull never accepts reused memory.
 
 Each layer is one contiguous region [K | V | positions] (64-byte aligned) with its own READ, so a connector can write
@@ -57,6 +59,7 @@ from slope_jax.kv.format import DTYPES, LayerKV
 
 PARAMS_KEY = "slope_jax_nixl"  # kv_transfer_params[PARAMS_KEY]: what a reader needs (see `KVPool.publish`)
 PROTOCOL = 1  # one pool's record
+MAX_UNCLAIMED_REPLIES = 256  # pools' answers a reader keeps for a waiter that has not asked yet (late ones dropped)
 COMPOSED_PROTOCOL = 2  # `compose`'s: a reader that knows only 1 refuses it by its protocol, not a missing field
 _MSG = b"sjkv1:"  # notification prefix: the lease protocol's messages, JSON after it
 _ALIGN = 64  # layer regions start on cache lines
@@ -486,13 +489,16 @@ class KVPool:
                     e.holds[token] = now + grant
                     e.last_use = now
                     reply = _message(op="held", token=token, hold_s=grant)
-            elif op == "release" and e is not None:
-                e.holds.pop(token, None)
-                e.last_use = now
-                e.done = e.done or bool(msg.get("done"))
-                if e.done and not self._live_holds(e, now):
-                    self._drop(e, "released: the decode side has it")
-                return
+            elif op == "release":
+                if e is not None:
+                    e.holds.pop(token, None)
+                    e.last_use = now
+                    e.done = e.done or bool(msg.get("done"))
+                    if e.done and not self._live_holds(e, now):
+                        self._drop(e, "released: the decode side has it")
+                if not msg.get("ack"):  # a reader that does not wait for the answer
+                    return
+                reply = _message(op="released", token=str(msg["ack"]))
             else:
                 return
         if sender in self._peers:
@@ -658,11 +664,14 @@ class KVReader:
       name: the NIXL agent name (default: unique).
       hold_s: the hold asked for each pull (the pool may grant less); a pull must finish within it.
       timeout_s: the longest wait for the pool's answer and for the READs.
+      ack_timeout_s: the longest wait for the pool's answer to a release (`done`, the end of a pull); past it the
+        entry is left to its hold's or lease's end.
     """
 
-    def __init__(self, name: str | None = None, *, hold_s: float = 60.0, timeout_s: float = 60.0):
+    def __init__(self, name: str | None = None, *, hold_s: float = 60.0, timeout_s: float = 60.0,
+                 ack_timeout_s: float = 2.0):
         self.name = name or f"slope-kvreader-{os.getpid()}-{secrets.token_hex(4)}"
-        self.hold_s, self.timeout_s = hold_s, timeout_s
+        self.hold_s, self.timeout_s, self.ack_timeout_s = hold_s, timeout_s, ack_timeout_s
         self._agent = _new_agent(self.name)
         self._nixl = nixl_release()  # named in each first hold
         self._metadata = base64.b64encode(self._agent.get_agent_metadata()).decode()
@@ -767,22 +776,24 @@ class KVReader:
         return join(spec.manifest, [(layer, a, b, got[i][j].k, got[i][j].v)
                                     for i, pieces in enumerate(spec.pieces) for j, (layer, a, b) in enumerate(pieces)])
 
-    def done(self, params: Mapping) -> None:
+    def done(self, params: Mapping) -> bool:
         """Tell the pool the decode side is done with this record's entry (after one or more `pull(...,
-        release=False)`): it is freed once no reader holds it (a composed record: every part's pool). Best effort,
-        like `pull`'s release; a malformed record, or a pool whose metadata cannot be loaded (after telling the
-        others), raises KVTransferError."""
+        release=False)`): it is freed once no reader holds it (a composed record: every part's pool). Waits for each
+        pool's answer (up to `ack_timeout_s` each); returns whether every pool answered. Best effort, like `pull`'s
+        release; a malformed record, or a pool whose metadata cannot be loaded (after telling the others), raises
+        KVTransferError."""
         spec = _spec(params)
-        failed = None
+        failed, answered = None, True
         for part in spec.parts if isinstance(spec, _Parts) else [spec]:
             try:
-                self._connect(part)  # a release needs no answer: the pool need not know this reader
+                self._connect(part)
             except KVTransferError as e:  # that pool's lease frees its entry; the others are still told
                 failed = failed or e
                 continue
-            self._release(part, secrets.token_hex(8), True)
+            answered = self._release(part, secrets.token_hex(8), True) and answered
         if failed is not None:
             raise failed
+        return answered
 
     def drop_buffer(self, out: np.ndarray) -> None:
         """Deregister a buffer registered by `pull(out=...)` (before freeing or replacing it)."""
@@ -822,14 +833,33 @@ class KVReader:
                 raise KVTransferError(spec.request_id, f"the metadata names agent {name!r}, the record {spec.agent!r}")
             self._pools[spec.agent] = spec.metadata
 
-    def _release(self, spec: _Pull, token: str, done: bool) -> None:
-        """Tell the pool this pull's hold ends (`done`: the KV arrived). Best effort: an unsent release lets the
-        hold lapse after its seconds, never loses KV."""
+    def _release(self, spec: _Pull, token: str, done: bool) -> bool:
+        """Tell the pool this pull's hold ends (`done`: the KV arrived) and wait up to `ack_timeout_s` for its
+        answer, progressing the agent meanwhile: without progress the notification stays queued in UCX (no progress
+        thread) until this reader's next NIXL call. Returns whether the pool answered. Best effort: an unsent or
+        unanswered release lets the hold lapse after its seconds (the lease frees the entry), never loses KV."""
+        ack = secrets.token_hex(8)
         try:
             with self._lock:
-                self._agent.send_notif(spec.agent, _message(op="release", entry=spec.entry, token=token, done=done))
+                intro = {} if spec.agent in self._introduced else {"md": self._metadata, "nixl": self._nixl}
+                self._agent.send_notif(spec.agent, _message(op="release", entry=spec.entry, token=token, done=done,
+                                                            ack=ack, **intro))  # the pool answers only readers it knows
+                self._introduced.add(spec.agent)
         except Exception as e:  # noqa: BLE001 - the pool is gone; nothing to release
             _log(f"request {spec.request_id!r}: release of entry {spec.entry!r} not sent: {e!r}")
+            return False
+        deadline = time.monotonic() + self.ack_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if self._poll_reply(ack, True) is not None:
+                    return True
+            except Exception as e:  # noqa: BLE001 - NIXL raises its own error types (the pool went away)
+                _log(f"request {spec.request_id!r}: release of entry {spec.entry!r}: {e!r}")
+                return False
+            time.sleep(0.0002)
+        _log(f"request {spec.request_id!r}: pool agent {spec.agent!r} did not answer the release of entry "
+             f"{spec.entry!r} within {self.ack_timeout_s:g} s (its hold or lease frees it)")
+        return False
 
     def _ask_hold(self, spec: _Pull, token: str) -> None:
         """Ask the pool to hold the entry (its answer: `_await_hold`). Raises KVTransferError if it is unreachable."""
@@ -844,28 +874,34 @@ class KVReader:
                                       f"{type(e).__name__}: {e}", unreachable=True) from e
             self._introduced.add(spec.agent)
 
+    def _poll_reply(self, token: str, blocking: bool) -> dict | None:
+        """Progress the agent once (sending what it has queued) and take the pools' answers; the one for `token`, or
+        None (also when not `blocking` and another thread holds the agent). Raises what NIXL raises."""
+        if not self._lock.acquire(blocking=blocking):
+            return None
+        try:
+            for msgs in self._agent.get_new_notifs().values():
+                for raw in msgs:
+                    msg = _parse(raw)
+                    if msg is not None and "token" in msg:
+                        self._replies[str(msg["token"])] = msg
+                        if len(self._replies) > MAX_UNCLAIMED_REPLIES:  # answers nobody waits for any more
+                            self._replies.pop(next(iter(self._replies)))
+            return self._replies.pop(token, None)
+        finally:
+            self._lock.release()
+
     def _hold_answer(self, spec: _Pull, token: str, wait: bool) -> float | None:
         """The pool's answer to `_ask_hold`: the seconds granted, or None if it has not come (only when not `wait`:
         then the agent is not waited for either). Raises KVTransferError if the entry is gone or the pool does not
         answer within the timeout."""
         deadline = time.monotonic() + self.timeout_s
         while True:
-            reply = None
-            if self._lock.acquire(blocking=wait):
-                try:
-                    try:
-                        notifs = self._agent.get_new_notifs()
-                    except Exception as e:  # noqa: BLE001 - NIXL raises its own error types (a peer disconnected)
-                        raise KVTransferError(spec.request_id, f"waiting for pool agent {spec.agent!r} to answer the "
-                                              f"hold: {type(e).__name__}: {e}", unreachable=True) from e
-                    for msgs in notifs.values():
-                        for raw in msgs:
-                            msg = _parse(raw)
-                            if msg is not None and "token" in msg:
-                                self._replies[str(msg["token"])] = msg
-                    reply = self._replies.pop(token, None)
-                finally:
-                    self._lock.release()
+            try:
+                reply = self._poll_reply(token, wait)
+            except Exception as e:  # noqa: BLE001 - NIXL raises its own error types (a peer disconnected)
+                raise KVTransferError(spec.request_id, f"waiting for pool agent {spec.agent!r} to answer the "
+                                      f"hold: {type(e).__name__}: {e}", unreachable=True) from e
             if reply is not None:
                 break
             if not wait:

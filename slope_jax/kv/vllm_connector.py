@@ -242,6 +242,7 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         self._aborted: set[str] = set()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # the load thread
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None  # a NIXL load's cache writes
+        self._releaser: concurrent.futures.ThreadPoolExecutor | None = None  # tells pools `done` (`_done_with`)
         self._static_layers: dict[str, Any] = {}
         # worker side, NIXL: one reader, one registered staging buffer (reused: the BACKGROUND thread is the only
         # puller, and it writes each layer before the next pull), request id → the record of a pulled entry (told
@@ -734,9 +735,18 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         return buf
 
     def _done_with(self, req_ids) -> None:
-        """Tell the pools the KV of these finished requests is no longer needed (they free it)."""
-        for req_id in set(req_ids) & set(self._pulled):
-            record = self._pulled.pop(req_id)
+        """Tell the pools the KV of these finished requests is no longer needed (they free it), on a thread of its
+        own: each release waits for its pool's answer (`KVReader.done`), up to seconds for a pool that is gone, and
+        this runs on vLLM's step thread."""
+        records = [(req_id, self._pulled.pop(req_id)) for req_id in set(req_ids) & set(self._pulled)]
+        if not records:
+            return
+        if self._releaser is None:
+            self._releaser = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="slope_jax_kv_release")
+        self._releaser.submit(self._tell_done, records)
+
+    def _tell_done(self, records: list) -> None:
+        for req_id, record in records:
             try:
                 self._reader.done(record)
             except Exception as e:  # noqa: BLE001 - best effort: the entry's lease frees it otherwise
@@ -828,6 +838,8 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         for pool in (self._pool, self._writer):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
+        if self._releaser is not None:  # the releases queued: sent before the reader goes
+            self._releaser.shutdown(wait=True)
         for d in self._decisions.values():
             d.close()
         if self._reader is not None:
