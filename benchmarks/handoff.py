@@ -61,7 +61,11 @@ flags.DEFINE_string("workdir", None, "Directory for the file exports (default: a
 flags.DEFINE_string("out", None, "Write the JSON here.")
 flags.DEFINE_list("e2e_sizes_mb", ["64", "256", "1024", "2048"],
                   "End to end (prefill's first token → vLLM's first token): KV sizes in MiB; empty: skip.")
-flags.DEFINE_list("e2e_transports", ["files", "nixl"], "End-to-end transports.")
+flags.DEFINE_list("e2e_transports", ["files", "nixl"], "End-to-end transports: files, nixl (each NIXL record "
+                  "carries the manifest of the files run of the same request, so nixl needs files too).")
+flags.register_validator("e2e_transports", lambda v: set(v) <= {"files", "nixl"} and ("nixl" not in v or "files" in v),
+                         "--e2e_transports: a subset of files,nixl; nixl needs files (its records carry the manifest "
+                         "of the files run of the same request)")
 flags.DEFINE_integer("e2e_repeats", 3, "End-to-end hand-offs per size and transport: the first is reported as "
                      "`cold` (the connector's first read or pull of that size: buffers, registration, page faults), "
                      "medians over the others.")
