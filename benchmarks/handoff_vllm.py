@@ -121,4 +121,6 @@ def main(spec_json: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):  # a driver other scripts start: its usage
+        sys.exit(__doc__)
     main(sys.argv[1])

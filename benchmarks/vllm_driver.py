@@ -68,4 +68,6 @@ def main(spec_path: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1].startswith("-"):  # a driver other scripts start: its usage
+        sys.exit(__doc__)
     main(sys.argv[1], sys.argv[2])

@@ -112,4 +112,6 @@ class VllmTurns:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):  # a driver other scripts start: its usage
+        sys.exit(__doc__)
     main(json.loads(sys.argv[1]))
