@@ -334,6 +334,15 @@ def test_done_from_a_reader_that_never_pulled_frees_the_entry_without_further_ca
         gone = server("gone", pool=pool, entry=a[nt.PARAMS_KEY]["entry"])["reason"]
         assert gone == "released: the decode side has it"
         assert fresh.done(b) is True and server("stats", pool=pool)["entries"] == 0  # answered: already freed
+        # a reader whose metadata the pool cannot load (another NIXL release) gets no answer, but its release counts
+        refused = nt.KVReader(timeout_s=20, ack_timeout_s=0.3)
+        try:
+            refused._metadata = base64.b64encode(b"nixlSerDes|not a real agent").decode()
+            d = server.publish(pool, "refused-md", tokens=20)
+            assert refused.done(d) is False
+            assert server.wait_stats(pool, lambda s: s["entries"] == 0, timeout=2.0)["entries"] == 0
+        finally:
+            refused.close()
         # a pool that does not answer: done returns False after ack_timeout_s, it never raises or hangs
         quiet = nt.KVReader(timeout_s=20, ack_timeout_s=0.2)
         try:

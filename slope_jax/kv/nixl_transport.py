@@ -475,7 +475,8 @@ class KVPool:
                     self._refused.add(sender)
                     _log(f"{self.name}: cannot load the NIXL metadata of reader {sender!r} ({type(e).__name__}: {e}); "
                          f"it gets no answer{_release_hint(msg.get('nixl'), 'reader')}")
-                return
+                if msg.get("op") != "release":  # a release still counts: it needs no answer to free the entry
+                    return
         op, key, token = msg.get("op"), str(msg.get("entry")), str(msg.get("token"))
         now = time.monotonic()
         with self._lock:
