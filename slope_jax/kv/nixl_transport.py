@@ -849,18 +849,15 @@ class KVReader:
         except Exception as e:  # noqa: BLE001 - the pool is gone; nothing to release
             _log(f"request {spec.request_id!r}: release of entry {spec.entry!r} not sent: {e!r}")
             return False
-        deadline = time.monotonic() + self.ack_timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if self._poll_reply(ack, True) is not None:
-                    return True
-            except Exception as e:  # noqa: BLE001 - NIXL raises its own error types (the pool went away)
-                _log(f"request {spec.request_id!r}: release of entry {spec.entry!r}: {e!r}")
-                return False
-            time.sleep(0.0002)
-        _log(f"request {spec.request_id!r}: pool agent {spec.agent!r} did not answer the release of entry "
-             f"{spec.entry!r} within {self.ack_timeout_s:g} s (its hold or lease frees it)")
-        return False
+        try:
+            answered = self._await_reply(ack, self.ack_timeout_s) is not None
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own error types (the pool went away)
+            _log(f"request {spec.request_id!r}: release of entry {spec.entry!r}: {e!r}")
+            return False
+        if not answered:
+            _log(f"request {spec.request_id!r}: pool agent {spec.agent!r} did not answer the release of entry "
+                 f"{spec.entry!r} within {self.ack_timeout_s:g} s (its hold or lease frees it)")
+        return answered
 
     def _ask_hold(self, spec: _Pull, token: str) -> None:
         """Ask the pool to hold the entry (its answer: `_await_hold`). Raises KVTransferError if it is unreachable."""
@@ -892,26 +889,31 @@ class KVReader:
         finally:
             self._lock.release()
 
+    def _await_reply(self, token: str, timeout_s: float, wait: bool = True) -> dict | None:
+        """The pools' answer for `token`, progressing the agent until it comes or `timeout_s` passes (then None);
+        with `wait` False one try that does not wait for the agent either. Raises what NIXL raises."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reply = self._poll_reply(token, wait)
+            if reply is not None or not wait or time.monotonic() > deadline:
+                return reply
+            time.sleep(0.0002)
+
     def _hold_answer(self, spec: _Pull, token: str, wait: bool) -> float | None:
         """The pool's answer to `_ask_hold`: the seconds granted, or None if it has not come (only when not `wait`:
         then the agent is not waited for either). Raises KVTransferError if the entry is gone or the pool does not
         answer within the timeout."""
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                reply = self._poll_reply(token, wait)
-            except Exception as e:  # noqa: BLE001 - NIXL raises its own error types (a peer disconnected)
-                raise KVTransferError(spec.request_id, f"waiting for pool agent {spec.agent!r} to answer the "
-                                      f"hold: {type(e).__name__}: {e}", unreachable=True) from e
-            if reply is not None:
-                break
+        try:
+            reply = self._await_reply(token, self.timeout_s, wait)
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own error types (a peer disconnected)
+            raise KVTransferError(spec.request_id, f"waiting for pool agent {spec.agent!r} to answer the "
+                                  f"hold: {type(e).__name__}: {e}", unreachable=True) from e
+        if reply is None:
             if not wait:
                 return None
-            if time.monotonic() > deadline:
-                raise KVTransferError(spec.request_id, f"pool agent {spec.agent!r} did not answer the hold of entry "
-                                      f"{spec.entry!r} within {self.timeout_s:g} s (is the prefill side running?)"
-                                      f"{_release_hint(spec.nixl, 'pool')}", unreachable=True)
-            time.sleep(0.0002)
+            raise KVTransferError(spec.request_id, f"pool agent {spec.agent!r} did not answer the hold of entry "
+                                  f"{spec.entry!r} within {self.timeout_s:g} s (is the prefill side running?)"
+                                  f"{_release_hint(spec.nixl, 'pool')}", unreachable=True)
         if reply.get("op") != "held":
             raise KVTransferError(spec.request_id, f"entry {spec.entry!r} is gone from pool {spec.agent!r}: "
                                   f"{reply.get('reason', reply)}")

@@ -98,12 +98,13 @@ def prediction_note(res, item) -> str | None:
 def _slow_compile_reason(got: float, want: float) -> str:
     """Why compiling took `got` ms where `want` were predicted: no compile expected (the program was taken for
     compiled already), or one that ran longer than its estimate, which says how it is made (`serve.slo`)."""
+    from slope_jax.serve.slo import HIT_COMPILE_FACTOR
     if want <= 0:
         return " (a step program compiled that the estimate expected compiled already)"
     return (" (compiling or loading the step program ran longer than estimated: before this process has compiled "
             "or loaded one, a program is estimated at the hardware profile's compile_s scaled by the host's load, "
-            "a tenth of that when the persistent compilation cache holds it, 1.45x for a prefix hit's program; "
-            "later at the last measured compile or load of its kind)")
+            f"a tenth of that when the persistent compilation cache holds it, {HIT_COMPILE_FACTOR:g}x for a "
+            "prefix hit's program; later at the last measured compile or load of its kind)")
 
 
 # ---- the results file -------------------------------------------------------------------------------------------
