@@ -178,6 +178,9 @@ def test_cli_writes_json_and_png(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "slope_jax.plan", "--hardware=nope"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "unknown hardware 'nope'" in bad.stderr
+    long = subprocess.run([sys.executable, "-m", "slope_jax.plan", "--lengths=8192,200000"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert long.returncode != 0 and "lengths 200000: above the model's max_position_embeddings=131072" in long.stderr
 
 
 def test_calibration_recovers_known_efficiencies():

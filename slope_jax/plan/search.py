@@ -107,8 +107,13 @@ def plan(cfg: ModelConfig, hardware: str | Hardware, num_devices: int, devices_p
     to `predict` (dtype, tiles, bucket, memory_limit_bytes). A layout fits when its memory at M = 1 and loaded is
     within the usable capacity (`Hardware.usable_bytes`: HBM × memory_fraction − runtime reserve, unless
     memory_limit_bytes is given); every row carries `headroom_bytes` (capacity − the larger of the two), and only a
-    layout that fits is chosen.
+    layout that fits is chosen. Raises LayoutError for a length above the model's `max_position_embeddings` (the
+    engine refuses such a prompt, so no layout serves it).
     """
+    too_long = [n for n in lengths if n > cfg.max_position_embeddings]
+    if too_long:
+        raise LayoutError(f"lengths {', '.join(map(str, too_long))}: above the model's max_position_embeddings="
+                          f"{cfg.max_position_embeddings} (the longest prompt it serves)")
     hw = load(hardware)
     layouts = layouts or enumerate_layouts(cfg, num_devices, devices_per_host, with_expert=with_expert)
     out = []
