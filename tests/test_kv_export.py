@@ -104,7 +104,7 @@ def test_without_prefix_reuse_sliding_layers_keep_the_last_window(reference_engi
 def test_last_window_export_of_a_prefix_hit(reference_engines, tmp_path):
     """A prefix hit exported with kv_full=False: its sliding layers' rows [n−W−127, p) come from the reused prefix
     (host tier) and equal a cold prefill's; the exporter raises `sliding_from` to the first row a reused prefix
-    holds when that prefix came from a `last_window` export that kept fewer rows."""
+    holds when that prefix came from a `last_window` export that kept fewer rows (also for an export asked whole)."""
     from slope_jax.kv.exporter import KVExporter
     from slope_jax.kv.prefix import PrefixKV
 
@@ -124,7 +124,11 @@ def test_last_window_export_of_a_prefix_hit(reference_engines, tmp_path):
     exporter = KVExporter(CONFIG_A, [], "float32", kv.new_run_nonce())
     sliding = [i for i in range(CONFIG_A.num_hidden_layers) if CONFIG_A.is_sliding(i)]
     held = PrefixKV(256, {}, {}, source="x", start={i: 240 for i in sliding})
-    assert exporter.sliding_from(306, False, held) == 240 and exporter.sliding_from(306, True, held) == 0
+    assert exporter.sliding_from(306, False, held) == 240
+    # asked for whole (kv_full): the rows before 240 were never kept, so the export keeps sliding rows from 240 (and
+    # is written as last_window); a prefix that held every row leaves a whole export whole
+    assert exporter.sliding_from(306, True, held) == 240 and exporter.sliding_from(600, True, held) == 240
+    assert exporter.sliding_from(306, True, PrefixKV(256, {}, {}, source="host")) == 0
     assert exporter.sliding_from(306, False, PrefixKV(256, {}, {}, source="host")) == sf
     assert exporter.sliding_from(600, False, held) == 600 - w - 127  # the reused rows lie before what is kept
 

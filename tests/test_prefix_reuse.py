@@ -228,6 +228,37 @@ def test_export_of_a_hit_is_whole_and_reuse_survives_a_restart(checkpoints, refe
         assert np.abs(logits - full.logits).max() < 1e-5  # as tests/test_kv_export.py (measured 1.6e-6 there)
 
 
+def test_a_last_window_export_is_indexed_for_the_hits_it_can_serve(checkpoints, reference_engines, tmp_path, caplog):
+    """A `last_window` export (`kv_full=False`) keeps sliding-layer rows from `sliding_from` only, so it serves a
+    prefix of p tokens only when p − W + 1 ≥ sliding_from. A prompt sharing a shorter prefix is computed cold without
+    a skipped-entry warning (the entry was matched, refused and dropped from the index), and the entry still serves
+    the longer prefixes it holds."""
+    d = str(tmp_path / "kv")
+    eng = _engine(checkpoints, host_bytes=0)
+    doc = random_prompt(CONFIG_A, 300, seed=41)
+    eng.prefill([doc], d, ids=["doc"], kv_full=False)
+    assert kv.read_manifest(os.path.join(d, "doc"))["sliding_from"] == 300 - 10 - 127  # W = 10, vLLM blocks ≤ 128
+    short = np.concatenate([doc[:80], random_prompt(CONFIG_A, 20, seed=42)]).astype(np.int32)  # 80 − 9 < 163
+    with caplog.at_level(logging.WARNING):
+        assert eng.prefill([short], d, ids=["short"])[0].cached_tokens == 0
+    assert "skipped" not in caplog.text
+    longer = np.concatenate([doc[:280], random_prompt(CONFIG_A, 9, seed=43)]).astype(np.int32)
+    got = eng.prefill([longer], d, ids=["long"])[0]
+    assert got.cached_tokens == 280  # 35 blocks; the first servable one ends at 176 (176 − 9 ≥ 163)
+    want = reference_engines["A"].prefill([longer], prefix_reuse=False)[0]
+    assert got.first_token == want.first_token and np.abs(got.logits - want.logits).max() < TOL
+    # its export was asked for whole (reuse on), but sliding rows before 163 were never kept: it says so, and a
+    # decode step from it equals a full forward over the prompt and its first token (as the restart test above)
+    from slope_jax.kv import decode
+
+    m = kv.read_manifest(got.kv_path)
+    assert (m["sliding_policy"], m["sliding_from"]) == ("last_window", 163)
+    full = reference_engines["A"].prefill([np.concatenate([longer, [got.first_token]])], prefix_reuse=False)[0]
+    logits = decode.decode_step(CONFIG_A, reference_engines["A"].params, kv.load(got.kv_path), got.first_token,
+                                len(longer))
+    assert np.abs(logits - full.logits).max() < 1e-5
+
+
 def test_other_weights_and_other_salts_never_share(checkpoints, tmp_path):
     import jax
 

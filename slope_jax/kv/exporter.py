@@ -147,10 +147,10 @@ class KVExporter:
         before any file is written; arguments as `export_batch`'s. No I/O and no communication (the records come
         from the global sharding): any process may ask."""
         req = self._request(j, batch, positions, full, offsets, prefixes, reuse)
-        return kvfmt.build_manifest(request_id=rid, token_ids=req.tokens, cfg=self.cfg, dtype=self.dtype, full=full,
-                                    segments=self._records(k, j, req), first_token=int(first_token),
+        return kvfmt.build_manifest(request_id=rid, token_ids=req.tokens, cfg=self.cfg, dtype=self.dtype,
+                                    full=req.full, segments=self._records(k, j, req), first_token=int(first_token),
                                     run_nonce=self.run_nonce, weights_digest=self.weights_digest, prefix=req.reuse,
-                                    sliding_from=None if full else req.sliding_from)
+                                    sliding_from=None if req.full else req.sliding_from)
 
     @staticmethod
     def host_shards(k, v) -> list:
@@ -177,6 +177,7 @@ class KVExporter:
         req = _Req(batch[j], positions + (0 if offsets is None else int(offsets[j])),
                    None if prefixes is None else prefixes[j], None if reuse is None else reuse[j])
         req.sliding_from = self.sliding_from(int(req.tokens.size), full, req.prefix)
+        req.full = full and req.sliding_from == 0
         return req
 
     def _records(self, k, j: int, req: _Req) -> list[dict]:
@@ -191,20 +192,19 @@ class KVExporter:
         records = self._records(k, j, req)
         files = sorted({r["file"] for r in records} | {kvfmt.shard_file_name(0)})
         kvfmt.write_manifest(staging, request_id=rid, token_ids=req.tokens, cfg=self.cfg, dtype=self.dtype,
-                             full=full, segments=records, files=files, first_token=first_token,
+                             full=req.full, segments=records, files=files, first_token=first_token,
                              run_nonce=self.run_nonce, weights_digest=self.weights_digest, prefix=req.reuse,
-                             sliding_from=None if full else req.sliding_from)
+                             sliding_from=None if req.full else req.sliding_from)
         kvfmt.publish(kv_dir, rid, staging, overwrite=overwrite)
 
     def sliding_from(self, n: int, full: bool, prefix) -> int:
         """The first position sliding layers keep in an export of `n` tokens: 0 with `full`, else `kvfmt.kept_range`'s
-        (the last W tokens and the rows back to every vLLM block boundary at or before n−W), raised to the first row a
-        prefix hit's reused KV holds in a sliding layer (`prefix.start`, when it was read from a `last_window`
-        export): rows that were never kept cannot be exported; vLLM then refuses the export with prefix caching on
-        (with that reason) and prefills the prompt itself."""
-        if full:
-            return 0
-        sf = kvfmt.kept_range(n, kvfmt.SLIDING, self.cfg.sliding_window, False)[0]
+        (the last W tokens and the rows back to every vLLM block boundary at or before n−W), in both cases raised to
+        the first row a prefix hit's reused KV holds in a sliding layer (`prefix.start`, when it was read from a
+        `last_window` export): rows that were never kept cannot be exported, so such a hit's export is written as
+        `last_window` even when `full` was asked for; vLLM then refuses it with prefix caching on (with that reason)
+        and prefills the prompt itself, and the prefix index serves only the blocks it can (`kv.store`)."""
+        sf = 0 if full else kvfmt.kept_range(n, kvfmt.SLIDING, self.cfg.sliding_window, False)[0]
         if prefix is not None and sf < prefix.num_tokens:
             held = [prefix.start.get(i, 0) for i, kind in enumerate(self.cfg.layer_types) if kind == kvfmt.SLIDING]
             sf = max([sf] + held)
@@ -268,6 +268,7 @@ class _Req:
     def __init__(self, tokens, positions, prefix, reuse):
         self.tokens, self.positions, self.prefix, self.reuse = tokens, positions, prefix, reuse
         self.sliding_from = 0  # the first position sliding layers keep (`KVExporter.sliding_from`)
+        self.full = False  # written with sliding_policy "full" (asked for, and every sliding row is at hand)
 
 
 def _record(process: int, layer: int, a: int, b: int) -> dict:

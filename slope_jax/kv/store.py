@@ -57,6 +57,23 @@ def unwritable(err: BaseException | None) -> bool:
     return False
 
 
+def _first_servable_block(manifest: dict, block: int, num_blocks: int) -> int:
+    """Index of the first whole block whose end p this export can serve as a cached prefix: a p-token prefix needs
+    every full layer's rows from 0 and every sliding layer's from max(0, p − W + 1). A `"full"` export serves every
+    block (0); a `"last_window"` one keeps sliding rows from `sliding_from` only, so its earlier blocks are not
+    indexed (a prompt sharing only those is computed cold instead of being matched to an entry that must refuse it,
+    and the entry keeps serving the longer prefixes it holds)."""
+    if block < 1:
+        return num_blocks
+    starts = {kvfmt.SLIDING: 0, kvfmt.FULL: 0}
+    for rec in manifest["layers"]:
+        starts[rec["kind"]] = max(starts.get(rec["kind"], 0), int(rec["token_range"][0]))
+    if starts[kvfmt.FULL] > 0:
+        return num_blocks
+    lo = starts[kvfmt.SLIDING]
+    return 0 if lo == 0 else min(num_blocks, -(-(lo + int(manifest["model"]["sliding_window"]) - 1) // block) - 1)
+
+
 class KVStore:
     """Policy of one KV directory.
 
@@ -150,7 +167,9 @@ class KVStore:
             used = os.lstat(os.path.join(self.kv_dir, version)).st_mtime
         except OSError:
             used = time.time()
-        self._entries[rid] = {"hashes": [str(h) for h in pre["hashes"]], "block": int(pre.get("block_size", 0)),
+        block = int(pre.get("block_size", 0))
+        hashes = [str(h) for h in pre["hashes"]]
+        self._entries[rid] = {"hashes": hashes[_first_servable_block(m, block, len(hashes)):], "block": block,
                               "bytes": sum(int(c["bytes"]) for c in m["checksums"].values()), "used": used,
                               "version": version}
         for h in self._entries[rid]["hashes"]:
