@@ -475,6 +475,10 @@ def test_endpoint_errors(server):
     assert body["kv_transfer_params"]["token_ids_sha256"] == kvfmt.token_hash(np.array(ids))
     status, body = _post(url + "/v1/completions", {"prompt": [4], "request_id": "t"})
     assert status == 400 and body["error"]["param"] == "request_id" and "duplicate id" in body["error"]["message"]
+    # the id from the X-Request-Id header, whatever its case (urllib sends "X-request-id"; aiohttp hands the server
+    # "X-Request-ID")
+    status, body = _post(url + "/v1/completions", {"prompt": text}, headers={"X-Request-Id": "hdr-2"})
+    assert status == 200 and body["id"] == "hdr-2" and os.path.isdir(base / "kv" / "hdr-2"), body
     with urllib.request.urlopen(url + "/v1/models") as r:
         assert [m["id"] for m in json.loads(r.read())["data"]] == ["tiny-gpt-oss"]
 

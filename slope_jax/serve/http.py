@@ -274,7 +274,8 @@ def _check_answer_options(obj: dict, where: str, top_k: int, chat: bool) -> int 
 def _request_id(obj: dict, headers: dict, where: str) -> tuple[str, str]:
     """(id, the field it came from): `request_id`, else the X-Request-Id header, else a fresh "cmpl-<uuid>";
     HttpError 400 when its format breaks the id rule (`requests.check_request_id`)."""
-    rid = obj.get("request_id", headers.get("X-Request-Id"))
+    header = next((v for k, v in headers.items() if k.lower() == "x-request-id"), None)  # names are case-insensitive
+    rid = obj.get("request_id", header)
     param_id = "request_id" if "request_id" in obj else "X-Request-Id"
     if rid is None:
         rid = f"cmpl-{uuid.uuid4().hex}"
