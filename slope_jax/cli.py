@@ -1,7 +1,8 @@
 """What every command-line entry point shares (`slope-jax`, `slope-convert`, `slope-decode`, `slope-plan`):
 
-- `run(main)`: absl's `app.run`, except that `--help` / `--helpshort` / `--helpfull` / `--helpxml` exit with status 0
-  (absl exits 1 after printing the help, which scripts and CI read as a failure).
+- `run(main, name=...)`: absl's `app.run`, except that `--help` / `--helpshort` / `--helpfull` / `--helpxml` exit with
+  status 0 (absl exits 1 after printing the help, which scripts and CI read as a failure) and that a usage mistake is
+  one line `<name>: error: ...` with status 2.
 - `quiet()`: drops known backend noise before JAX / transformers start: JAX's "Unable to initialize backend" notices
   for platforms that are not installed, and transformers' MXFP4 notices ("only supported on GPUs ...", "on CPU
   requires use_kernels=True ...", each saying it will dequantize the model): the decode engine dequantizes on purpose.
@@ -49,18 +50,42 @@ def _help_requested(argv) -> bool:
     return False
 
 
-def run(main, argv=None) -> None:
-    """`absl.app.run(main)`, with help exiting 0 and `quiet()` applied first."""
+def run(main, argv=None, name: str = "slope_jax") -> None:
+    """`absl.app.run(main)`, with `quiet()` applied first, help exiting 0, and usage mistakes as one line
+    `<name>: error: ...` with exit status 2 (a flag absl cannot parse, or an `app.UsageError` from `main`), where absl
+    prints "FATAL Flags parsing error" or the whole help before the reason and exits 1, the status the launcher
+    reserves for "no request was served"."""
     from absl import app
 
     quiet()
     argv = sys.argv if argv is None else argv
+
+    def parse(args):
+        from absl import flags
+
+        try:
+            return flags.FLAGS(args)
+        except flags.Error as e:
+            usage_error(name, str(e))
+
+    def guarded(args):
+        try:
+            return main(args)
+        except app.UsageError as e:
+            usage_error(name, str(e))
+
     try:
-        app.run(main, argv=argv)
+        app.run(guarded, argv=argv, flags_parser=parse)
     except SystemExit as e:
         if e.code == 1 and _help_requested(argv):  # absl printed the help and exited 1 before main ran
             raise SystemExit(0) from None
         raise
+
+
+def usage_error(name: str, message: str):
+    """Print `<name>: error: <message>` and a pointer to --help, and exit with status 2."""
+    print(f"{name}: error: {message}\n(--help explains every flag)", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 class _DropContaining(logging.Filter):

@@ -46,7 +46,7 @@ def main(argv) -> int:
     try:
         parallel = ParallelConfig(pipeline=FLAGS.pipeline, ring=FLAGS.ring, ulysses=FLAGS.ulysses)
         meta = orbax_store.convert(FLAGS.checkpoint, FLAGS.out, parallel, FLAGS.dtype)
-    except (CheckpointError, ConfigError, LayoutError) as e:
+    except (CheckpointError, ConfigError, LayoutError, OSError) as e:  # OSError: --out cannot be created or written
         print(f"slope_jax.convert: error: {e}", file=sys.stderr, flush=True)
         return 2
     logging.info("wrote %s (%.1f MiB, fingerprint %s)", FLAGS.out, meta["bytes"] / 2**20, meta["fingerprint"])
@@ -56,7 +56,7 @@ def main(argv) -> int:
 def run():
     from slope_jax import cli
 
-    cli.run(main)  # absl's app.run, --help exiting 0, backend noise filtered
+    cli.run(main, name="slope_jax.convert")  # absl's app.run, --help exiting 0, backend noise filtered
 
 
 if __name__ == "__main__":

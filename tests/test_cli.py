@@ -30,6 +30,32 @@ def test_help_exits_zero(module, text):
         assert bad.returncode != 0
 
 
+def test_usage_mistakes_are_one_line_and_exit_2(tmp_path):
+    """Every entry point: a flag absl cannot parse, a value the tool refuses, a path it cannot use or a platform JAX
+    cannot start is one line `<tool>: error: ...` naming the flag, exit status 2 (1 means "no request was served"),
+    before any weight is read; no traceback, no help text dumped before the reason."""
+    (tmp_path / "a-file").write_text("")
+    cases = [
+        ("slope_jax.launch", ["--prefix_block=0"], "flag --prefix_block=0: 0 is not a positive integer"),
+        ("slope_jax.launch", ["--no_such_flag"], "Unknown command line flag 'no_such_flag'"),
+        ("slope_jax.launch", ["--platform=nope"], "--platform=nope: JAX could not start that backend"),
+        ("slope_jax.launch", ["--hardware=nope"], "unknown hardware 'nope'"),
+        ("slope_jax.launch", ["--precompile=200000"], "--precompile=200000: longer than the longest accepted prompt"),
+        ("slope_jax.launch", [f"--logits_dir={tmp_path / 'a-file' / 'x'}"], "--logits_dir="),
+        ("slope_jax.plan", ["--lengths=0"], "--lengths: need at least one positive length"),
+        ("slope_jax.decode", [f"--kv_dir={tmp_path}", "--requests=/nonexistent"], "--requests=/nonexistent: no such"),
+        ("slope_jax.convert", ["--checkpoint=checkpoints/tiny-gpt-oss", f"--out={tmp_path / 'a-file' / 'x'}"],
+         "is not a writable directory"),
+    ]
+    for module, args, message in cases:
+        extra = ["--cpu_devices=1", "--requests=/dev/null"] if module == "slope_jax.launch" else []
+        r = subprocess.run([PY, "-m", module, *extra, *args], cwd=REPO, env=launcher_env(), capture_output=True,
+                           text=True, timeout=120)
+        lines = [x for x in r.stderr.splitlines() if x.startswith(f"{module.replace('.launch', '')}: error: ")]
+        assert r.returncode == 2 and len(lines) == 1 and message in lines[0], (module, args, r.stderr[-2000:])
+        assert "Traceback" not in r.stderr and "--helpfull" not in r.stderr, (module, args, r.stderr[-2000:])
+
+
 def test_rerun_refuses_to_clobber_results_and_all_failed_exits_1(tmp_path):
     reqs = tmp_path / "bad.jsonl"
     reqs.write_text('{"id": "a", "tokens": [1, 2, 999999]}\n{"id": "b" "tokens": [1]}\n')

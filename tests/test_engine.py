@@ -59,6 +59,8 @@ def test_bad_prompts_are_rejected_by_name(shipped, prompt, match):
     (lambda e: e.prefill(["Four score"]), r"prompt 0: a string; prefill takes token ids"),
     (lambda e: e.prefill([[5, 6]], cache_salt=7), r"cache_salt: expected a string, a list of strings .* got int"),
     (lambda e: e.prefill([[5, 6]], cache_salt=["a", "b"]), r"cache_salt: 2 salts for 1 prompts"),
+    (lambda e: e.prefill([[5, 6]], top_k=0), r"top_k=0: must be an integer >= 1"),
+    (lambda e: e.prefill([[5, 6]], top_k=-1), r"top_k=-1: must be an integer >= 1"),
 ])
 def test_api_misuse_gets_an_error_that_says_what_to_pass(shipped, call, match):
     """Common mistakes with the Python API (one prompt not wrapped in a list, text instead of token ids, a salt of the

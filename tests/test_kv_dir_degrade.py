@@ -135,16 +135,19 @@ def test_unwritable_kv_dir_still_serves_and_reuses(engines, reference_engines, p
     kv.load(os.path.join(populated, "doc"), CONFIG_A)  # the old export is whole
 
 
+@pytest.mark.parametrize("where", ["under-a-file", "under-proc"])
 def test_a_kv_dir_whose_parent_cannot_be_created_keeps_the_host_tier(checkpoints, reference_engines, tmp_path,
-                                                                     caplog):
+                                                                     caplog, where):
+    # real kernel errors, also for root: makedirs fails with ENOTDIR under a regular file, with ENOENT under /proc
     (tmp_path / "a-file").write_text("not a directory")
-    d = str(tmp_path / "a-file" / "kv")  # makedirs fails with ENOTDIR: a real kernel error, also for root
+    d = str(tmp_path / "a-file" / "kv") if where == "under-a-file" else f"/proc/slope-jax-{os.getpid()}/kv"
     eng = _engine(checkpoints)  # with its host tier (RAM), which a directory's condition does not touch
     prompt = _turn(50, 3)
     with caplog.at_level(logging.WARNING):
         first = eng.prefill([DOC], d, ids=["doc"])[0]
         hit = eng.prefill([prompt], d, ids=["turn"])[0]
-    assert first.kv_path is None and "Not a directory" in first.export_error
+    assert first.kv_path is None and ("Not a directory" if where == "under-a-file" else "cannot be created") in \
+        first.export_error
     assert hit.cached_tokens == 40 and hit.kv_path is None  # served from the host tier
     want = reference_engines["A"].prefill([prompt], prefix_reuse=False)[0]
     assert hit.first_token == want.first_token and np.abs(hit.logits - want.logits).max() < TOL

@@ -289,7 +289,7 @@ def test_admission_charges_each_uncompiled_step_shape_once():
     batch, rejected, _ = s.take_batch(0.0, closed=True)
     assert [p.id for p, _ in rejected] == ["z"]
     assert "predicted TTFT 5256.0 ms exceeds the allowed 5100.0 ms" in rejected[0][1]
-    assert "5000.0 ms of it compiling step shapes not compiled yet (--precompile" in rejected[0][1]
+    assert "5000.0 ms compiling step shapes not compiled yet (--precompile" in rejected[0][1]
     assert [p.id for p in batch] == ["y"] and batch[0].predicted_ttft_ms == pytest.approx(5064.0, abs=1e-6)
     compiled.add((64, 1))  # the engine compiled it: the next batch of the shape pays compute only
     s.finished(5.064)

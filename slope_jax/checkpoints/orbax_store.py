@@ -259,8 +259,15 @@ def save(out: str, cfg: ModelConfig, params: dict, pl: Placement, dtype, *, sour
 
 
 def _check_out(out: str) -> None:
+    """Before any weight is read: `out` must not hold a converted checkpoint, and its nearest existing ancestor must
+    be a writable directory (CheckpointError naming it), so a bad --out fails in a second, not after the load."""
     if os.path.exists(os.path.join(out, MARKER)) or os.path.exists(os.path.join(out, PARAMS_DIR)):
         raise CheckpointError(f"{out}: already holds a converted checkpoint; choose a new --out or delete it")
+    base = out
+    while not os.path.exists(base) and os.path.dirname(base) != base:
+        base = os.path.dirname(base)
+    if not (os.path.isdir(base) and os.access(base, os.W_OK)):
+        raise CheckpointError(f"{out}: cannot be created: {base} is not a writable directory")
 
 
 def read_marker(path) -> dict:

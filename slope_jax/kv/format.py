@@ -119,6 +119,11 @@ class KVFormatError(ValueError):
     """An export on disk is inconsistent or of an unknown layout; the message names the field and what was found."""
 
 
+class UncreatableDirectoryError(FileNotFoundError):
+    """An export directory, or one of its parents, cannot be created (ENOENT from `os.makedirs`: e.g. a `kv_dir`
+    under /proc or on a mount that went away): the directory takes no writes (`kv.store.unwritable`)."""
+
+
 class ExportExistsError(FileExistsError):
     """An export of this request id already exists and `overwrite` was not given."""
 
@@ -237,7 +242,11 @@ def write_shard_file(directory: str, process: int, segments: Iterable[tuple[int,
         tensors[rec["v"]] = np.ascontiguousarray(v)
         tensors[rec["positions"]] = np.arange(start, end, dtype=np.int32)
         records.append(rec)
-    os.makedirs(directory, exist_ok=True)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except FileNotFoundError as e:  # makedirs creates missing parents: ENOENT means one of them cannot be
+        raise UncreatableDirectoryError(e.errno, f"{directory}: cannot be created ({e.strerror}: a parent directory "
+                                        "cannot be made here)", e.filename) from e
     path = os.path.join(directory, name)
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT}))
     atomic_json(path + _DIGEST_SUFFIX, {"bytes": os.path.getsize(path), "xxh3_128": file_digest(path)})

@@ -46,11 +46,11 @@ class ReuseRefused(ValueError):
 
 def unwritable(err: BaseException | None) -> bool:
     """True if `err` (or an error it was raised from: `raise ... from`) is an OSError saying the directory takes no
-    writes: read-only file system, no space left, disk quota exceeded, permission denied, or a path component that
-    is not a directory (a kv_dir whose parent cannot be created)."""
+    writes: read-only file system, no space left, disk quota exceeded, permission denied, a path component that is
+    not a directory, or a directory whose parent cannot be created (`kv.format.UncreatableDirectoryError`)."""
     seen = set()
     while err is not None and id(err) not in seen:
-        if isinstance(err, OSError) and err.errno in UNWRITABLE:
+        if isinstance(err, kvfmt.UncreatableDirectoryError) or (isinstance(err, OSError) and err.errno in UNWRITABLE):
             return True
         seen.add(id(err))
         err = err.__cause__

@@ -223,7 +223,7 @@ def run():
     from slope_jax import cli
 
     _define_flags()
-    cli.run(main)  # absl's app.run, with --help exiting 0
+    cli.run(main, name="slope_jax.plan")  # absl's app.run, with --help exiting 0
 
 
 if __name__ == "__main__":

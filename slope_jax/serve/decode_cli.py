@@ -328,6 +328,15 @@ def main(argv, F: flags.FlagValues = FLAGS) -> int:
         raise app.UsageError("--kv_dir is required")
     if not os.path.isdir(c.kv_dir):
         raise app.UsageError(f"--kv_dir={c.kv_dir}: no such directory")
+    if not os.path.isfile(os.path.join(c.checkpoint, "config.json")):
+        raise app.UsageError(f"--checkpoint={c.checkpoint}: not a checkpoint directory (no config.json)")
+    for name in ("requests", "results"):
+        path = getattr(c, name)
+        if path and not os.path.isfile(path):
+            raise app.UsageError(f"--{name}={path}: no such file")
+    out_dir = os.path.dirname(os.path.abspath(c.output))
+    if c.output != "-" and not (os.path.isdir(out_dir) and os.access(out_dir, os.W_OK)):
+        raise app.UsageError(f"--output={c.output}: {out_dir} is not a writable directory")
     from slope_jax import kv
 
     t_start = time.perf_counter()
@@ -378,7 +387,7 @@ def run():
         FLAGS.register_key_flag_for_module(sys.argv[0], flag)
     from slope_jax import cli
 
-    cli.run(lambda argv: sys.exit(main(argv)))  # absl's app.run, --help exiting 0, backend noise filtered
+    cli.run(lambda argv: sys.exit(main(argv)), name="slope_jax.decode")  # --help exits 0, backend noise filtered
 
 
 if __name__ == "__main__":

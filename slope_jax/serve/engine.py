@@ -434,7 +434,7 @@ class PrefillEngine:
             boundary), else the last W and back to the vLLM KV-block boundary before them (`kv.format`).
           return_kv: fill `PrefillResult.kv` (default: True without `kv_dir` in a single-process run, else False:
             under several processes it gathers the whole cache to each, ~10 GB per 128K tokens of gpt-oss-120b).
-          top_k: how many (token, logit) pairs to report.
+          top_k: how many (token, logit) pairs to report (≥ 1; at most the vocabulary size are).
           arrival_times: `time.perf_counter()` of each prompt's arrival, for queue_ms (default: now).
           overwrite: replace an existing export `kv_dir/<id>/` (atomically: a reader sees the old or the new one);
             default False: an existing export is an error.
@@ -452,10 +452,10 @@ class PrefillEngine:
           RequestError (naming the prompt) before any compute if a prompt or id is invalid, or its export exists
           and `overwrite` is False; under several processes also when the processes did not all pass the same
           prompts, ids and options (checked by an all-gather of a hash before any step, so a mismatch is an error on
-          every process instead of mixed results or a hang).
+          every process instead of mixed results or a hang), or for a `top_k` below 1.
         """
-        now = time.perf_counter()
-        salts = _salts(cache_salt, len(prompts))
+        _check_top_k(top_k)
+        now, salts = time.perf_counter(), _salts(cache_salt, len(prompts))
         on = self.reuse.enabled if prefix_reuse is None else bool(prefix_reuse)
         kv_full = on if kv_full is None else bool(kv_full)
         if jax.process_count() > 1:
@@ -833,6 +833,11 @@ class Offered:
     records: list
     kinds: tuple
     drop: Callable[[], None]
+
+
+def _check_top_k(top_k) -> None:
+    if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < 1:
+        raise RequestError(f"top_k={top_k!r}: must be an integer >= 1 (the (token, logit) pairs each result reports)")
 
 
 def _salts(cache_salt, count: int) -> list[str | None]:

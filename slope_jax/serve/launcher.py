@@ -100,22 +100,49 @@ def _limits(config: LaunchConfig):
     import jax
 
     from slope_jax.checkpoints.orbax_store import model_config
+    from slope_jax.plan.hardware import HardwareError
+    from slope_jax.plan.hardware import load as load_hardware
     from slope_jax.serve import slo
     from slope_jax.serve.front import refuse_existing_results
 
+    device = _first_device(config)
     cfg = model_config(config.checkpoint)  # no weights read: check the limits before loading them
     if config.max_tokens is not None and config.max_tokens > cfg.max_position_embeddings:
         raise FlagError(f"--max_tokens={config.max_tokens} exceeds the model's max_position_embeddings="
                         f"{cfg.max_position_embeddings} ({config.checkpoint})")
     max_tokens = config.max_tokens or cfg.max_position_embeddings
+    too_long = [n for n in config.precompile_lengths if n > max_tokens]
+    if too_long:
+        raise FlagError(f"--precompile={','.join(map(str, too_long))}: longer than the longest accepted prompt, "
+                        f"{max_tokens} tokens (--max_tokens, else the model's max_position_embeddings)")
     if jax.process_index() == 0 and config.results != "-":
         refuse_existing_results(config.results, config.overwrite)  # before the weights are loaded
-    device = jax.devices()[0]
+    for name in ("results", "logits_dir") if jax.process_index() == 0 else ():
+        path = getattr(config, name)
+        where = path if name == "logits_dir" else os.path.dirname(os.path.abspath(path))
+        if path and path != "-":
+            try:
+                os.makedirs(where, exist_ok=True)
+            except OSError as e:
+                raise FlagError(f"--{name}={path}: cannot create {where}: {e.strerror or e}") from e
     try:
         hardware = config.hardware or slo.hardware_for(device.device_kind, device.platform)
-    except ValueError as e:
+        load_hardware(hardware)  # an unknown profile is a flag error before the weights are read
+    except (ValueError, HardwareError) as e:
         raise FlagError(str(e)) from e
     return cfg, max_tokens, hardware
+
+
+def _first_device(config: LaunchConfig):
+    """This process's first JAX device; FlagError naming --platform when JAX cannot start that backend."""
+    import jax
+
+    try:
+        return jax.devices()[0]
+    except (RuntimeError, AssertionError) as e:  # jax 0.10 asserts when a named platform's plugin is missing
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise FlagError(f"--platform={config.platform or '(JAX default)'}: JAX could not start that backend (is its "
+                        f"plugin installed and its device visible?): {detail}") from e
 
 
 def _choose_layout(config: LaunchConfig, cfg, hardware: str, max_tokens: int) -> ParallelConfig:
@@ -226,11 +253,12 @@ def _run(config: LaunchConfig) -> None:
     from slope_jax.checkpoints.hf import CheckpointError
     from slope_jax.model.config import ConfigError
     from slope_jax.parallel.config import LayoutError
+    from slope_jax.plan.hardware import HardwareError
 
     status = 0
     try:
         status = _serve(config)
-    except (FlagError, LayoutError, ConfigError, CheckpointError) as e:
+    except (FlagError, LayoutError, ConfigError, CheckpointError, HardwareError) as e:
         _fail(str(e))
     except Exception as e:  # noqa: BLE001 - one clear line; a peer's death is named by the peer watch
         watch = _STATE["watch"]

@@ -398,14 +398,15 @@ def _reason(p: Pending, finish_s: float, pushed: int = 0, note: str = "",
     """The rejection message: predicted vs allowed TTFT in ms and, in words, what the prediction is made of
     (`_parts`: waiting for work ahead, compiling, computing its batch)."""
     predicted = (finish_s - p.arrival_s) * 1e3
+    slo = f"{p.slo_ms:.1f}" if p.slo_ms >= 0.1 else f"{p.slo_ms:.3g}"  # an SLO of 0.001 ms is not "0.0 ms"
     if pushed:
-        head = (f"rejected: predicted TTFT {predicted:.1f} ms is within the allowed {p.slo_ms:.1f} ms (ttft_slo_ms), "
+        head = (f"rejected: predicted TTFT {predicted:.1f} ms is within the allowed {slo} ms (ttft_slo_ms), "
                 f"but admitting it would make {pushed} admitted request(s) miss their deadline")
     else:
-        head = f"rejected: predicted TTFT {predicted:.1f} ms exceeds the allowed {p.slo_ms:.1f} ms (ttft_slo_ms)"
+        head = f"rejected: predicted TTFT {predicted:.1f} ms exceeds the allowed {slo} ms (ttft_slo_ms)"
     wait_ms, compile_ms, compute_ms = parts
     cached = f", {p.cached_tokens} of them expected from the prefix cache" if p.cached_tokens else ""
-    compiling = (f"{compile_ms:.1f} ms of it compiling step shapes not compiled yet (--precompile warms them up "
+    compiling = (f"{compile_ms:.1f} ms compiling step shapes not compiled yet (--precompile warms them up "
                  "before traffic), ") if compile_ms > 0 else ""
     return (f"{head}; {note}{wait_ms:.1f} ms waiting for work already running or queued ahead, {compiling}"
             f"{compute_ms:.1f} ms computing its batch ({p.num_tokens} tokens{cached})")
