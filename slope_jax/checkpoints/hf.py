@@ -337,6 +337,14 @@ def _check_names_shapes(source: TensorSource, table: list[TensorEntry], cfg_path
 # Materialisation
 
 
+
+def bar_interval() -> float:
+    """Seconds between redraws of a loading bar: every tensor on a terminal (it moves even when each tensor takes
+    long); every 15 s when stderr is a file or pipe, where each redraw is another carriage-return update in the log."""
+    import sys
+
+    return 0.0 if sys.stderr.isatty() else 15.0
+
 def load_params(ckpt: CheckpointDir, dtype="bfloat16", *, shardings: dict | None = None,
                 stack_layers: Iterable[int] | None = None, vocab_rows: int | None = None,
                 progress: bool = True, reads: digest_lib.ReadDigests | None = None) -> dict:
@@ -374,7 +382,7 @@ def load_params(ckpt: CheckpointDir, dtype="bfloat16", *, shardings: dict | None
     out = {}
     # leave=True and a bar refreshed on every tensor: it moves even when each tensor takes long, and stays
     for pname, spec in tqdm(specs.items(), desc="loading weights", unit="tensor", disable=not progress,
-                            leave=True, miniters=1, mininterval=0):
+                            leave=True, miniters=1, mininterval=bar_interval()):
         read = functools.partial(_read_entry, ckpt.source, reads)
         shard = functools.partial(_read_shard, read=read, entries=by_param[pname], spec=spec, pname=pname,
                                   stack=stack, vocab_size=cfg.vocab_size)

@@ -50,7 +50,7 @@ from slope_jax.checkpoints.tree import unflatten as _unflatten
 from slope_jax.atomic import atomic_json, atomic_write
 from slope_jax.checkpoints import digest
 from slope_jax.checkpoints import host as host_lib
-from slope_jax.checkpoints.hf import CheckpointError
+from slope_jax.checkpoints.hf import CheckpointError, bar_interval
 from slope_jax.model import gpt_oss as model_lib
 from slope_jax.model.config import ModelConfig
 from slope_jax.parallel import sharding, stages
@@ -463,7 +463,7 @@ def restore(path, parallel: ParallelConfig = ParallelConfig(), dtype=None, *, de
     out, total = {}, 0
     # one family at a time: host staging memory peaks at one family; the bar is drawn on every family and stays
     for name, spec in tqdm(pl.specs.items(), desc="restoring weights", unit="tensor", disable=not progress,
-                           leave=True, miniters=1, mininterval=0):
+                           leave=True, miniters=1, mininterval=bar_interval()):
         out[name], n = _restore_family(reader, name, spec, pl, reads)
         total += n
     log.info("restored %s into pipeline=%d ring=%d ulysses=%d in %.1f s (%.1f MiB of local shards read, hashing "

@@ -56,8 +56,9 @@ def check_request_id(request_id: str, where: str = "request") -> str:
     """A request id doubles as a directory name under the KV dir: 1-128 characters of [A-Za-z0-9._-], not starting
     with '.', so it can never escape that directory. Raises RequestError naming the rule."""
     if not isinstance(request_id, str) or not 1 <= len(request_id) <= 128:
-        shown = request_id if isinstance(request_id, str) else type(request_id).__name__
-        raise RequestError(f"{where}: id must be a string of 1-128 characters, got {_short(shown)}")
+        got = (f"{len(request_id)} characters" if isinstance(request_id, str) else
+               f"{type(request_id).__name__} {_short(request_id)}")
+        raise RequestError(f"{where}: id must be a string of 1-128 characters, got {got}")
     if request_id.startswith(".") or not set(request_id) <= _ID_CHARS:
         raise RequestError(f"{where}: id {_short(request_id)} may only use letters, digits, '.', '_', '-' and must "
                            "not start with '.' (it names the request's KV directory)")
