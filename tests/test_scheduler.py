@@ -295,6 +295,17 @@ def test_admission_charges_each_uncompiled_step_shape_once():
     s.finished(5.064)
     batch, _, _ = s.take_batch(5.064, closed=True)
     assert [p.id for p in batch] == ["x"] and batch[0].predicted_compute_ms == pytest.approx(64.0, abs=1e-6)
+    # z's shape was refused for its compile: it is warmed once the engine is idle (not while a batch is in flight),
+    # so a later request of that length is not refused for the same compile forever
+    assert s.take_warm(5.1) == []  # x is in flight
+    s.finished(5.2)
+    assert s.take_warm(5.2) == [(256, 1)] and s.busy  # busy for its expected compile, until finished
+    compiled.add((256, 1))
+    s.finished(10.2)
+    assert s.take_warm(10.2) == []  # warmed once
+    s.add(req("w", 10.2, 300, n=200))
+    batch, rejected, _ = s.take_batch(10.2, closed=True)
+    assert [p.id for p in batch] == ["w"] and rejected == []
 
 
 class _FakeEngine:

@@ -25,6 +25,9 @@ def test_auto_layout_admission_and_slo_summary(tmp_path):
     # (the CPU profile's compile_s = 8 s times the host's load, or a tenth of it when the persistent compilation cache
     # holds entries): refused on arrival, as a first request of a bucket not compiled in this process
     lines.append({"id": "compile-bound", "tokens": list(range(5, 45)), "ttft_slo_ms": 400})
+    # the same for a length no other request shares: refused, and its shape is then compiled while the engine is idle
+    # (a refused request runs nothing, so its shape would otherwise be refused again on every run)
+    lines.append({"id": "compile-bound-200", "tokens": list(range(5, 205)), "ttft_slo_ms": 400})
     lines.append({"id": "loose", "tokens": list(range(5, 45)), "ttft_slo_ms": 1e7})
     reqs.write_text("".join(json.dumps(x) + "\n" for x in lines))
     res = tmp_path / "res.jsonl"
@@ -41,7 +44,7 @@ def test_auto_layout_admission_and_slo_summary(tmp_path):
     assert logged, r.stderr[-3000:]
     assert tuple(int(x) for x in logged.groups()) == (par.pipeline, par.ring, par.ulysses, par.seq_chunks)
     recs = {x["id"]: x for x in map(json.loads, res.read_text().splitlines())}
-    assert set(recs) == {"tight-0", "tight-1", "tight-2", "compile-bound", "loose"}
+    assert set(recs) == {"tight-0", "tight-1", "tight-2", "compile-bound", "compile-bound-200", "loose"}
     for i in range(3):  # a 0.5 ms SLO cannot be met by any prediction: rejected at admission, before any compute
         rec = recs[f"tight-{i}"]
         assert rec["rejected"] is True and rec["ttft_slo_ms"] == 0.5, rec
@@ -53,15 +56,21 @@ def test_auto_layout_admission_and_slo_summary(tmp_path):
     # its bucket is not compiled in this process: the prediction charges at least a persistent-cache load (a tenth of
     # the 8 s idle compile) when the compilation cache holds entries, a whole compile when it is cold
     assert compiling >= 800.0 and predicted - compiling < 400.0, bound  # refused for the compile alone
+    assert recs["compile-bound-200"]["rejected"] is True, recs["compile-bound-200"]
+    warmed = re.search(r"warming (\d+) step shape\(s\) admission refused requests for while they were not compiled: "
+                       r"(.*?) \(later", r.stderr)
+    assert warmed and warmed[1] == "1" and re.fullmatch(r"T=\d+ x 1", warmed[2]), r.stderr[-3000:]
+    t = int(warmed[2][2:].split()[0])
+    assert 200 <= t < 400 and re.search(rf"bucket T={t} x 1 ready in", r.stderr), r.stderr[-3000:]  # 200's bucket
     loose = recs["loose"]
     assert "error" not in loose and loose["slo_met"] is True and loose["ttft_slo_ms"] == 1e7
     assert loose["predicted_ttft_ms"] > 0 and loose["ttft_ms"] > 0
     assert all(x.get("late", False) == ("error" not in x and x["slo_met"] is False) for x in recs.values())
-    # strict JSON only, and the SLO summary: 1 of the 5 requests with an SLO met it, 4 rejected
+    # strict JSON only, and the SLO summary: 1 of the 6 requests with an SLO met it, 5 rejected
     assert "NaN" not in res.read_text() and "Infinity" not in res.read_text()
-    assert "SLO attainment 20.0% (1/5)" in r.stderr and "rejected 4" in r.stderr, r.stderr[-2000:]
+    assert "SLO attainment 16.7% (1/6)" in r.stderr and "rejected 5" in r.stderr, r.stderr[-2000:]
     # the counts of the summary's last lines are the records', and each error is there whole (wrapped, not cut)
-    assert "5 records: 1 ok (1 SLO met, 0 late), 4 rejected, 0 failed;" in r.stderr, r.stderr[-2000:]
+    assert "6 records: 1 ok (1 SLO met, 0 late), 5 rejected, 0 failed;" in r.stderr, r.stderr[-2000:]
     assert " ".join(recs["tight-2"]["error"].split()) in " ".join(r.stderr.split())
     assert re.search(r"TTFT p50/p90/p99 [0-9.]+/[0-9.]+/[0-9.]+ ms", r.stderr)
 

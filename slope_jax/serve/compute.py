@@ -79,6 +79,33 @@ class BatchItem:
         return cls(wire[0], np.asarray(wire[1], np.int32), arrival, wire[2], bool(wire[3]))
 
 
+@dataclasses.dataclass(frozen=True)
+class WarmUp:
+    """What process 0's intake returns instead of a batch when the engine is idle and admission refused requests for
+    the compile time of step shapes not compiled yet (`Scheduler.take_warm`): those shapes, as engine keys
+    `(t, m)` / `(t, m, prefix_rows)` (`slo.engine_key`), for every process to compile (`warm_up`)."""
+
+    keys: list
+
+
+def warm_up(engine, keys: list, front=None) -> None:
+    """Every process: compile these step shapes (`PrefillEngine.compiled`; a failure is logged, never fatal: no
+    request waits on it); process 0 (`front`) then tells the scheduler the engine is free."""
+    if front is not None:
+        logging.info("warming %d step shape(s) admission refused requests for while they were not compiled: %s "
+                     "(later requests of these lengths, and later runs through the compilation cache, skip that "
+                     "compile)", len(keys), ", ".join("T=%d x %d" % (k[0], k[1]) + (f" after {k[2]} cached rows"
+                                                                                  if len(k) > 2 else "")
+                                                      for k in keys))
+    for key in keys:
+        try:
+            engine.compiled(*key)
+        except Exception:  # noqa: BLE001 - e.g. a bucket too large for device memory: its requests will say so
+            logging.warning("warming step shape %s failed: %s", key, traceback.format_exc(limit=2))
+    if front is not None:
+        front.scheduler.finished(time.perf_counter())
+
+
 def prefill_isolated(engine, items: list[BatchItem], *, kv_store=None, kv_full: bool | None = None,
                      top_k: int = 5, on_computed=None) -> list:
     """Run a batch so that a failure is attributed to the request that causes it: items go in the engine steps of
@@ -127,13 +154,18 @@ def compute_loop(engine, broadcast, front, *, kv_store=None, kv_full: bool | Non
         payload = None
         if front is not None:
             batch = front.intake.next_batch()
-            if batch is not None:
+            if isinstance(batch, WarmUp):
+                payload = {"warm": [list(k) for k in batch.keys]}
+            elif batch is not None:
                 pending = {p.id: p for p in batch}
                 payload = [BatchItem(p.id, p.request.tokens, None, p.request.cache_salt,
                                      front.wants_early(p.id)).to_wire() for p in batch]
         payload = broadcast(payload)
         if payload is None:
             break
+        if isinstance(payload, dict):
+            warm_up(engine, [tuple(k) for k in payload["warm"]], front)
+            continue
         items = [BatchItem.from_wire(w, pending[w[0]].arrival_s if front is not None else None) for w in payload]
         ids = [x.id for x in items]
         t_batch, compiled_before = time.perf_counter(), set(engine.compile_ms)

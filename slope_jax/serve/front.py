@@ -366,7 +366,8 @@ class Intake:
             pass
 
     def next_batch(self):
-        """The next batch to run (a list of Request), or None when the input is closed and everything is served.
+        """The next batch to run (a list of Request), a `compute.WarmUp` of step shapes to compile while idle, or
+        None when the input is closed and everything is served (and warmed).
 
         Lines that arrived while the previous batch ran are accepted before the scheduler picks the next batch, so
         a request with an earlier deadline is ordered (EDF) and admitted against the queue as it is: picking from
@@ -382,6 +383,12 @@ class Intake:
                                         rejected=True, num_tokens=item.num_tokens))
             if batch:
                 return batch
+            warm = self.scheduler.take_warm(time.perf_counter())  # idle: compile what admission refused for
+            if warm:
+                from slope_jax.serve.compute import WarmUp
+                from slope_jax.serve.slo import engine_key
+
+                return WarmUp([engine_key(s) for s in warm])
             if self.closed:
                 return None
             try:

@@ -174,6 +174,7 @@ class Scheduler:
         self._new: list[Pending] = []  # added since the last take_batch: not yet admitted
         self._seq = 0
         self._busy_until: float | None = None  # predicted end of the batch in flight; None when idle
+        self._warm: dict = {}  # step shapes admission refused a request for while uncompiled (`take_warm`)
         self._lock = threading.Lock()
 
     # ---- public API -------------------------------------------------------------------------------------------
@@ -196,6 +197,23 @@ class Scheduler:
     def busy(self) -> bool:
         """True between `take_batch` returning a batch and `finished`."""
         return self._busy_until is not None
+
+    def take_warm(self, now: float) -> list:
+        """Step shapes to compile now, in the engine's idle time: the shape of each request admission rejected while
+        that shape was not compiled yet (its compile time was part of why it could not make its deadline), still
+        uncompiled, once nothing is queued or in flight. Without this a rejected request's shape never compiles (a
+        rejected request runs nothing), so every later request of that length, in this run and the next (whose
+        prediction reads the persistent cache's step index), is refused for the same compile. The engine counts as
+        busy for their expected compile time until `finished`. Returns [] when there is nothing to warm or it is
+        not idle."""
+        with self._lock:
+            if self._queue or self._new or self._busy_until is not None or not self._warm:
+                return []
+            shapes = [s for s in self._warm if self.compile_ms(s) > 0]
+            self._warm.clear()
+            if shapes:
+                self._busy_until = now + sum(float(self.compile_ms(s)) for s in shapes) / 1e3
+            return shapes
 
     def finished(self, now: float) -> None:
         """The batch in flight has finished at `now` (perf_counter seconds): the engine is free."""
@@ -372,8 +390,11 @@ class Scheduler:
                 p.late = True
                 self._queue.append(p)
                 continue
-            rejected.append((p, _reason(p, own, len(misses) if own <= p.deadline_s + _EPS_S else 0,
-                                        parts=_parts(trial, p, start))))
+            parts = _parts(trial, p, start)
+            rejected.append((p, _reason(p, own, len(misses) if own <= p.deadline_s + _EPS_S else 0, parts=parts)))
+            shape = (self._step_key(p.work), 1)
+            if parts[1] > 0 and float(self.compile_ms(shape)) > 0:  # parts[1]: compiling; its own shape is new
+                self._warm[shape] = None
         return rejected
 
 

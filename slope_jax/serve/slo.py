@@ -224,9 +224,7 @@ class BatchModel:
         ((bucket, cached rows), prompts per step); 0 when compiled (class docstring)."""
         from slope_jax import compile_cache
 
-        key, m = shape
-        key = (key[0], m, key[1]) if isinstance(key, tuple) and key[1] else (
-            (key[0], m) if isinstance(key, tuple) else (key, m))
+        key = engine_key(shape)
         self._record()
         if key in self.engine.compile_ms:
             return 0.0
@@ -242,6 +240,15 @@ class BatchModel:
         """Fold in one finished batch's measured compute (ms, compilation excluded)."""
         self._record()
         self.model.observe(lengths, measured_ms)
+
+
+def engine_key(shape: tuple) -> tuple:
+    """A scheduler step shape — (bucket, prompts) or ((bucket, cached rows), prompts) — as the engine's compiled-step
+    key (`PrefillEngine.compiled`'s (t, m) or (t, m, prefix_rows); `compile_ms` is keyed by it)."""
+    key, m = shape
+    if isinstance(key, tuple):
+        return (int(key[0]), int(m), int(key[1])) if key[1] else (int(key[0]), int(m))
+    return (int(key), int(m))
 
 
 def batch_model(engine, hardware: str, dtype: str, devices_per_host: int) -> BatchModel:
