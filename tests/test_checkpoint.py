@@ -218,6 +218,17 @@ def test_config_validation_names_the_field(field, value, message):
         ModelConfig.from_hf_dict(d)
 
 
+def test_optional_fields_default_as_transformers_reads_them():
+    """A config.json without `head_dim` or `sliding_window` means what transformers' GptOssConfig (and so vLLM) makes
+    of it: 64 and 128, not hidden_size / num_attention_heads (a 2880-wide model with 64 heads would get 45)."""
+    from transformers import GptOssConfig
+
+    d = CONFIG_A.to_hf_dict()
+    del d["head_dim"], d["sliding_window"]
+    ours, ref = ModelConfig.from_hf_dict(d), GptOssConfig(**d)
+    assert (ours.head_dim, ours.sliding_window) == (ref.head_dim, ref.sliding_window) == (64, 128)
+
+
 def test_config_missing_field(tmp_path):
     d = CONFIG_A.to_hf_dict()
     del d["hidden_size"]

@@ -110,8 +110,9 @@ class ModelConfig:
                 intermediate_size=_req(d, "intermediate_size", source),
                 num_attention_heads=_req(d, "num_attention_heads", source),
                 num_key_value_heads=_req(d, "num_key_value_heads", source),
-                head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
-                sliding_window=_req(d, "sliding_window", source),
+                # absent: transformers' GptOssConfig defaults (64 and 128), which vLLM reads too; not hidden/heads
+                head_dim=d.get("head_dim") or 64,
+                sliding_window=d.get("sliding_window") or 128,
                 layer_types=tuple(layer_types),
                 rope_theta=float(rope_theta),
                 rope_type=rope_type,
