@@ -139,7 +139,7 @@ class ModelConfig:
     def from_original_dict(cls, d: dict[str, Any], *, source: str = "original/config.json") -> ModelConfig:
         """Build from OpenAI's `original/config.json` (docs/model.md §1 key mapping). Always MXFP4 experts, YaRN."""
         n_layers = _req(d, "num_hidden_layers", source)
-        factor = float(d.get("rope_scaling_factor", 1.0))
+        factor = float(d.get("rope_scaling_factor", 32.0))  # absent: OpenAI's reference ModelConfig default (YaRN)
         return cls(
             num_hidden_layers=n_layers,
             num_experts=_req(d, "num_experts", source),
