@@ -235,6 +235,16 @@ def test_optional_fields_default_as_transformers_reads_them():
     assert (ours.head_dim, ours.sliding_window) == (ref.head_dim, ref.sliding_window) == (64, 128)
 
 
+@pytest.mark.parametrize("key,value", [("attention_factor", 1.5), ("partial_rotary_factor", 0.5), ("mscale", 0.7)])
+def test_rope_options_transformers_would_apply_are_refused(key, value):
+    d = CONFIG_A.to_hf_dict()
+    d["rope_scaling"] = dict(d["rope_scaling"], **{key: value})
+    with pytest.raises(ConfigError, match=f"rope {key}={value} is not supported"):
+        ModelConfig.from_hf_dict(d)
+    d["rope_scaling"][key] = {"partial_rotary_factor": 1.0}.get(key)  # the neutral value reads as before
+    assert ModelConfig.from_hf_dict(d) == ModelConfig.from_hf_dict(CONFIG_A.to_hf_dict())
+
+
 def test_config_missing_field(tmp_path):
     d = CONFIG_A.to_hf_dict()
     del d["hidden_size"]

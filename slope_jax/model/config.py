@@ -247,6 +247,13 @@ class ModelConfig:
                               "(docs/model.md §2), only attention_bias=true is supported")
         if d.get("tie_word_embeddings", False):
             raise ConfigError(f"{source}: tie_word_embeddings=true; gpt-oss unembedding is untied (docs/model.md §2.3)")
+        rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
+        # YaRN options transformers applies that this engine does not: refused, never silently computed otherwise
+        for key, neutral in (("attention_factor", None), ("partial_rotary_factor", 1.0), ("mscale", None),
+                             ("mscale_all_dim", None)):
+            if rope.get(key, neutral) not in (neutral, None) or d.get(key, neutral) not in (neutral, None):
+                raise ConfigError(f"{source}: rope {key}={rope.get(key, d.get(key))!r} is not supported (gpt-oss's "
+                                  f"YaRN has none; docs/model.md §2.2)")
         return self
 
 
