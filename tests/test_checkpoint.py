@@ -233,6 +233,11 @@ def test_optional_fields_default_as_transformers_reads_them():
     del d["head_dim"], d["sliding_window"]
     ours, ref = ModelConfig.from_hf_dict(d), GptOssConfig(**d)
     assert (ours.head_dim, ours.sliding_window) == (ref.head_dim, ref.sliding_window) == (64, 128)
+    d["sliding_window"] = None  # an explicit null: transformers masks its sliding layers without a window
+    with pytest.raises(ConfigError, match="sliding_window=null is not supported"):
+        ModelConfig.from_hf_dict(d)
+    d["layer_types"] = ["full_attention"] * len(d["layer_types"])  # ...unless no layer slides
+    assert ModelConfig.from_hf_dict(d).layer_types == ("full_attention",) * len(d["layer_types"])
 
 
 @pytest.mark.parametrize("key,value", [("attention_factor", 1.5), ("partial_rotary_factor", 0.5), ("mscale", 0.7)])

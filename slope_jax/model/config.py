@@ -112,7 +112,7 @@ class ModelConfig:
                 num_key_value_heads=_req(d, "num_key_value_heads", source),
                 # absent: transformers' GptOssConfig defaults (64 and 128), which vLLM reads too; not hidden/heads
                 head_dim=d.get("head_dim") or 64,
-                sliding_window=d.get("sliding_window") or 128,
+                sliding_window=_window(d, source),
                 layer_types=tuple(layer_types),
                 rope_theta=float(rope_theta),
                 rope_type=rope_type,
@@ -255,6 +255,17 @@ class ModelConfig:
                 raise ConfigError(f"{source}: rope {key}={rope.get(key, d.get(key))!r} is not supported (gpt-oss's "
                                   f"YaRN has none; docs/model.md §2.2)")
         return self
+
+
+def _window(d: dict[str, Any], source: str) -> int:
+    """`sliding_window`: absent → 128 (transformers' default); an explicit null is refused: transformers then builds
+    its sliding layers' masks without a window, which this engine does not model."""
+    if "sliding_window" not in d:
+        return 128
+    if d["sliding_window"] is None and SLIDING in (d.get("layer_types") or [SLIDING]):
+        raise ConfigError(f"{source}: sliding_window=null is not supported (gpt-oss's sliding layers have a window; "
+                          "give one, or make every layer full_attention in layer_types)")
+    return 128 if d["sliding_window"] is None else d["sliding_window"]  # null with no sliding layer: unused
 
 
 def _req(d: dict[str, Any], key: str, source: str, alt: str | None = None):
