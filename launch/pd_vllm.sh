@@ -26,7 +26,7 @@
 # pool's size, 1), KV_LEASE_S (how long an unread pool entry lives, 60), UCX_NET_DEVICES (lo: this script serves
 # 127.0.0.1; UCX uses shared memory / cross-memory attach between the processes of one host anyway),
 # SLOPE_JAX_FLAGS (more launcher flags, e.g. "--ttft_slo_ms=500"), VLLM_FLAGS (more `vllm serve` flags; vLLM keeps
-# its defaults otherwise, prefix caching on: a prompt it has cached loads only the tokens it lacks),
+# its defaults otherwise, prefix caching on: a prompt it holds loads only the tokens it lacks, docs/deployment.md),
 # READY_TIMEOUT (seconds to wait for /health, 900).
 # vLLM-CPU decodes gpt-oss wrongly with its split-KV decode path, which turns on when a connector reserves a core:
 # VLLM_CPU_ATTN_SPLIT_KV=0 is set here. The `vllm` command of the vllm-cpu package fails on its own version look-up

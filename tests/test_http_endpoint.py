@@ -256,6 +256,8 @@ def test_proxy_flow_stream_and_errors():
             assert health.status == 503 and decode_url in (await health.text())
             r = await proxy.post("/v1/completions", json={"prompt": "hi"})
             assert r.status == 502 and "decode server" in (await r.json())["error"]["message"]
+            r = await proxy.get("/v1/models")  # what clients poll while vLLM starts: an answer, not a traceback
+            assert r.status == 503 and "cannot be reached" in (await r.json())["error"]["message"]
         finally:
             await proxy.close()
             for b in backends:

@@ -450,6 +450,10 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
             logger.info("SlopeJaxConnector: request %s: preempted after loading %d tokens; loading its KV again",
                         request.request_id, d.loaded)
         num = max(0, d.export.num_tokens - 1 - num_computed_tokens)
+        if num == 0 and d.status == "validated":
+            d.status = plan.CACHE_HELD  # vLLM's own prefix cache holds every token the export would give
+        elif num > 0 and d.status == plan.CACHE_HELD:
+            d.status = "validated"  # asked again (e.g. after its cached blocks were evicted)
         return num, num > 0 and self._how(d.export) != SYNC
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):

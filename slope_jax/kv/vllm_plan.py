@@ -52,6 +52,7 @@ HASH_KEY = "token_ids_sha256"
 # what the connector returns in the request's output kv_transfer_params
 LOADED_KEY = "slope_jax_loaded_tokens"
 STATUS_KEY = "slope_jax_status"
+CACHE_HELD = "not needed: vLLM's prefix cache held the prompt's first n-1 tokens"  # a status: 0 tokens loaded
 
 # how sliding layers are filled (module doc)
 WINDOW, BLOCK, ALL = "window", "block", "all"

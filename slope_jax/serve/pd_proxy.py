@@ -431,10 +431,15 @@ async def _health(request):
 
 
 async def _models(request):
+    """The decode server's /v1/models, relayed; 503 naming it while it cannot be reached (still starting)."""
+    import aiohttp
     from aiohttp import web
 
-    async with request.app["session"].get(request.app["decode_url"] + "/v1/models") as resp:
-        return web.Response(body=await resp.read(), status=resp.status, content_type=resp.content_type)
+    try:
+        async with request.app["session"].get(request.app["decode_url"] + "/v1/models") as resp:
+            return web.Response(body=await resp.read(), status=resp.status, content_type=resp.content_type)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        return _error(503, f"the decode server {request.app['decode_url']} cannot be reached (starting?): {e}")
 
 
 def make_app(prefill_url: str, decode_url: str, timeout_s: float = 3600.0, release_grace_s: float = 30.0,
