@@ -192,7 +192,7 @@ def test_original_config_maps_rope_keys(tmp_path):
     assert (c.rope_beta_fast, c.rope_beta_slow, c.rope_original_max_position_embeddings) == (16.0, 2.0, 2048)
     assert c.rope_truncate is False and c.expert_format == "mxfp4"
     # an original config without rope_scaling_factor is YaRN with factor 32, as OpenAI's reference ModelConfig
-    # defaults it (spec §1), not unscaled RoPE
+    # defaults it (docs/model.md §1), not unscaled RoPE
     del d["rope_scaling_factor"]
     p.write_text(json.dumps(d))
     c = ModelConfig.from_json(p)
