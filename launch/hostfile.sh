@@ -13,9 +13,10 @@
 set -euo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 HOSTFILE [launcher flags...]" >&2; exit 2; }
 hostfile=$1; shift
+[ -r "$hostfile" ] || { echo "$0: error: HOSTFILE=$hostfile: no such readable file" >&2; exit 2; }
 mapfile -t hosts < <(grep -v '^\s*#' "$hostfile" | awk 'NF {print $1}')
 n=${#hosts[@]}
-[ "$n" -ge 1 ] || { echo "$hostfile lists no host" >&2; exit 2; }
+[ "$n" -ge 1 ] || { echo "$0: error: HOSTFILE=$hostfile lists no host" >&2; exit 2; }
 port=${PORT:-23456}
 dir=${REMOTE_DIR:-$(cd "$(dirname "$0")/.." && pwd)}
 py=${REMOTE_PYTHON:-python3}

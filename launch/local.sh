@@ -11,6 +11,10 @@ if [ $# -lt 1 ]; then
   echo "usage: $0 NUM_PROCESSES [launcher flags...]" >&2
   exit 2
 fi
+if ! [[ $1 =~ ^[1-9][0-9]*$ ]]; then
+  echo "$0: error: NUM_PROCESSES=$1: must be a positive integer (usage: $0 NUM_PROCESSES [launcher flags...])" >&2
+  exit 2
+fi
 n=$1
 shift
 port=${PORT:-23456}

@@ -54,6 +54,13 @@ def test_usage_mistakes_are_one_line_and_exit_2(tmp_path):
         lines = [x for x in r.stderr.splitlines() if x.startswith(f"{module.replace('.launch', '')}: error: ")]
         assert r.returncode == 2 and len(lines) == 1 and message in lines[0], (module, args, r.stderr[-2000:])
         assert "Traceback" not in r.stderr and "--helpfull" not in r.stderr, (module, args, r.stderr[-2000:])
+    for n in ("0", "two"):  # launch/local.sh's process count
+        r = subprocess.run(["bash", "launch/local.sh", n, "--cpu_devices=1"], cwd=REPO, capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 2 and f"NUM_PROCESSES={n}: must be a positive integer" in r.stderr, r.stderr
+    r = subprocess.run(["bash", "launch/hostfile.sh", str(tmp_path / "no-hosts.txt")], cwd=REPO, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "no-hosts.txt: no such readable file" in r.stderr, r.stderr
 
 
 def test_rerun_refuses_to_clobber_results_and_all_failed_exits_1(tmp_path):
