@@ -92,11 +92,10 @@ def warm_up(engine, keys: list, front=None) -> None:
     """Every process: compile these step shapes (`PrefillEngine.compiled`; a failure is logged, never fatal: no
     request waits on it); process 0 (`front`) then tells the scheduler the engine is free."""
     if front is not None:
+        shapes = ", ".join(f"T={k[0]} x {k[1]}" + (f" after {k[2]} cached rows" if len(k) > 2 else "") for k in keys)
         logging.info("warming %d step shape(s) admission refused requests for while they were not compiled: %s "
                      "(later requests of these lengths, and later runs through the compilation cache, skip that "
-                     "compile)", len(keys), ", ".join("T=%d x %d" % (k[0], k[1]) + (f" after {k[2]} cached rows"
-                                                                                  if len(k) > 2 else "")
-                                                      for k in keys))
+                     "compile)", len(keys), shapes)
     for key in keys:
         try:
             engine.compiled(*key)

@@ -209,10 +209,11 @@ class Scheduler:
         with self._lock:
             if self._queue or self._new or self._busy_until is not None or not self._warm:
                 return []
-            shapes = [s for s in self._warm if self.compile_ms(s) > 0]
+            expected = {s: float(self.compile_ms(s)) for s in self._warm}
             self._warm.clear()
+            shapes = [s for s, ms in expected.items() if ms > 0]
             if shapes:
-                self._busy_until = now + sum(float(self.compile_ms(s)) for s in shapes) / 1e3
+                self._busy_until = now + sum(expected[s] for s in shapes) / 1e3
             return shapes
 
     def finished(self, now: float) -> None:
