@@ -82,6 +82,39 @@ def test_consecutive_hits_of_one_shape_reuse_the_host_buffers_exactly(checkpoint
     assert hot._prefix_buffers._kv is kept  # the same arrays, refilled
 
 
+def test_prefill_from_several_threads_equals_each_prompt_alone(checkpoints, reference_engines):
+    """Four threads call one engine's `prefill` at once, three times each, with hits of one step shape (40 cached
+    rows each, from four cached prompts; then 64, from their own first calls): every call equals its cold prompt.
+    Unserialised, two threads laid their rows out in the one kept buffer pair at once and one read the other's
+    (logits off by ~1.3, no error)."""
+    hot = _engine(checkpoints)
+    heads = [BASE[:40]] + [random_prompt(CONFIG_A, 40, seed=80 + i).astype(np.int32) for i in range(3)]
+    hot.prefill(heads)
+    prompts = [np.concatenate([h, random_prompt(CONFIG_A, 30, seed=90 + i)]).astype(np.int32)
+               for i, h in enumerate(heads)]
+    cold = [r.logits for r in reference_engines["A"].prefill(prompts, prefix_reuse=False)]
+    start, got, errors = threading.Barrier(len(prompts)), {}, []
+
+    def serve(i):
+        try:
+            start.wait()
+            for rep in range(3):
+                r = hot.prefill([prompts[i]])[0]
+                got[i, rep] = (r.cached_tokens, float(np.abs(r.logits - cold[i]).max()))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=serve, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(got) == 3 * len(prompts)
+    # the first call of each prompt hits its 40-token head; later ones hit 64 tokens of its own first call's KV
+    assert all(cached == (40 if rep == 0 else 64) and err < TOL for (_, rep), (cached, err) in got.items()), got
+
+
 def test_prefix_buffers_are_reused_and_every_row_not_written_is_zeroed():
     """A kept buffer still holds the last step's rows: prefix_arrays zeroes exactly what it does not write (capacity
     padding, a sliding layer's rows before its window, padding stack entries), so no stale row or NaN remains."""

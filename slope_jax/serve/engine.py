@@ -17,6 +17,7 @@ import functools
 import itertools
 import logging
 import os
+import threading
 import time
 from typing import Callable, Collection, Sequence
 
@@ -47,6 +48,20 @@ from slope_jax.serve.requests import RequestError, check_request_id
 from slope_jax.serve.steps import group_steps
 
 log = logging.getLogger(__name__)
+
+
+def _one_at_a_time(method):
+    """Run an engine method under the engine's lock: calls from several threads run one after another, never
+    interleaved. A step's cached K/V is laid out in host buffers the engine keeps for the next step of that shape
+    (`serve.reuse.PrefixBuffers`), which JAX's CPU client uses in place as the step's input; two steps laid out at
+    once would read each other's rows (wrong logits, no error)."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 @dataclasses.dataclass
@@ -88,6 +103,9 @@ class PrefillResult:
 class PrefillEngine:
     """Prefill worker for one model on one mesh.
 
+    Thread-safe: calls from several threads (`prefill`, `precompile`, …) run one after another on the engine's devices;
+    put prompts in one `prefill` call to batch them. Under several processes every process calls in the same order.
+
     Args:
       cfg, params: from `slope_jax.load_checkpoint` (or `model.init_params`); params may be host or device arrays
         with `layers` stacked over the L layers.
@@ -127,6 +145,8 @@ class PrefillEngine:
         self.parallel = parallel.validate(cfg, len(devices) if parallel.num_devices > 1 else None)
         self.dtype = jnp.dtype(dtype)
         self.options = agreement.agreed_options(_step_options(options, option_fields).resolve(devices[0].platform))
+        self._lock = threading.RLock()  # `_one_at_a_time`: the public entry points take it (re-entrant: prefill
+        # compiles and runs steps through them)
         self._compiled: dict[tuple[int, int], object] = {}
         self.compile_ms: dict[tuple[int, int], float] = {}  # (bucket, prompts per step) -> XLA compile time, ms
         # (bucket, prompts per step) -> "cache" (loaded from the persistent compilation cache), "compiled" or
@@ -179,6 +199,7 @@ class PrefillEngine:
             self._weights = reuse_lib.params_digest(self.params)
         return self._weights
 
+    @_one_at_a_time
     def use_store(self, store: KVStore) -> None:
         """Export to `store.kv_dir` under this `KVStore`'s policy (overwrite, retention) and index: the launcher's
         one owner of the directory, shared by its intake and this engine."""
@@ -188,6 +209,7 @@ class PrefillEngine:
                 log.info("kv_dir %s: %d export(s) indexed for prefix reuse", store.kv_dir, n)
         self._stores[os.path.realpath(store.kv_dir)] = store
 
+    @_one_at_a_time
     def kv_store(self, kv_dir: str) -> KVStore:
         """The policy owner of `kv_dir` (`kv.store.KVStore`), made once per directory: its reuse index is built from
         the manifests already there, so prefixes exported by earlier runs are reused. A directory that takes no writes
@@ -340,6 +362,7 @@ class PrefillEngine:
         return [jax.ShapeDtypeStruct(shape, dt, sharding=sh)
                 for (shape, dt), sh in zip(shapes, self._input_shardings(t, m, cap))]
 
+    @_one_at_a_time
     def precompile(self, lengths: Sequence[int], in_flight: Sequence[int] | None = None) -> None:
         """Compile the buckets of these prompt lengths ahead of traffic, so first requests do not wait for XLA."""
         per_step = [1] if self.mesh is None else (in_flight or sorted({1, self.parallel.in_flight}))
@@ -347,6 +370,7 @@ class PrefillEngine:
             for m in per_step:
                 self.compiled(self.bucket(int(n)), m)
 
+    @_one_at_a_time
     def compiled(self, t: int, m: int, prefix_rows: int = 0):
         """The compiled step for bucket length t, m prompts in flight and (prefix reuse) `prefix_rows` rows of cached
         prefix per prompt (compiled once, then reused). Keys of `compile_ms`: (t, m), or (t, m, prefix_rows)."""
@@ -418,6 +442,7 @@ class PrefillEngine:
                                    kv_heads=c.num_key_value_heads, head_dim=c.head_dim, window=c.sliding_window,
                                    layer_types=c.layer_types, cache_salt=cache_salt)
 
+    @_one_at_a_time
     def prefill(self, prompts: Sequence[Sequence[int]], kv_dir: str | None = None, *,
                 ids: Sequence[str] | None = None, kv_full: bool | None = None, return_kv: bool | None = None,
                 top_k: int = 5, arrival_times: Sequence[float] | None = None, overwrite: bool = False,
@@ -624,6 +649,7 @@ class PrefillEngine:
             host += list(reuse_lib.prefix_arrays(self, step.hits, step.prefix_rows, self._prefix_buffers))
         return [self._global_input(a, sh) for a, sh in zip(host, self._input_shardings(t, m, step.prefix_rows))]
 
+    @_one_at_a_time
     def run_step(self, step: Step, *, top_k: int = 5) -> list[PrefillResult]:
         """Run one compiled step (prompts of one bucket and one cached-prefix capacity): first tokens and timings.
         The step's K/V stay on the devices (`step.k`, `step.v`) for `export_step`."""
@@ -693,6 +719,7 @@ class PrefillEngine:
     def _reuse_records(self, step: Step) -> list[dict]:
         return [{"block_size": self.reuse.block_size, "hashes": h.hashes, "identity": h.identity} for h in step.hits]
 
+    @_one_at_a_time
     def export_step(self, step: Step, results: list[PrefillResult], kv_dir: str, *, kv_full: bool,
                     overwrite: bool) -> None:
         """Export a finished step's requests to `kv_dir/<id>/` (whole prompts: a hit's cached rows are written

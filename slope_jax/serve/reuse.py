@@ -193,7 +193,8 @@ class PrefixBuffers:
     device) took 12–28 ms on touched pages and 110–185 ms when they were fresh; only the rows a step does not write
     are zeroed again (the whole pair took 11 ms). Buffers above
     KEEP_PREFIX_BUFFER_BYTES are not kept (host RAM, for large models and long prompts). The step reads them before
-    the next step is laid out: the engine runs its steps one after another (not thread-safe, like the engine).
+    the next step is laid out: the engine runs its steps one after another (not thread-safe; the engine's lock
+    serialises its callers, `serve.engine._one_at_a_time`).
 
     The buffers start on a 64-byte boundary (`checkpoints.host.aligned_zeros`, as the loaders' weight blocks): JAX's
     CPU client then uses them in place as the step's input (a device array aliasing the host buffer) where an
