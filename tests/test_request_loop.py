@@ -51,6 +51,16 @@ def test_every_malformed_line_is_its_own_error():
     assert all(r["id"] is None or r["id"] not in VALID_IN_MALFORMED for r in errors)  # an id names one record
 
 
+def test_a_byte_order_mark_and_crlf_endings_are_ignored():
+    """A requests file saved as "UTF-8 with BOM" on Windows (CRLF line ends): its first line — and a line after a
+    concatenated file's BOM — is a request, not a JSON error (RFC 8259 §8.1 lets a parser ignore the mark)."""
+    seen: set[str] = set()
+    got = [requests.parse(raw, n, vocab_size=1024, max_tokens=MAX_TOKENS, seen_ids=seen)
+           for n, raw in enumerate([b'\xef\xbb\xbf{"id": "bom", "tokens": [1, 2, 3]}\r\n',
+                                    '\ufeff{"id": "bom-text", "tokens": [4]}\r\n'], 1)]
+    assert [(r.id, r.tokens.tolist()) for r in got] == [("bom", [1, 2, 3]), ("bom-text", [4])]
+
+
 def test_text_literal_encodes_special_token_strings_as_text():
     tok = Tokenizer.from_file(os.path.join(SHIPPED, "tokenizer.json"))
     eot = tok.token_to_id("<|endoftext|>")

@@ -127,6 +127,9 @@ def _parse(line, where, lineno, vocab_size, max_tokens, tokenizer, seen_ids, arr
             line = bytes(line).decode("utf-8")
         except UnicodeDecodeError as e:
             raise RequestError(f"{where}: not valid UTF-8 (byte 0x{line[e.start]:02x} at offset {e.start})") from e
+    # a byte order mark before a line's JSON text (a file saved as "UTF-8 with BOM", or such files concatenated) is
+    # ignored, as RFC 8259 §8.1 lets a parser do
+    line = line.removeprefix("\ufeff")
     try:
         obj = loads_strict(line)
     except json.JSONDecodeError as e:
