@@ -121,15 +121,19 @@ def parse(line: bytes | str, lineno: int, *, vocab_size: int, max_tokens: int, t
                         state["id"], state["dup"]) from e
 
 
-def _parse(line, where, lineno, vocab_size, max_tokens, tokenizer, seen_ids, arrival, state) -> Request:
+def _text(line: bytes | bytearray | str, where: str) -> str:
+    """A line's JSON text: UTF-8 decoded, without a byte order mark before it (a file saved as "UTF-8 with BOM", or
+    such files concatenated: RFC 8259 §8.1 lets a parser ignore it)."""
     if isinstance(line, (bytes, bytearray)):
         try:
             line = bytes(line).decode("utf-8")
         except UnicodeDecodeError as e:
             raise RequestError(f"{where}: not valid UTF-8 (byte 0x{line[e.start]:02x} at offset {e.start})") from e
-    # a byte order mark before a line's JSON text (a file saved as "UTF-8 with BOM", or such files concatenated) is
-    # ignored, as RFC 8259 §8.1 lets a parser do
-    line = line.removeprefix("\ufeff")
+    return line.removeprefix("\ufeff")
+
+
+def _parse(line, where, lineno, vocab_size, max_tokens, tokenizer, seen_ids, arrival, state) -> Request:
+    line = _text(line, where)
     try:
         obj = loads_strict(line)
     except json.JSONDecodeError as e:
