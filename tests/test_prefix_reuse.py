@@ -368,6 +368,43 @@ def test_a_bad_entry_is_skipped_with_its_reason_and_the_prompt_computed_cold(che
     assert not [r for r in caplog.records if "prefix reuse" in r.getMessage()]
 
 
+def test_entries_sharing_blocks_serve_them_when_one_is_skipped_or_removed(checkpoints, reference_engines, tmp_path,
+                                                                          caplog):
+    """`doc` (40 tokens) and the later `turn` (doc + 16 tokens) hold the same 5 blocks; the index pointed them at the
+    latest only, so skipping or removing `turn` hid `doc`'s valid blocks and the prompt was computed cold."""
+    d = str(tmp_path / "kv")
+    writer = _engine(checkpoints, host_bytes=0)
+    writer.prefill([BASE[:40]], d, ids=["doc"])
+    writer.prefill([_prompt(56, 1)], d, ids=["turn"])
+    _truncate(os.path.join(d, "turn"))
+    fresh = _engine(checkpoints, host_bytes=0)
+    prompt = _prompt(50)
+    with caplog.at_level(logging.WARNING, logger="slope_jax.serve.reuse"):
+        res = fresh.prefill([prompt], kv_dir=d, ids=["q"])[0]
+    lines = [r.getMessage() for r in caplog.records if "prefix reuse" in r.getMessage()]
+    assert len(lines) == 1 and "'turn'" in lines[0], lines  # refused, then the next holder served
+    assert res.cached_tokens == 40
+    want = reference_engines["A"].prefill([prompt], prefix_reuse=False)[0]
+    assert res.first_token == want.first_token and np.abs(res.logits - want.logits).max() < TOL
+    # `q` (just written) is now the latest holder; removed by another process, `doc` serves the blocks again
+    os.remove(os.path.join(d, "q"))
+    assert fresh.prefill([_prompt(60, 2)], kv_dir=d, ids=["q2"])[0].cached_tokens == 40
+
+
+def test_host_tier_entries_sharing_blocks_serve_them_after_one_is_evicted():
+    """One document under two questions: evicting the entry added last leaves the document's blocks to the other."""
+    def entry(key, hashes, nbytes=1000):
+        k, v = ({0: np.zeros((nbytes // 8,), np.float32)} for _ in range(2))
+        return prefix_lib.HostEntry(key, np.arange(4), hashes, k, v)
+
+    tier = prefix_lib.HostTier(max_bytes=2500)
+    assert tier.add(entry("q1", ["d0", "d1", "q1"])) and tier.add(entry("q2", ["d0", "d1", "q2"]))
+    assert tier.lookup(["d0", "d1", "q1"])[1] == 3  # q1 used last: q2 is the least recently used
+    assert tier.add(entry("other", ["o0"]))  # over budget: q2 leaves
+    got, blocks = tier.lookup(["d0", "d1", "q3"])
+    assert got is not None and got.key == "q1" and blocks == 2
+
+
 def test_host_tier_is_lru_within_its_budget_and_never_evicts_an_entry_in_use():
     def entry(key, nbytes):
         k, v = ({0: np.zeros((nbytes // 8,), np.float32)} for _ in range(2))

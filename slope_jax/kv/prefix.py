@@ -231,6 +231,37 @@ class RefCounts:
             return self._counts.get(key, 0) > 0
 
 
+class BlockIndex:
+    """Block hash → the keys of every entry holding that block, the latest added first. Several entries hold the
+    same blocks (a conversation's turns, a document under many questions): when one leaves (evicted, removed,
+    refused), the others still serve those blocks. Not locked: the host tier and `kv.store.KVStore` call it under
+    their own locks."""
+
+    def __init__(self):
+        self._by_hash: dict[str, dict[str, None]] = {}  # insertion-ordered: the last key is the latest added
+
+    def add(self, key: str, hashes: list[str]) -> None:
+        for h in hashes:
+            holders = self._by_hash.setdefault(h, {})
+            holders.pop(key, None)
+            holders[key] = None
+
+    def remove(self, key: str, hashes: list[str]) -> None:
+        for h in hashes:
+            holders = self._by_hash.get(h)
+            if holders is not None:
+                holders.pop(key, None)
+                if not holders:
+                    del self._by_hash[h]
+
+    def holders(self, block_hash: str):
+        """The keys of the entries holding `block_hash`, the latest added first (an iterator: O(1) to the first)."""
+        return reversed(self._by_hash.get(block_hash, {}))
+
+    def clear(self) -> None:
+        self._by_hash.clear()
+
+
 class HostTier:
     """Host-memory prefix tier: LRU over entries under a byte budget; pinned entries are never evicted.
 
@@ -242,7 +273,7 @@ class HostTier:
     def __init__(self, max_bytes: int):
         self.max_bytes = int(max_bytes)
         self._entries: OrderedDict[str, HostEntry] = OrderedDict()
-        self._by_hash: dict[str, str] = {}  # block hash -> key of an entry holding it
+        self._index = BlockIndex()
         self._owners: dict[int, list] = {}  # id(array) -> [array, entries holding it]
         self._pins = RefCounts()
         self._lock = threading.Lock()
@@ -265,8 +296,7 @@ class HostTier:
                 if held[1] == 0:
                     self.nbytes += o.nbytes
                 held[1] += 1
-            for h in entry.hashes:
-                self._by_hash[h] = entry.key
+            self._index.add(entry.key, entry.hashes)
             self._evict()
             return entry.key in self._entries
 
@@ -278,9 +308,7 @@ class HostTier:
             if held[1] == 0:
                 self.nbytes -= held[0].nbytes
                 del self._owners[i]
-        for h in e.hashes:
-            if self._by_hash.get(h) == key:
-                del self._by_hash[h]
+        self._index.remove(key, e.hashes)
 
     def _evict(self) -> None:
         for key in list(self._entries):
@@ -293,7 +321,7 @@ class HostTier:
         """The entry sharing the longest run of leading block hashes (and how many), marked recently used."""
         with self._lock:
             for i in range(len(hashes), 0, -1):
-                key = self._by_hash.get(hashes[i - 1])
+                key = next(self._index.holders(hashes[i - 1]), None)
                 if key is not None:
                     self._entries.move_to_end(key)
                     return self._entries[key], i

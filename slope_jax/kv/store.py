@@ -101,7 +101,7 @@ class KVStore:
         self._lock = threading.RLock()
         self._seen: dict[str, str] = {}  # request id -> version dir indexed (or "" for an unusable one)
         self._entries: dict[str, dict] = {}  # request id -> {"hashes", "block", "bytes", "used", "version", ...}
-        self._by_hash: dict[str, str] = {}
+        self._blocks = prefix_lib.BlockIndex()  # block hash -> the entries holding it
         self._held = prefix_lib.RefCounts()
         self._dir_mtime = None
         self._warned: set[str] = set()  # conditions already warned about (one warning line each per store)
@@ -120,7 +120,7 @@ class KVStore:
     def scan(self) -> int:
         """(Re)build the index from every export's manifest; returns the number of reusable entries."""
         with self._lock:
-            self._seen.clear(), self._entries.clear(), self._by_hash.clear()
+            self._seen.clear(), self._entries.clear(), self._blocks.clear()
             self._dir_mtime = None
             self.refresh()
             return len(self._entries)
@@ -172,16 +172,13 @@ class KVStore:
         self._entries[rid] = {"hashes": hashes[_first_servable_block(m, block, len(hashes)):], "block": block,
                               "bytes": sum(int(c["bytes"]) for c in m["checksums"].values()), "used": used,
                               "version": version}
-        for h in self._entries[rid]["hashes"]:
-            self._by_hash[h] = rid
+        self._blocks.add(rid, self._entries[rid]["hashes"])
 
     def _forget(self, rid: str) -> None:
         self._seen.pop(rid, None)
         e = self._entries.pop(rid, None)
         if e:
-            for h in e["hashes"]:
-                if self._by_hash.get(h) == rid:
-                    del self._by_hash[h]
+            self._blocks.remove(rid, e["hashes"])
 
     def record(self, request_id: str) -> None:
         """Index an export this process just published, then apply retention."""
@@ -195,8 +192,9 @@ class KVStore:
         self.refresh()
         with self._lock:
             for i in range(len(hashes), 0, -1):
-                rid = self._by_hash.get(hashes[i - 1])
-                if rid is not None and self._entries[rid]["block"] == block_size:
+                rid = next((r for r in self._blocks.holders(hashes[i - 1]) if self._entries[r]["block"] == block_size),
+                           None)
+                if rid is not None:
                     self._entries[rid]["used"] = time.time()
                     return rid, i
         return None, 0
@@ -206,9 +204,7 @@ class KVStore:
         with self._lock:
             e = self._entries.get(request_id)
             if e:
-                for h in e["hashes"]:
-                    if self._by_hash.get(h) == request_id:
-                        del self._by_hash[h]
+                self._blocks.remove(request_id, e["hashes"])
                 e["hashes"] = []
 
     # -------------------------------------------------------------------------------------------------- loading

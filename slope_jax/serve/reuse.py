@@ -125,8 +125,14 @@ def _limit(hashes: list[str], n: int, block: int) -> list[str]:
     return hashes[:prefix_lib.reusable_tokens(len(hashes), n, block) // block]
 
 
+# exports a single-process lookup reads before it gives up on the kv_dir (each refused one leaves the index, so the
+# next lookup finds another entry holding the blocks, or a shorter prefix): a few, since each read checks every file
+LOAD_ATTEMPTS = 3
+
+
 def _lookup_local(engine, x: np.ndarray, hit: Hit, store: KVStore | None) -> None:
-    """Single process: the host tier, then the store; the longer hit wins."""
+    """Single process: the host tier, then the store (an export that cannot serve is skipped for the next one that
+    holds the prefix, up to LOAD_ATTEMPTS); the longer hit wins."""
     block = engine.reuse.block_size
     usable = _limit(hit.hashes, x.size, block)
     host_blocks = 0
@@ -140,14 +146,16 @@ def _lookup_local(engine, x: np.ndarray, hit: Hit, store: KVStore | None) -> Non
             hit.release = lambda key=entry.key: tier.unpin(key)
         else:
             host_blocks = 0
-    if store is not None and usable:
+    for _ in range(LOAD_ATTEMPTS if store is not None and usable else 0):
         rid, blocks = store.lookup(usable, block)
-        if rid is not None and blocks > host_blocks:
-            loaded = _load(engine, store, rid, x, blocks * block)
-            if loaded is not None:
-                if hit.release is not None:
-                    hit.release()
-                hit.prefix, hit.release = loaded, None
+        if rid is None or blocks <= host_blocks:
+            return
+        loaded = _load(engine, store, rid, x, blocks * block)  # refused: out of the index, the next holder is tried
+        if loaded is not None:
+            if hit.release is not None:
+                hit.release()
+            hit.prefix, hit.release = loaded, None
+            return
 
 
 def _load(engine, store: KVStore, rid: str, x: np.ndarray, p: int) -> prefix_lib.PrefixKV | None:
@@ -155,7 +163,7 @@ def _load(engine, store: KVStore, rid: str, x: np.ndarray, p: int) -> prefix_lib
     try:
         return store.load_prefix(rid, x, p, cfg=engine.cfg, dtype=engine.dtype.name, weights=engine.weights_digest)
     except ReuseRefused as e:
-        log.warning("prefix reuse: cached entry %r skipped, prompt computed cold: %s", rid, e)
+        log.warning("prefix reuse: cached entry %r skipped (not used again): %s", rid, e)
         store.discard(rid)
         return None
 
