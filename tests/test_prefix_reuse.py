@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -509,6 +510,16 @@ def test_two_engines_sharing_a_kv_dir_see_each_others_exports(checkpoints, tmp_p
     assert res.cached_tokens == 40  # b found a's export by refreshing its index
     for rid in ("from-a", "from-b"):
         kv.load(os.path.join(d, rid))  # both whole and verified
+    # two publications in one tick of the file system's clock leave the directory's mtime unchanged: b, which listed
+    # the directory at that mtime, must still see the second one
+    tick = time.time_ns()
+    os.utime(d, ns=(tick, tick))
+    b.kv_store(d).refresh()
+    other = random_prompt(CONFIG_A, 40, seed=61).astype(np.int32)
+    a.prefill([other], d, ids=["same-tick"])
+    os.utime(d, ns=(tick, tick))
+    tail = random_prompt(CONFIG_A, 5, seed=62).astype(np.int32)
+    assert b.prefill([np.concatenate([other, tail])], d, ids=["after"])[0].cached_tokens == 40
 
 
 # Two processes x 4 CPU devices (ring 2 x Ulysses 4), as launch/local.sh runs them: process 0 picks the hit from the

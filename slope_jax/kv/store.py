@@ -2,12 +2,13 @@
 
 Every entry point (the engine, the launcher's intake, the HTTP endpoint) asks one `KVStore` per `--kv_dir`:
 - **exists / overwrite** (`check_new`): an existing export of an id is an error unless the store may overwrite it.
-- **reuse** (`lookup`, `load_prefix`, `record`): an in-memory index, block hash → export, rebuilt from the manifests
-  at start-up (`scan`, so reuse survives restarts) and kept current as exports are published (`record`) and as
-  other writers publish into the same directory (`refresh`: only names not seen before are read). Only manifests
-  are read for the index; an entry's tensors are read when it serves a hit, with every file's digest checked and its
-  token ids compared with the request's, so a tampered, truncated or stale entry is skipped (`ReuseRefused` names
-  why) and the request computed cold.
+- **reuse** (`lookup`, `load_prefix`, `record`): an in-memory index, block hash → every export holding that block
+  (`kv.prefix.BlockIndex`), rebuilt from the manifests at start-up (`scan`, so reuse survives restarts) and kept
+  current as exports are published (`record`) and as other writers publish into the same directory (`refresh`: only
+  names not seen before are read). Only manifests are read for the index; an entry's tensors are read when it serves
+  a hit, with every file's digest checked and its token ids compared with the request's, so a tampered, truncated
+  or stale entry is skipped (`ReuseRefused` names why; `discard` takes it out of the index) and the prefix is taken
+  from another export holding it, or the request computed cold.
 - **retention** (`max_bytes`, `max_age_s`): after each publication, exports are removed least recently used first
   while the directory holds more than `max_bytes` of export files, and exports not used for `max_age_s`; an export
   this process holds (`hold`) is never removed. The same policy bounds P/D exports that a decode engine has consumed.
@@ -38,6 +39,11 @@ log = logging.getLogger(__name__)
 
 # errors that say the directory takes no (more) writes, as opposed to a fault of one export
 UNWRITABLE = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.ENOTDIR})
+
+
+# a directory modification time younger than this is "racy" (as git calls an index entry of the same second): two
+# publications within one tick of the file system's coarse clock leave the same mtime, so `refresh` lists again
+RACY_MTIME_NS = 2_000_000_000
 
 
 class ReuseRefused(ValueError):
@@ -134,7 +140,9 @@ class KVStore:
         with self._lock:
             if mtime == self._dir_mtime:
                 return
-            self._dir_mtime = mtime
+            # a modification time this recent may be shared by a publication still to come (the file system stamps
+            # from a coarse clock tick): not trusted, so the next lookup lists the directory again
+            self._dir_mtime = mtime if time.time_ns() - mtime > RACY_MTIME_NS else None
             try:
                 names = [x for x in os.listdir(self.kv_dir) if not x.startswith(".")]
             except OSError as e:
