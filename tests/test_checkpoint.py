@@ -513,3 +513,18 @@ def test_name_maps_cover_the_declaration_and_rules_use_a_mesh_axis_once(monkeypa
     monkeypatch.setitem(stages.LOGICAL_RULES, "experts", "pipeline")
     with pytest.raises(ValueError, match="used twice"):
         sharding.param_partition_specs(CONFIG_A, ParallelConfig(pipeline=2), "bfloat16")
+
+
+def test_weights_digest_follows_a_same_size_rewrite_that_keeps_the_mtime(tmp_path):
+    """Weights rewritten in place with other bytes of the same size, the modification time put back (a rewrite within
+    one tick of the file system's clock): the digest — the identity prefix caches and KV exports carry — changes."""
+    from slope_jax.kv import prefix as prefix_lib
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"\0" * 4096)
+    first = prefix_lib.weights_digest(str(tmp_path))
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.write(b"\1" * 4096)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert prefix_lib.weights_digest(str(tmp_path)) != first

@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import os
 import threading
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -366,15 +367,17 @@ def export_rows(tier: HostTier, manifest: dict) -> dict | None:
 
 
 _WEIGHTS_CACHE: dict[tuple, str] = {}
+RACY_NS = 2_000_000_000  # a file changed this recently may change again within the same clock tick: not cached
 
 
 def weights_digest(path: str) -> str:
     """XXH3-128 (32 hex digits) of every byte of an HF / `original/` checkpoint's weight files (`*.safetensors`,
     headers included, in sorted relative-path order, each prefixed by its name and size): the identity of the weights
     that a prefix cache and a KV export record, so that KV computed with other weights of the same config is never
-    reused or loaded. Computed once per process for unchanged files (keyed by names, sizes and mtimes); ~7 GB/s of
-    hashing here. Raises FileNotFoundError when the directory holds no weight file (a converted directory: use the
-    loaded parameters' digest instead)."""
+    reused or loaded. Computed once per process for unchanged files (keyed by names, sizes, inodes, modification and
+    change times; files changed in the last 2 s are hashed again: a rewrite within one tick of the file system's
+    clock keeps its times); ~7 GB/s of hashing here. Raises FileNotFoundError when the directory holds no weight
+    file (a converted directory: use the loaded parameters' digest instead)."""
     files = []
     for sub in ("", "original"):
         d = os.path.join(path, sub)
@@ -382,17 +385,18 @@ def weights_digest(path: str) -> str:
             files += [os.path.join(sub, n) for n in sorted(os.listdir(d)) if n.endswith(".safetensors")]
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors weight files to digest")
-    stats = tuple((f, os.path.getsize(os.path.join(path, f)), os.path.getmtime(os.path.join(path, f)))
-                  for f in files)
-    key = (os.path.realpath(path), stats)
-    if key not in _WEIGHTS_CACHE:
-        import xxhash
+    st = {f: os.stat(os.path.join(path, f)) for f in files}
+    key = (os.path.realpath(path), tuple((f, s.st_size, s.st_ino, s.st_mtime_ns, s.st_ctime_ns) for f, s in st.items()))
+    if key in _WEIGHTS_CACHE:
+        return _WEIGHTS_CACHE[key]
+    import xxhash
 
-        h = xxhash.xxh3_128()
-        for rel, size, _ in stats:
-            h.update(f"{rel}:{size}:".encode())
-            with open(os.path.join(path, rel), "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 24), b""):
-                    h.update(chunk)
+    h = xxhash.xxh3_128()
+    for rel in files:
+        h.update(f"{rel}:{st[rel].st_size}:".encode())
+        with open(os.path.join(path, rel), "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                h.update(chunk)
+    if all(time.time_ns() - s.st_ctime_ns > RACY_NS for s in st.values()):
         _WEIGHTS_CACHE[key] = h.hexdigest()
-    return _WEIGHTS_CACHE[key]
+    return h.hexdigest()
