@@ -61,12 +61,27 @@ def test_bad_prompts_are_rejected_by_name(shipped, prompt, match):
     (lambda e: e.prefill([[5, 6]], cache_salt=["a", "b"]), r"cache_salt: 2 salts for 1 prompts"),
     (lambda e: e.prefill([[5, 6]], top_k=0), r"top_k=0: must be an integer >= 1"),
     (lambda e: e.prefill([[5, 6]], top_k=-1), r"top_k=-1: must be an integer >= 1"),
+    (lambda e: e.prefill([[5, 6], [7]], arrival_times=[0.0]), r"arrival_times: 1 stamps for 2 prompts"),
+    (lambda e: e.prefill([[5, 6]], arrival_times=[None]), r"arrival_times\[0\]=None: must be a finite number"),
+    (lambda e: e.precompile([64, 131073]), r"precompile lengths\[1\]=131073: must be an integer prompt length in "
+                                           r"\[1, 131072\]"),
+    (lambda e: e.precompile([2.5]), r"precompile lengths\[0\]=2.5"),
+    (lambda e: e.precompile([0]), r"precompile lengths\[0\]=0"),
 ])
 def test_api_misuse_gets_an_error_that_says_what_to_pass(shipped, call, match):
     """Common mistakes with the Python API (one prompt not wrapped in a list, text instead of token ids, a salt of the
-    wrong type) get a RequestError saying what to pass, not a numpy shape or a TypeError."""
+    wrong type, arrival stamps that do not fit the prompts, a length no prompt can have) get a RequestError saying
+    what to pass before anything runs, not a numpy shape or a TypeError half-way through the batch."""
+    compiled = shipped.num_compiled
     with pytest.raises(RequestError, match=match):
         call(shipped)
+    assert shipped.num_compiled == compiled
+
+
+def test_prompts_from_generators_equal_lists(shipped):
+    want = [r.first_token for r in shipped.prefill([[5, 6, 7], list(range(9))])]
+    got = shipped.prefill(iter([(x for x in [5, 6, 7]), range(9)]))
+    assert [r.first_token for r in got] == want
 
 
 def test_bf16_close_to_float32(checkpoints, reference_engines):

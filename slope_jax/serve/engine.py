@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Collection, Sequence
+from typing import Callable, Collection, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +50,11 @@ from slope_jax.serve.steps import group_steps
 log = logging.getLogger(__name__)
 
 
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
 def _one_at_a_time(method):
     """Run an engine method under the engine's lock: calls from several threads run one after another, never
     interleaved. A step's cached K/V is laid out in host buffers the engine keeps for the next step of that shape
@@ -70,7 +75,8 @@ class PrefillResult:
 
     first_token: greedy next token; logprob: its log-probability (natural log); top_k: [(token, logit)] best first;
     logits: float32 `[V]` at the last real position; num_tokens; kv: global layer id → LayerKV (natural order, all
-    tokens; empty when not asked for); kv_path: the export directory (None without `kv_dir`); timings in ms:
+    tokens; empty when not asked for; its arrays may be read-only: the prefix cache shares them, copy to edit);
+    kv_path: the export directory (None without `kv_dir`); timings in ms:
     queue_ms (arrival → its step starts; includes compile_ms, the compilation of a new bucket for this step),
     compute_ms (step start → first token on the host), ttft_ms (the sum), export_ms (first token on the
     host → this request's KV export published, the batch's earlier exports included; not part of TTFT).
@@ -319,6 +325,8 @@ class PrefillEngine:
         if isinstance(prompt, str):
             raise RequestError(f"prompt {i}: a string; prefill takes token ids (tokenize it first, e.g. with the "
                                "checkpoint's tokenizer.json; the launcher and the HTTP endpoint take text)")
+        if ids.ndim == 0 and isinstance(prompt, Iterator):  # a generator: numpy cannot size it
+            ids = np.asarray(list(prompt))
         if ids.ndim == 0:
             raise RequestError(f"prompt {i}: a single value ({ids.item()!r}); prompts must be a list of prompts, "
                                "each a sequence of token ids (one prompt: [ids])")
@@ -364,7 +372,14 @@ class PrefillEngine:
 
     @_one_at_a_time
     def precompile(self, lengths: Sequence[int], in_flight: Sequence[int] | None = None) -> None:
-        """Compile the buckets of these prompt lengths ahead of traffic, so first requests do not wait for XLA."""
+        """Compile the buckets of these prompt lengths ahead of traffic, so first requests do not wait for XLA.
+        Raises RequestError, before compiling anything, for a length that is not an integer in
+        [1, max_position_embeddings] (no prompt outside it is ever prefilled)."""
+        top = self.cfg.max_position_embeddings
+        for i, n in enumerate(lengths := list(lengths)):
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= top:
+                raise RequestError(f"precompile lengths[{i}]={n!r}: must be an integer prompt length in [1, {top}] "
+                                   "(max_position_embeddings)")
         per_step = [1] if self.mesh is None else (in_flight or sorted({1, self.parallel.in_flight}))
         for n in lengths:
             for m in per_step:
@@ -479,7 +494,7 @@ class PrefillEngine:
           prompts, ids and options (checked by an all-gather of a hash before any step, so a mismatch is an error on
           every process instead of mixed results or a hang), or for a `top_k` below 1.
         """
-        _check_top_k(top_k)
+        prompts = _check_call(prompts, top_k, arrival_times)
         now, salts = time.perf_counter(), _salts(cache_salt, len(prompts))
         on = self.reuse.enabled if prefix_reuse is None else bool(prefix_reuse)
         kv_full = on if kv_full is None else bool(kv_full)
@@ -755,8 +770,9 @@ class PrefillEngine:
             ks, vs = {}, {}
             for entry, layer in enumerate(self.plan.flat):
                 if layer >= 0:
-                    # copies, not views: a view would keep the whole gathered batch alive in the host tier
-                    ks[layer], vs[layer] = kh[j, entry, :n - p].copy(), vh[j, entry, :n - p].copy()
+                    # copies, not views: a view would keep the whole gathered batch alive in the host tier; read-only,
+                    # since the results' K/V share them with the tier (an edit would change later hits silently)
+                    ks[layer], vs[layer] = (_read_only(x[j, entry, :n - p].copy()) for x in (kh, vh))
                     if p:  # the cached rows by reference (`kv.prefix.Rows`), the computed ones after them
                         pk, pv = hit.prefix.shared_rows(layer, hit.prefix.start.get(layer, 0), p)
                         ks[layer], vs[layer] = pk.extend(ks[layer]), pv.extend(vs[layer])
@@ -865,6 +881,32 @@ class Offered:
 def _check_top_k(top_k) -> None:
     if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < 1:
         raise RequestError(f"top_k={top_k!r}: must be an integer >= 1 (the (token, logit) pairs each result reports)")
+
+
+def _check_call(prompts, top_k, arrival_times) -> Sequence:
+    """`prefill`'s arguments checked before anything runs (RequestError naming the field): the prompts as a sequence
+    (any iterable is taken), `top_k`, `arrival_times`."""
+    _check_top_k(top_k)
+    prompts = prompts if isinstance(prompts, (list, tuple, np.ndarray)) else list(prompts)
+    _check_arrival_times(arrival_times, len(prompts))
+    return prompts
+
+
+def _check_arrival_times(arrival_times, count: int) -> None:
+    """RequestError unless `arrival_times` is None or one finite number (a `time.perf_counter()` stamp) per prompt:
+    checked before any step runs, so a bad list never fails a batch half-way through its exports."""
+    if arrival_times is None:
+        return
+    try:
+        times = list(arrival_times)
+    except TypeError as e:
+        raise RequestError(f"arrival_times: a sequence of one time.perf_counter() stamp per prompt, got "
+                           f"{type(arrival_times).__name__}") from e
+    if len(times) != count:
+        raise RequestError(f"arrival_times: {len(times)} stamps for {count} prompts (one per prompt)")
+    for i, t in enumerate(times):
+        if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)) or not np.isfinite(t):
+            raise RequestError(f"arrival_times[{i}]={t!r}: must be a finite number (a time.perf_counter() stamp)")
 
 
 def _salts(cache_salt, count: int) -> list[str | None]:
