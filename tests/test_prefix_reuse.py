@@ -341,6 +341,19 @@ def _edit_manifest(**fields):
     return edit
 
 
+def _garbage_with_matching_digest(path):
+    """Other bytes of the same size, and the manifest's digest rewritten to match: only a parser can tell."""
+    import xxhash
+
+    vdir = os.path.realpath(path)
+    m = kv.read_manifest(path)
+    name = m["files"][0]
+    data = np.random.default_rng(0).integers(0, 256, os.path.getsize(os.path.join(vdir, name)), np.uint8).tobytes()
+    open(os.path.join(vdir, name), "wb").write(data)
+    m["checksums"][name]["xxh3_128"] = xxhash.xxh3_128_hexdigest(data)
+    json.dump(m, open(os.path.join(vdir, "manifest.json"), "w"))
+
+
 @pytest.mark.parametrize("damage, reason", [
     (_flip_last_byte, "XXH3-128"),  # tampered bytes
     (_truncate, "bytes"),  # truncated file
@@ -348,7 +361,8 @@ def _edit_manifest(**fields):
     (_edit_manifest(dtype="bfloat16"), "dtype"),  # computed in another dtype
     (_edit_manifest(**{"model.sliding_window": 11}), "sliding_window"),  # another window
     (_edit_manifest(**{"model.num_key_value_heads": 2}), "num_key_value_heads"),  # another KV layout
-], ids=["tampered", "truncated", "fingerprint", "dtype", "window", "kv_heads"])
+    (_garbage_with_matching_digest, "unreadable"),  # digests rewritten to match bytes no parser reads
+], ids=["tampered", "truncated", "fingerprint", "dtype", "window", "kv_heads", "garbage"])
 def test_a_bad_entry_is_skipped_with_its_reason_and_the_prompt_computed_cold(checkpoints, reference_engines,
                                                                              tmp_path, caplog, damage, reason):
     d = str(tmp_path / "kv")
@@ -404,6 +418,44 @@ def test_host_tier_entries_sharing_blocks_serve_them_after_one_is_evicted():
     assert tier.add(entry("other", ["o0"]))  # over budget: q2 leaves
     got, blocks = tier.lookup(["d0", "d1", "q3"])
     assert got is not None and got.key == "q1" and blocks == 2
+
+
+def test_a_malformed_reuse_record_is_no_candidate_and_stops_no_other_export(checkpoints, tmp_path):
+    """One manifest whose `prefix.block_size` is not an integer made every prefill on the directory raise (`int()` in
+    the index); it is now just not a candidate."""
+    d = str(tmp_path / "kv")
+    writer = _engine(checkpoints, host_bytes=0)
+    writer.prefill([BASE[:40], random_prompt(CONFIG_A, 40, seed=71).astype(np.int32)], d, ids=["doc", "bad"])
+    _edit_manifest(**{"prefix.block_size": "8x"})(os.path.join(d, "bad"))
+    assert _engine(checkpoints, host_bytes=0).prefill([_prompt(50)], d, ids=["q"])[0].cached_tokens == 40
+
+
+def test_kv_results_are_read_only_so_the_prefix_cache_cannot_be_changed(checkpoints, reference_engines):
+    """`return_kv` hands out the host tier's arrays (no copy): an edit of a result's K must not change later hits."""
+    hot = _engine(checkpoints)
+    res = hot.prefill([BASE[:40]], return_kv=True)[0]
+    with pytest.raises(ValueError, match="read-only"):
+        res.kv[0].k[:] = 0
+    _check(reference_engines["A"], hot, _prompt(50), 40)
+
+
+def test_a_lookup_that_raises_unpins_the_host_entries_it_took(checkpoints, monkeypatch):
+    from slope_jax.serve import reuse as reuse_lib
+
+    hot = _engine(checkpoints)
+    hot.prefill([BASE[:40]])
+    real, calls = reuse_lib._lookup_local, []
+
+    def second_fails(engine, x, hit, store):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("lookup failed")
+        real(engine, x, hit, store)
+
+    monkeypatch.setattr(reuse_lib, "_lookup_local", second_fails)
+    with pytest.raises(RuntimeError, match="lookup failed"):
+        hot.prefill([_prompt(50), _prompt(60, 1)])
+    assert not hot.host_tier._pins._counts  # the first prompt's pin was released
 
 
 def test_host_tier_is_lru_within_its_budget_and_never_evicts_an_entry_in_use():

@@ -63,6 +63,21 @@ def unwritable(err: BaseException | None) -> bool:
     return False
 
 
+def _reuse_record(manifest: dict) -> tuple[int, list[str]] | None:
+    """The manifest's `prefix` record as (block size, block hashes), or None when it is absent or malformed (a block
+    size that is not a positive integer, hashes that are not a list of strings): such an export is no reuse candidate,
+    and one bad manifest never stops the directory's other exports from serving."""
+    pre = manifest.get("prefix")
+    if not isinstance(pre, dict):
+        return None
+    block, hashes = pre.get("block_size"), pre.get("hashes")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        return None
+    if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes):
+        return None
+    return block, hashes
+
+
 def _first_servable_block(manifest: dict, block: int, num_blocks: int) -> int:
     """Index of the first whole block whose end p this export can serve as a cached prefix: a p-token prefix needs
     every full layer's rows from 0 and every sliding layer's from max(0, p − W + 1). A `"full"` export serves every
@@ -108,6 +123,7 @@ class KVStore:
         self._seen: dict[str, str] = {}  # request id -> version dir indexed (or "" for an unusable one)
         self._listed: dict[str, int] = {}  # request id -> inode of its directory entry at the last listing
         self._versions: set[str] = set()  # version directory names at the last listing
+        self._swept = 0.0  # time.time() of retention's last sweep of superseded versions (`retain`)
         self._entries: dict[str, dict] = {}  # request id -> {"hashes", "block", "bytes", "used", "version", ...}
         self._blocks = prefix_lib.BlockIndex()  # block hash -> the entries holding it
         self._held = prefix_lib.RefCounts()
@@ -180,19 +196,21 @@ class KVStore:
             m = kvfmt.read_manifest(path)
         except (kvfmt.KVFormatError, OSError):
             return  # unreadable exports are not reuse candidates (the decode side reports them)
-        pre = m.get("prefix")
-        if not isinstance(pre, dict) or not isinstance(pre.get("hashes"), list):
+        record = _reuse_record(m)
+        if record is None:
             return
         try:
             used = os.lstat(os.path.join(self.kv_dir, version)).st_mtime
         except OSError:
             used = time.time()
-        block = int(pre.get("block_size", 0))
-        hashes = [str(h) for h in pre["hashes"]]
-        self._entries[rid] = {"hashes": hashes[_first_servable_block(m, block, len(hashes)):], "block": block,
-                              "bytes": sum(int(c["bytes"]) for c in m["checksums"].values()), "used": used,
-                              "version": version}
-        self._blocks.add(rid, self._entries[rid]["hashes"])
+        block, hashes = record
+        try:
+            entry = {"hashes": hashes[_first_servable_block(m, block, len(hashes)):], "block": block,
+                     "bytes": sum(int(c["bytes"]) for c in m["checksums"].values()), "used": used, "version": version}
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+            return  # a manifest the format check let through but reuse cannot read: not a candidate
+        self._entries[rid] = entry
+        self._blocks.add(rid, entry["hashes"])
 
     def _forget(self, rid: str) -> None:
         self._seen.pop(rid, None)
@@ -247,6 +265,9 @@ class KVStore:
             raise ReuseRefused(str(e)) from e
         except OSError as e:
             raise ReuseRefused(f"{path}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - bytes that pass the digest but no parser reads (a manifest whose
+            # digests were rewritten to match other bytes): the entry cannot serve, the request must not fail
+            raise ReuseRefused(f"{path}: unreadable ({type(e).__name__}: {str(e)[:200]})") from e
         finally:
             self.release(request_id)
         if ids is None or ids.size < num_tokens or not np.array_equal(ids[:num_tokens], tokens[:num_tokens]):
@@ -276,6 +297,9 @@ class KVStore:
         if self.max_bytes is None and self.max_age_s is None:
             return []
         now = time.time() if now is None else now
+        if now - self._swept > kvfmt.GC_GRACE_S:  # versions no pointer names (their id removed, by anyone) and dead
+            self._swept = now  # staging, once per grace period: one listing of the directory
+            self._collect()
         self.refresh()
         removed = []
         with self._lock:
@@ -318,7 +342,15 @@ class KVStore:
                 self._warn("remove", f"retention cannot remove {path!r} ({e}); the export stays")
             return False
         self._forget(rid)
+        self._collect(rid)  # its superseded versions past their grace period
         return True
+
+    def _collect(self, rid: str | None = None) -> None:
+        """`kv.format.collect` of one id (None: every id), never failing: what a directory refuses to remove stays."""
+        try:
+            kvfmt.collect(self.kv_dir, rid)
+        except OSError as e:
+            log.debug("kv_dir %s: garbage collection stopped (%s)", self.kv_dir, e)
 
     def note_unwritable(self, reason: str) -> None:
         """Record that the directory refused a write (`unwritable`; `reason` names the error) and say once per store

@@ -100,8 +100,14 @@ def find(engine, tokens: list[np.ndarray], salts: list[str | None], kv_dir: str 
     hits = [Hit(prefix_lib.block_hashes(x, i, block), identity=i) for x, i in zip(tokens, idents)]
     store = engine.kv_store(kv_dir) if kv_dir is not None else None
     if jax.process_count() == 1:
-        for x, hit in zip(tokens, hits):
-            _lookup_local(engine, x, hit, store)
+        try:
+            for x, hit in zip(tokens, hits):
+                _lookup_local(engine, x, hit, store)
+        except BaseException:  # the caller releases only hits it received: unpin the host entries taken so far
+            for hit in hits:
+                if hit.release is not None:
+                    hit.release()
+            raise
         return hits
     return _agree(engine, tokens, hits, store)
 
