@@ -596,3 +596,23 @@ def test_publish_without_overwrite_loser_and_version_2_exports(tmp_path):
     assert float(kv.load(str(tmp_path / "old"), CONFIG_A)[1].k.flat[0]) == 1.0
     kv.publish(str(tmp_path), "old", _stage(tmp_path, "old", n2, 1, 3.0), overwrite=True)
     assert os.path.islink(tmp_path / "old") and float(kv.load(str(tmp_path / "old"))[1].k.flat[0]) == 3.0
+
+
+def test_retention_removes_superseded_versions_its_removals_leave_without_a_pointer(reference_engines, tmp_path,
+                                                                                    monkeypatch):
+    """An id exported, overwritten, then removed by retention: its superseded version had no pointer left and was only
+    ever collected by a later export of the same id — never, so the directory outgrew its byte budget. Retention now
+    collects an id's versions when it removes the id, and sweeps versions no pointer names once per grace period."""
+    from slope_jax.kv import format as kvfmt
+    from slope_jax.kv.store import KVStore
+
+    eng, d = reference_engines["A"], str(tmp_path)
+    eng.prefill([random_prompt(CONFIG_A, 20, seed=31)], d, ids=["a"])
+    eng.prefill([random_prompt(CONFIG_A, 21, seed=32)], d, ids=["a"], overwrite=True)
+    eng.prefill([random_prompt(CONFIG_A, 22, seed=33)], d, ids=["b"])
+    os.remove(os.path.join(d, "b"))  # b's pointer removed by hand: its version is an orphan too
+    monkeypatch.setattr(kvfmt, "GC_GRACE_S", 0.0)
+    store = KVStore(d, max_bytes=0)  # over budget: every export not in use goes
+    store.scan()
+    assert store.retain() == ["a"]
+    assert os.listdir(d) == []  # a's two versions and b's orphaned version

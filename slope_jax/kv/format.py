@@ -38,7 +38,8 @@ readers). `<kv_dir>/<request_id>` is a **pointer**: a symbolic link to an immuta
   never modified or renamed after publication, only deleted; a read that fails because its version was deleted
   meanwhile (a superseded version is garbage-collected) starts over at the current version, so a reader sees a
   complete export or, before the first publication, none.
-- Garbage collection (`collect`, run by each publication of that id): versions that are not the current target
+- Garbage collection (`collect`, run by each publication of that id, and by `kv.store.KVStore`'s retention for the
+  ids it removes and, once per grace period, for every id): versions that are not the current target
   and were last touched more than `GC_GRACE_S` ago (a superseded version is touched when the pointer leaves it),
   staging/link debris of the same run with a lower counter (a crashed or failed export: a run exports
   sequentially), and debris of other runs older than `STALE_S`. Another writer's live staging directory is never
@@ -418,29 +419,33 @@ def publish(kv_dir: str, request_id: str, staging: str, *, overwrite: bool) -> s
     return final
 
 
-def collect(kv_dir: str, request_id: str, *, now: float | None = None) -> list[str]:
-    """Garbage-collect `request_id` under `kv_dir` (see the module docstring): superseded versions older than
-    `GC_GRACE_S`, debris of the current run's earlier exports and of other runs older than `STALE_S`. Never the
-    current version nor another writer's live staging directory. Returns the removed paths."""
+def collect(kv_dir: str, request_id: str | None = None, *, now: float | None = None) -> list[str]:
+    """Garbage-collect `request_id` (None: every id) under `kv_dir` (see the module docstring): superseded versions
+    older than `GC_GRACE_S` (also those of an id whose pointer was removed), debris of the current run's earlier
+    exports and of other runs older than `STALE_S`. Never a current version nor another writer's live staging
+    directory. Returns the removed paths."""
     removed: list[str] = []
     try:
         names = os.listdir(kv_dir)
     except FileNotFoundError:
         return removed
     now = time.time() if now is None else now
-    try:
-        current = os.readlink(os.path.join(kv_dir, request_id))
-    except OSError:
-        current = None
-    mine = [m for m in map(_STAGING.match, names) if m and m.group(4) == request_id]
-    newest = {}  # run nonce -> its highest published counter: that run's lower unpublished counters are dead
+    mine = [m for m in map(_STAGING.match, names) if m and request_id in (None, m.group(4))]
+    current: dict[str, str | None] = {}  # id -> the version its pointer names
+    for rid in {m.group(4) for m in mine}:
+        try:
+            current[rid] = os.readlink(os.path.join(kv_dir, rid))
+        except OSError:
+            current[rid] = None
+    newest = {}  # (run nonce, id) -> the run's highest published counter: its lower unpublished counters are dead
     for m in mine:
         if m.group(1) == "v":
-            newest[m.group(2)] = max(newest.get(m.group(2), -1), int(m.group(3)))
+            key = (m.group(2), m.group(4))
+            newest[key] = max(newest.get(key, -1), int(m.group(3)))
     for m in mine:
         name = m.group(0)
         path = os.path.join(kv_dir, name)
-        if name == current:
+        if name == current[m.group(4)]:
             continue
         try:
             age = now - os.lstat(path).st_mtime
@@ -449,7 +454,7 @@ def collect(kv_dir: str, request_id: str, *, now: float | None = None) -> list[s
         if m.group(1) in ("v", "old"):
             dead = age > GC_GRACE_S
         else:  # staging or a link being placed: dead if its run went on to a later export, or long abandoned
-            dead = int(m.group(3)) < newest.get(m.group(2), -1) or age > STALE_S
+            dead = int(m.group(3)) < newest.get((m.group(2), m.group(4)), -1) or age > STALE_S
         if dead:
             if os.path.islink(path) or not os.path.isdir(path):
                 try:
