@@ -290,21 +290,26 @@ def _exit_with(message: str) -> None:
 
 
 def exit_on_sigterm(on_term=None) -> None:
-    """Make SIGTERM end the process promptly, even while the main thread waits in a collective or on input: the
-    signal is blocked in this thread (and so in every thread started later, JAX's included) and a daemon thread
-    `sigwait`s for it, calls `on_term()` (e.g. to tell the peers) and exits with status 143. Call it first thing in
-    the main thread, before JAX starts (JAX's preemption notifier would otherwise swallow SIGTERM)."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    """Make SIGTERM and SIGINT (Ctrl-C) end the process promptly, even while the main thread waits in a collective or
+    on input: the signals are blocked in this thread (and so in every thread started later, JAX's included) and a
+    daemon thread `sigwait`s for them, calls `on_term(name)` (e.g. to tell the peers; name "SIGTERM" or "SIGINT") and
+    exits with status 128 + the
+    signal's number (143, 130). Call it first thing in the main thread, before JAX starts (JAX's preemption notifier
+    would otherwise swallow SIGTERM; a KeyboardInterrupt raised inside a runtime callback was swallowed, or aborted
+    the process in XLA's C++ threads)."""
+    signals = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
 
     def wait():
-        signal.sigwait({signal.SIGTERM})
-        print("slope_jax: error: terminated by SIGTERM", file=sys.stderr, flush=True)
+        got = signal.sigwait(signals)
+        name = signal.Signals(got).name
+        print(f"slope_jax: error: terminated by {name}", file=sys.stderr, flush=True)
         if on_term is not None:
             try:
-                on_term()
+                on_term(name)
             except Exception:  # noqa: BLE001 - exiting anyway
                 pass
-        os._exit(128 + signal.SIGTERM)
+        os._exit(128 + got)
 
     threading.Thread(target=wait, name="slope_jax-sigterm", daemon=True).start()
 

@@ -214,7 +214,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from slope_jax.serve import distributed
 
-    distributed.exit_on_sigterm(lambda: _STATE["watch"] and _STATE["watch"].close("terminated by SIGTERM"))
+    distributed.exit_on_sigterm(lambda sig: _STATE["watch"] and _STATE["watch"].close(f"terminated by {sig}"))
     _STATE["multi"] = FLAGS.num_processes > 1
     try:
         config = LaunchConfig.from_flags(FLAGS)
