@@ -173,7 +173,7 @@ def test_a_store_that_requires_exports_fails_the_request_by_name(engines, tmp_pa
 def test_retention_keeps_what_a_read_only_kv_dir_cannot_remove(engines, populated, monkeypatch, caplog):
     engines[0].prefill([random_prompt(CONFIG_A, 30, seed=6)], populated, ids=["other"])
     before = sorted(os.listdir(populated))
-    store = KVStore(populated, max_bytes=0)  # everything is over budget
+    store = KVStore(populated, max_bytes=0, min_age_s=0)  # everything is over budget
     assert store.scan() == 2
     _read_only(monkeypatch, populated)
     with caplog.at_level(logging.WARNING):

@@ -612,7 +612,7 @@ def test_retention_removes_superseded_versions_its_removals_leave_without_a_poin
     eng.prefill([random_prompt(CONFIG_A, 22, seed=33)], d, ids=["b"])
     os.remove(os.path.join(d, "b"))  # b's pointer removed by hand: its version is an orphan too
     monkeypatch.setattr(kvfmt, "GC_GRACE_S", 0.0)
-    store = KVStore(d, max_bytes=0)  # over budget: every export not in use goes
+    store = KVStore(d, max_bytes=0, min_age_s=0)  # over budget: every export not in use goes
     store.scan()
     assert store.retain() == ["a"]
     assert os.listdir(d) == []  # a's two versions and b's orphaned version

@@ -510,6 +510,30 @@ def test_host_tier_entries_share_rows_and_count_them_once():
     np.testing.assert_array_equal(turns[1].v[0].array(0, 32), doc[:32] + 1)  # views stay valid after eviction
 
 
+def test_retention_keeps_new_exports_for_their_readers_and_remembers_use_across_restarts(checkpoints, tmp_path):
+    """A budget smaller than one export removed it right after publication: its record and P/D answer named a path
+    that was gone before any decode engine could read it. Exports younger than `min_age_s` now stay; last-use times
+    live on disk (a restarted store evicted a hot prefix as if unused); a start-up scan removes a killed run's
+    staging debris, which nothing else ever did."""
+    d = str(tmp_path / "kv")
+    eng = _engine(checkpoints, host_bytes=0)
+    eng.prefill([BASE[:40], random_prompt(CONFIG_A, 40, seed=51).astype(np.int32)], d, ids=["hot", "cold"])
+    store = KVStore(d, max_bytes=1, min_age_s=3600)
+    assert store.scan() == 2 and store.retain() == []  # both younger than an hour: kept though over budget
+    assert store.lookup(prefix_lib.block_hashes(BASE[:40], eng.prefix_identity(), BLOCK), BLOCK)[0] == "hot"
+    for rid in ("hot", "cold"):  # both published two hours ago; "hot" was just used, "cold" an hour ago
+        os.utime(os.path.join(d, os.readlink(os.path.join(d, rid)), "manifest.json"), (time.time() - 7200,) * 2)
+    os.utime(os.path.join(d, os.readlink(os.path.join(d, "cold"))), (time.time() - 3600,) * 2)
+    debris = os.path.join(d, ".tmp-0123456789abcdef-0.killed")
+    os.makedirs(debris)
+    os.utime(debris, (time.time() - 7200,) * 2)
+    hot_bytes = sum(c["bytes"] for c in kv.read_manifest(os.path.join(d, "hot"))["checksums"].values())
+    restarted = KVStore(d, max_bytes=hot_bytes, min_age_s=3600)  # room for one: the least recently used goes
+    assert restarted.scan() == 2 and not os.path.exists(debris)
+    assert restarted.retain() == ["cold"]
+    assert sorted(os.listdir(d)) == sorted(["hot", os.readlink(os.path.join(d, "hot"))])
+
+
 def test_retention_removes_least_recently_used_exports_but_not_one_in_use(checkpoints, tmp_path):
     d = str(tmp_path / "kv")
     eng = _engine(checkpoints, host_bytes=0)
@@ -517,7 +541,7 @@ def test_retention_removes_least_recently_used_exports_but_not_one_in_use(checkp
         eng.prefill([random_prompt(CONFIG_A, 30, seed=40 + i)], d, ids=[f"r{i}"])
     sizes = {r: sum(c["bytes"] for c in kv.read_manifest(os.path.join(d, r))["checksums"].values())
              for r in ("r0", "r1", "r2", "r3")}
-    store = KVStore(d, max_bytes=sizes["r0"] + sizes["r2"] + sizes["r3"])  # room for three of the four
+    store = KVStore(d, max_bytes=sizes["r0"] + sizes["r2"] + sizes["r3"], min_age_s=0)  # room for three of four
     assert store.scan() == 4
     store.hold("r0")  # in use: kept even though it is the least recently used
     removed = store.retain()

@@ -46,6 +46,11 @@ UNWRITABLE = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, e
 RACY_MTIME_NS = 2_000_000_000
 
 
+# retention's default minimum age of an export (`KVStore.min_age_s`): the NIXL pool's default lease
+# (`serve.http`, $SLOPE_JAX_KV_LEASE_S), the time a decode engine is given to read what it was handed
+MIN_AGE_S = 60.0
+
+
 class ReuseRefused(ValueError):
     """A cached entry cannot serve a prefix hit; the message names the entry and the reason."""
 
@@ -103,13 +108,16 @@ class KVStore:
       overwrite: an existing export of a request id may be replaced (atomically); default False: it is an error.
       max_bytes: retention budget of export files in bytes (None: unbounded).
       max_age_s: exports unused for longer than this are removed (None: no age limit).
+      min_age_s: retention never removes an export published less than this long ago (default `MIN_AGE_S`, 60 s,
+        the NIXL pool's default lease): a decode engine given its path has that long to read it, and a record that
+        names it is true when written. The directory may exceed `max_bytes` by the exports of the last `min_age_s`.
       exports_required: where the directory takes no writes (`unwritable`), a request whose export it refuses fails
         (`RequestError`; default True, the launcher's: a decode engine reads every export); False (the Python API's
         `PrefillEngine.kv_store`): the request's result comes back with `kv_path` None and `export_error` saying why.
     """
 
     def __init__(self, kv_dir: str, *, overwrite: bool = False, max_bytes: int | None = None,
-                 max_age_s: float | None = None, exports_required: bool = True):
+                 max_age_s: float | None = None, exports_required: bool = True, min_age_s: float | None = None):
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"kv_dir max_bytes={max_bytes}: must be >= 0")
         if max_age_s is not None and max_age_s <= 0:
@@ -119,6 +127,7 @@ class KVStore:
         self.exports_required = exports_required
         self.write_error: str | None = None  # why the directory first refused a write (None: it never did)
         self.max_bytes, self.max_age_s = max_bytes, max_age_s
+        self.min_age_s = MIN_AGE_S if min_age_s is None else float(min_age_s)
         self._lock = threading.RLock()
         self._seen: dict[str, str] = {}  # request id -> version dir indexed (or "" for an unusable one)
         self._listed: dict[str, int] = {}  # request id -> inode of its directory entry at the last listing
@@ -146,6 +155,7 @@ class KVStore:
         with self._lock:
             self._seen.clear(), self._entries.clear(), self._blocks.clear(), self._listed.clear()
             self._dir_mtime, self._versions = None, set()
+            self._collect()  # debris of runs that were killed, versions no pointer names (past their grace periods)
             self.refresh()
             return len(self._entries)
 
@@ -199,14 +209,16 @@ class KVStore:
         record = _reuse_record(m)
         if record is None:
             return
-        try:
+        try:  # last use: the version directory's mtime (`lookup` touches it), so LRU survives restarts
             used = os.lstat(os.path.join(self.kv_dir, version)).st_mtime
+            published = os.stat(os.path.join(self.kv_dir, version, kvfmt.MANIFEST)).st_mtime
         except OSError:
-            used = time.time()
+            used = published = time.time()
         block, hashes = record
         try:
             entry = {"hashes": hashes[_first_servable_block(m, block, len(hashes)):], "block": block,
-                     "bytes": sum(int(c["bytes"]) for c in m["checksums"].values()), "used": used, "version": version}
+                     "bytes": sum(int(c["bytes"]) for c in m["checksums"].values()), "used": used,
+                     "published": published, "version": version}
         except (KeyError, TypeError, ValueError, AttributeError, IndexError):
             return  # a manifest the format check let through but reuse cannot read: not a candidate
         self._entries[rid] = entry
@@ -233,9 +245,19 @@ class KVStore:
                 rid = next((r for r in self._blocks.holders(hashes[i - 1]) if self._entries[r]["block"] == block_size),
                            None)
                 if rid is not None:
-                    self._entries[rid]["used"] = time.time()
+                    self._used(rid)
                     return rid, i
         return None, 0
+
+    def _used(self, rid: str) -> None:
+        """Mark an entry used now, also on disk (its version directory's mtime: what `_index` reads after a restart;
+        a directory that refuses it only loses that)."""
+        e = self._entries[rid]
+        e["used"] = time.time()
+        try:
+            os.utime(os.path.join(self.kv_dir, e["version"]), (e["used"], e["used"]))
+        except OSError:
+            pass
 
     def discard(self, request_id: str) -> None:
         """Drop an entry from the index (it failed to serve a hit); the files stay for the decode side."""
@@ -309,7 +331,7 @@ class KVStore:
                 e = self._entries[rid]
                 old = self.max_age_s is not None and now - e["used"] > self.max_age_s
                 over = self.max_bytes is not None and total > self.max_bytes
-                if not (old or over) or self._held.held(rid):
+                if not (old or over) or self._held.held(rid) or now - e["published"] < self.min_age_s:
                     continue
                 if self._remove(rid, e["version"]):
                     total -= e["bytes"]

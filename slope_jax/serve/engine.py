@@ -209,11 +209,17 @@ class PrefillEngine:
     def use_store(self, store: KVStore) -> None:
         """Export to `store.kv_dir` under this `KVStore`'s policy (overwrite, retention) and index: the launcher's
         one owner of the directory, shared by its intake and this engine."""
+        self._open_store(store)
+        self._stores[os.path.realpath(store.kv_dir)] = store
+
+    def _open_store(self, store: KVStore) -> None:
+        """Index a store's directory (with reuse on) and apply its retention now: a smaller budget or an age limit
+        given at start-up holds before the first export, also for a server that stays idle."""
         if self.reuse.enabled:
             n = store.scan()
             if n:
                 log.info("kv_dir %s: %d export(s) indexed for prefix reuse", store.kv_dir, n)
-        self._stores[os.path.realpath(store.kv_dir)] = store
+        store.retain()
 
     @_one_at_a_time
     def kv_store(self, kv_dir: str) -> KVStore:
@@ -224,10 +230,7 @@ class PrefillEngine:
         if key not in self._stores:
             store = KVStore(kv_dir, max_bytes=self._retention[0], max_age_s=self._retention[1],
                             exports_required=False)
-            if self.reuse.enabled:
-                n = store.scan()
-                if n:
-                    log.info("kv_dir %s: %d export(s) indexed for prefix reuse", kv_dir, n)
+            self._open_store(store)
             self._stores[key] = store
         return self._stores[key]
 

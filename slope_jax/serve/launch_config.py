@@ -62,7 +62,8 @@ flags.DEFINE_integer("prefix_block", 128, "Prefix reuse: tokens per hashed block
 flags.DEFINE_float("prefix_host_gib", 2.0, "Prefix reuse: GiB of host memory for the KV of recent prompts (least "
                    "recently used out first; 0 = only the --kv_dir exports; single-process runs).", lower_bound=0)
 flags.DEFINE_float("kv_dir_max_gib", None, "Retention: keep at most this many GiB of exports in --kv_dir, removing "
-                   "the least recently used first (never one a request is using). Default: no limit.")
+                   "the least recently used first (never one a request is using, nor one published in the last "
+                   "60 s: a decode engine handed it has that long to read it). Default: no limit.")
 flags.DEFINE_float("kv_dir_max_age_h", None, "Retention: remove exports of --kv_dir not used for this many hours. "
                    "Default: no limit.")
 flags.DEFINE_bool("overwrite", False, "Replace an earlier run's outputs: the --results file and existing exports "
