@@ -72,6 +72,33 @@ def test_bad_memory_fields_are_refused_naming_the_field(tmp_path, field, value, 
         hardware.load(str(path))
 
 
+@pytest.mark.parametrize("edit,message", [
+    (lambda d: d["peak_flops"].update(bfloat16=0), r"peak_flops\.bfloat16=0 must be a positive finite number"),
+    (lambda d: d["peak_flops"].update(bfloat16="fast"), r"peak_flops\.bfloat16='fast'"),
+    (lambda d: d["peak_flops"].update(bfloat16=float("nan")), r"peak_flops\.bfloat16=nan"),
+    (lambda d: d.update(peak_flops=5), r"peak_flops must be an object"),
+    (lambda d: d.update(hbm_bytes=float("inf")), r"hbm_bytes=inf must be a positive finite number"),
+    (lambda d: d.update(hbm_bytes=True), r"hbm_bytes=True must be a positive finite number"),
+    (lambda d: d.update(intra_host_bytes_per_s=float("nan")), r"intra_host_bytes_per_s=nan"),
+    (lambda d: d["efficiency"].update(overhead_s=float("inf")), r"efficiency\.overhead_s=inf must be a finite"),
+    (lambda d: d.update(efficiency_by_dtype=[1]), r"efficiency_by_dtype must be an object"),
+    (lambda d: d.update(sources=[1]), r"sources must be an object"),
+])
+def test_bad_numbers_in_a_profile_are_refused_naming_the_field(tmp_path, edit, message):
+    """Values a hand-edited profile may hold (JSON's NaN/Infinity literals, zero, strings, wrong containers) are one
+    HardwareError naming the field; they gave tracebacks, or a plan with 'nan ms' / a negative TTFT chosen."""
+    with open(os.path.join(hardware.HARDWARE_DIR, "mi250.json")) as fh:
+        d = json.load(fh)
+    edit(d)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(hardware.HardwareError, match=message):
+        hardware.load(str(path))
+    path.write_text("5")
+    with pytest.raises(hardware.HardwareError, match="a hardware profile is a JSON object, got int"):
+        hardware.load(str(path))
+
+
 @pytest.mark.parametrize("name,hosts", [("mi250", 4), ("h200", 4), ("h200", 1)])
 def test_scenario_choices_fit_the_usable_memory(big, name, hosts):
     """At every scenario length, every layout the planner lists as fitting — and so the chosen one, or the fallback

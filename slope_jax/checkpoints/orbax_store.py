@@ -258,9 +258,15 @@ def save(out: str, cfg: ModelConfig, params: dict, pl: Placement, dtype, *, sour
     return meta
 
 
-def _check_out(out: str) -> None:
-    """Before any weight is read: `out` must not hold a converted checkpoint, and its nearest existing ancestor must
-    be a writable directory (CheckpointError naming it), so a bad --out fails in a second, not after the load."""
+def _check_out(out: str, checkpoint: str | None = None) -> None:
+    """Before any weight is read: `out` must not hold a converted checkpoint nor be the source `checkpoint` (or
+    inside it: one directory would hold both kinds), and its nearest existing ancestor must be a writable directory
+    (CheckpointError naming it), so a bad --out fails in a second, not after the load."""
+    if checkpoint is not None:
+        src = os.path.realpath(checkpoint)
+        if os.path.realpath(out) == src or os.path.realpath(out).startswith(src + os.sep):
+            raise CheckpointError(f"--out={out}: is the source checkpoint {checkpoint} (or inside it); the converted "
+                                  "checkpoint needs its own directory")
     if os.path.exists(os.path.join(out, MARKER)) or os.path.exists(os.path.join(out, PARAMS_DIR)):
         raise CheckpointError(f"{out}: already holds a converted checkpoint; choose a new --out or delete it")
     base = out
@@ -482,7 +488,7 @@ def convert(checkpoint, out, parallel: ParallelConfig = ParallelConfig(), dtype=
     from slope_jax.checkpoints import hf
 
     out = os.path.abspath(os.fspath(out))
-    _check_out(out)
+    _check_out(out, os.fspath(checkpoint))
     ck = hf.open_checkpoint(checkpoint)
     cfg = ck.config
     pl = placement(cfg, parallel, dtype, devices)

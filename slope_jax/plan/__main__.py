@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 
 from absl import app, flags, logging
@@ -109,8 +110,16 @@ class PlanConfig:
 
     def validate(self) -> None:
         """Raises app.UsageError naming the flag and its limit."""
-        if not 0 < self.percentile <= 100:
-            raise app.UsageError(f"--percentile={self.percentile}: must be in (0, 100]")
+        if not 1 <= self.percentile < 100:  # NaN fails too
+            raise app.UsageError(f"--percentile={self.percentile}: must be a percent in [1, 100), e.g. 90 for p90 "
+                                 "(p100 admits no queueing at all: every layout's goodput would be 0)")
+        if not math.isfinite(self.ttft_slo_ms):
+            raise app.UsageError(f"--ttft_slo_ms={self.ttft_slo_ms}: must be a finite number of milliseconds")
+        for flag in ("json", "png"):
+            path = getattr(self, flag)
+            parent = os.path.dirname(os.path.abspath(path)) if path else None
+            if path and not (os.path.isdir(parent) and os.access(parent, os.W_OK)):
+                raise app.UsageError(f"--{flag}={path}: {parent} is not a writable directory")
         if not self.lengths or min(self.lengths) < 1:
             raise app.UsageError("--lengths: need at least one positive length")
         for name, low in (("hosts", 1), ("devices_per_host", 1), ("ttft_slo_ms", 1e-3)):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
@@ -148,15 +149,21 @@ class Hardware:
             if key not in d:
                 raise HardwareError(f"{source}: missing field {key!r} (required: {', '.join(required)})")
         eff = _efficiency(d["efficiency"], source, "efficiency")
+        for key in ("peak_flops", "efficiency_by_dtype", "sources", "machine_reference"):
+            if d.get(key) is not None and not isinstance(d[key], dict):
+                raise HardwareError(f"{source}: {key} must be an object, got {d[key]!r}")
         by_dtype = {k: _efficiency(v, source, f"efficiency_by_dtype.{k}")
                     for k, v in (d.get("efficiency_by_dtype") or {}).items()}
+        for k, v in d["peak_flops"].items():
+            if not _finite(v) or v <= 0:
+                raise HardwareError(f"{source}: peak_flops.{k}={v!r} must be a positive finite number (FLOP/s)")
         for key in ("hbm_bytes", "hbm_bytes_per_s", "intra_host_bytes_per_s", "inter_host_bytes_per_s"):
-            if not isinstance(d[key], (int, float)) or d[key] <= 0:
-                raise HardwareError(f"{source}: {key}={d[key]!r} must be a positive number")
+            if not _finite(d[key]) or d[key] <= 0:
+                raise HardwareError(f"{source}: {key}={d[key]!r} must be a positive finite number")
         _check_memory(d, source)
         compile_s = d.get("compile_s")
-        if compile_s is not None and (not isinstance(compile_s, (int, float)) or not compile_s >= 0):
-            raise HardwareError(f"{source}: compile_s={compile_s!r} must be a number >= 0")
+        if compile_s is not None and (not _finite(compile_s) or compile_s < 0):
+            raise HardwareError(f"{source}: compile_s={compile_s!r} must be a finite number >= 0")
         return cls(name=d["name"], description=d.get("description", ""),
                    peak_flops={k: float(v) for k, v in d["peak_flops"].items()}, hbm_bytes=float(d["hbm_bytes"]),
                    hbm_bytes_per_s=float(d["hbm_bytes_per_s"]),
@@ -169,6 +176,11 @@ class Hardware:
                    memory_fraction=float(d["memory_fraction"]), runtime_reserve_gib=float(d["runtime_reserve_gib"]))
 
 
+def _finite(v) -> bool:
+    """A JSON number that is finite (not a bool, a string, NaN or ±Infinity: Python's json reads those literals)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def _efficiency(eff: dict[str, Any], source: str, where: str) -> Efficiency:
     """An `Efficiency` from its JSON object; raises HardwareError naming `where` and the bad field."""
     if not isinstance(eff, dict):
@@ -177,14 +189,14 @@ def _efficiency(eff: dict[str, Any], source: str, where: str) -> Efficiency:
         v = eff.get(key)
         if key == "attention_one_device" and v is None:
             continue  # optional: absent = the same as `attention`
-        if not isinstance(v, (int, float)) or not 0 < v <= 1:
+        if not _finite(v) or not 0 < v <= 1:
             raise HardwareError(f"{source}: {where}.{key}={v!r} must be a number in (0, 1]")
     for key in ("element_s", "attention_entry_s", "weight_byte_s", "moe_tile_s", "overhead_s", "layer_overhead_s"):
         v = eff.get(key, 0.0)
-        if not isinstance(v, (int, float)) or not v >= 0:
-            raise HardwareError(f"{source}: {where}.{key}={v!r} must be a number >= 0 (seconds)")
+        if not _finite(v) or v < 0:
+            raise HardwareError(f"{source}: {where}.{key}={v!r} must be a finite number >= 0 (seconds)")
     prefix = eff.get("prefix_entry_s")
-    if prefix is not None and (not isinstance(prefix, (int, float)) or not prefix >= 0):
+    if prefix is not None and (not _finite(prefix) or prefix < 0):
         raise HardwareError(f"{source}: {where}.prefix_entry_s={prefix!r} must be a number >= 0 (seconds) or null")
     one = eff.get("attention_one_device")
     return Efficiency(float(eff["matmul"]), float(eff["attention"]), float(eff.get("overhead_s", 0.0)),
@@ -198,10 +210,10 @@ def _check_memory(d: dict[str, Any], source: str) -> None:
     """Raise HardwareError unless memory_fraction is in (0, 1], runtime_reserve_gib >= 0 and the two leave a
     positive usable capacity."""
     frac, reserve = d["memory_fraction"], d["runtime_reserve_gib"]
-    if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac <= 1:
+    if not _finite(frac) or not 0 < frac <= 1:
         raise HardwareError(f"{source}: memory_fraction={frac!r} must be a number in (0, 1] (the fraction of "
                             "hbm_bytes XLA may allocate)")
-    if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or not reserve >= 0:
+    if not _finite(reserve) or reserve < 0:
         raise HardwareError(f"{source}: runtime_reserve_gib={reserve!r} must be a number >= 0 (GiB)")
     if d["hbm_bytes"] * frac - reserve * GIB <= 0:
         raise HardwareError(f"{source}: runtime_reserve_gib={reserve!r} must be less than hbm_bytes x "
@@ -236,4 +248,6 @@ def load(hardware: str | Hardware) -> Hardware:
             d = json.load(fh)
         except json.JSONDecodeError as e:
             raise HardwareError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise HardwareError(f"{path}: a hardware profile is a JSON object, got {type(d).__name__}")
     return Hardware.from_dict(d, source=path)
