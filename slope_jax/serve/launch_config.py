@@ -83,7 +83,7 @@ flags.DEFINE_enum("slo_policy", "reject", ["reject", "serve_late", "none"], "A r
                   "serve_late = serve it behind on-time requests; none = no admission control. A request served "
                   "after its SLO has \"late\": true in its record.")
 flags.DEFINE_enum("order", "edf", ["edf", "fcfs"], "Service order: earliest deadline first, or arrival order.")
-flags.DEFINE_float("slo_percentile", 90.0, "--layout=auto: the TTFT percentile the SLO applies to (0-100).")
+flags.DEFINE_float("slo_percentile", 90.0, "--layout=auto: the TTFT percentile the SLO applies to, in [1, 100).")
 flags.DEFINE_string("hardware", None, "Hardware profile the cost model predicts with (configs/hardware/NAME.json: "
                     "mi250, mi250x, mi300x, a100, h100, h200, cpu). Default: from the device kind.")
 flags.DEFINE_float("batch_wait_ms", 5.0, "Longest a batch waits for more requests after its first one arrived; a batch "
@@ -250,8 +250,9 @@ class LaunchConfig:
             raise FlagError(f"--kv_pool_gib={self.kv_pool_gib}: must be a finite number >= 0 (0: no NIXL pool)")
         if self.kv_lease_s is not None and not 0 < self.kv_lease_s < float("inf"):
             raise FlagError(f"--kv_lease_s={self.kv_lease_s}: must be a finite number of seconds > 0")
-        if not 0 < self.slo_percentile <= 100:
-            raise FlagError(f"--slo_percentile={self.slo_percentile}: must be in (0, 100]")
+        if not 1 <= self.slo_percentile < 100:  # NaN fails too; the planner's --percentile rule
+            raise FlagError(f"--slo_percentile={self.slo_percentile}: must be a percent in [1, 100), e.g. 90 for p90 "
+                            "(p100 admits no queueing at all)")
 
     def _check_lengths(self) -> None:
         for x in self.expected_lengths:
