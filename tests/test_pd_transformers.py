@@ -322,6 +322,22 @@ def test_decode_cli_first_token_check_and_engines(exports, tmp_path):
     assert ref["first_token_check"] == "ok" and ref["tokens"] == tr["len-33"]["tokens"]
 
 
+def test_decode_check_calls_flat_or_non_finite_logits_a_mismatch(exports):
+    """KV corrupted past its checksum (values ~1e28) made every logit 0.0: argmax 0 against the manifest's token, gap
+    0, reported as a near tie. Logits that prefer no token (not finite, or all equal) are a mismatch with a note."""
+    import types
+
+    from slope_jax.serve import decode_cli
+
+    prompts, ids = _prompts("tiny")
+    path = os.path.join(exports[("tiny", "2proc-2x4", "last_window")], ids[3])
+    for bad in (np.zeros(TINY.vocab_size, np.float32), np.full(TINY.vocab_size, np.nan, np.float32)):
+        engine = types.SimpleNamespace(cfg=TINY, check_fingerprint=True, name="fake",
+                                       start=lambda path, n, bad=bad: (lambda token: bad))
+        rec = decode_cli.decode_request(engine, path, max_new_tokens=1, prompt=prompts[3])
+        assert rec["first_token_check"] == "mismatch" and "corrupt" in rec["first_token_note"], rec
+
+
 def test_decode_summary_says_the_shipped_model_is_random(tmp_path):
     """The shipped tiny checkpoint has random weights: the summary says its text is gibberish by design (also when
     reached through a symlink); any other checkpoint gets no such note."""

@@ -22,7 +22,8 @@ check can. The continuation itself starts from the full exported cache: the firs
 
 Output: one JSON line per request (--output, default stdout): id, num_tokens, first_token, first_token_check
 ("ok"; "near_tie" when the two top logits are within --tie_tolerance, as rounding differences between a bfloat16
-prefill and the decode engine can swap them; "mismatch"; or "skipped"), first_token_logit_gap, tokens
+prefill and the decode engine can swap them; "mismatch", also for logits that are not finite or all equal, with a
+`first_token_note`; or "skipped"), first_token_logit_gap, tokens
 (first_token and the decoded ones, `max_new_tokens` in all unless an EOS token stops it), text (tokenizer.json of
 --checkpoint), finish_reason, decode time; then a summary on stderr.
 Exit status 1 if any request failed or its first token did not match.
@@ -261,6 +262,9 @@ def decode_request(engine, path: str, *, max_new_tokens: int, temperature: float
         rec["decoded_first_token"] = mine
         rec["first_token_logit_gap"] = round(gap, 6)
         rec["first_token_check"] = "ok" if mine == int(first) else ("near_tie" if gap <= tol else "mismatch")
+        if not np.all(np.isfinite(logits)) or logits.max() == logits.min():  # no token is preferred: no tie either
+            rec["first_token_check"] = "mismatch"
+            rec["first_token_note"] = "the decode logits are not finite or all equal: the KV cache is corrupt"
     else:
         rec["first_token_check"] = "skipped"
     rng = np.random.default_rng([seed, zlib.crc32(rid.encode())])
