@@ -354,3 +354,19 @@ def test_cached_prefix_entries_cost_prefix_entry_s_and_default_to_attention_entr
     with pytest.raises(hardware.HardwareError, match=r"efficiency.prefix_entry_s=-1"):
         hardware.load(str(path))
     assert dataclasses.replace(hw.efficiency, prefix_entry_s=None).prefix_entry == hw.efficiency.attention_entry_s
+
+
+def test_the_h200_profile_predicts_the_runs_it_was_fitted_on():
+    """The H200 efficiencies were fitted with moe_tile=4096 (the profile's `step_options`); predicted with the engine
+    default of 512 the same runs came out 1.5-2.2x slow (8x the MoE tiles). The planner now predicts the profile's
+    options: the measured prefill of the gpt-oss-20b 2-layer cut on one H200 (benchmarks/measured/h200)."""
+    from slope_jax.plan.__main__ import load_model
+
+    with open(os.path.join(REPO, "benchmarks", "measured", "h200", "device_prefill.json")) as fh:
+        steps = json.load(fh)["steps"]
+    cfg = load_model("gpt-oss-20b")
+    cut = dataclasses.replace(cfg, num_hidden_layers=2, layer_types=cfg.layer_types[:2])
+    assert hardware.load("h200").step_options == {"moe_tile": 4096}
+    for n in (8192, 32768):
+        measured_ms = steps[f"T{n}/prefill/cudnn+loop@4096"]["seconds"] * 1e3
+        assert abs(predict(cut, ParallelConfig(), n, "h200").ttft_ms / measured_ms - 1) < 0.05  # fitted: within 1 %

@@ -115,11 +115,12 @@ class PlanConfig:
                                  "(p100 admits no queueing at all: every layout's goodput would be 0)")
         if not math.isfinite(self.ttft_slo_ms):
             raise app.UsageError(f"--ttft_slo_ms={self.ttft_slo_ms}: must be a finite number of milliseconds")
-        for flag in ("json", "png"):
-            path = getattr(self, flag)
-            parent = os.path.dirname(os.path.abspath(path)) if path else None
-            if path and not (os.path.isdir(parent) and os.access(parent, os.W_OK)):
-                raise app.UsageError(f"--{flag}={path}: {parent} is not a writable directory")
+        for flag in ("json", "png"):  # its nearest existing ancestor must take the file (directories are created)
+            base = os.path.dirname(os.path.abspath(getattr(self, flag) or "."))
+            while not os.path.exists(base) and os.path.dirname(base) != base:
+                base = os.path.dirname(base)
+            if getattr(self, flag) and not (os.path.isdir(base) and os.access(base, os.W_OK)):
+                raise app.UsageError(f"--{flag}={getattr(self, flag)}: {base} is not a writable directory")
         if not self.lengths or min(self.lengths) < 1:
             raise app.UsageError("--lengths: need at least one positive length")
         for name, low in (("hosts", 1), ("devices_per_host", 1), ("ttft_slo_ms", 1e-3)):

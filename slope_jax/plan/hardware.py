@@ -21,6 +21,8 @@ Profile fields (SI units):
   are scanned and tiles looped, so it barely depends on depth or length), sources {field: citation},
   efficiency_by_dtype (optional, {dtype: efficiency}: the efficiency of steps in that activation dtype where it was
   fitted apart — on the CPU bfloat16 steps pay conversions float32 steps do not; absent dtypes use `efficiency`),
+  step_options (optional, {StepOptions field: value}: the engine options the efficiencies were fitted with, e.g.
+  {"moe_tile": 4096}; `plan.model.predict` uses them when it is given no tiles),
   machine_reference (optional: `plan.machine` micro-measures taken on the calibration machine in the calibration run;
   `plan.machine.adapt` rescales the profile to the machine it runs on by the ratio of its own micro-measures).
 `calibrate` fits `efficiency` from measured step times (`python -m slope_jax.plan calibrate`).
@@ -115,6 +117,7 @@ class Hardware:
     runtime_reserve_gib: float = 0.0
     efficiency_by_dtype: dict[str, Efficiency] = dataclasses.field(default_factory=dict)
     machine_reference: dict[str, Any] = dataclasses.field(default_factory=dict)
+    step_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def for_dtype(self, dtype: str) -> Hardware:
         """This profile with `efficiency` set to the one fitted for `dtype` steps (`efficiency_by_dtype`), if any."""
@@ -149,7 +152,7 @@ class Hardware:
             if key not in d:
                 raise HardwareError(f"{source}: missing field {key!r} (required: {', '.join(required)})")
         eff = _efficiency(d["efficiency"], source, "efficiency")
-        for key in ("peak_flops", "efficiency_by_dtype", "sources", "machine_reference"):
+        for key in ("peak_flops", "efficiency_by_dtype", "sources", "machine_reference", "step_options"):
             if d.get(key) is not None and not isinstance(d[key], dict):
                 raise HardwareError(f"{source}: {key} must be an object, got {d[key]!r}")
         by_dtype = {k: _efficiency(v, source, f"efficiency_by_dtype.{k}")
@@ -173,7 +176,21 @@ class Hardware:
                    machine_reference=dict(d.get("machine_reference") or {}),
                    shared_compute=bool(d.get("shared_compute", False)), sources=dict(d.get("sources", {})),
                    compile_s=None if compile_s is None else float(compile_s),
-                   memory_fraction=float(d["memory_fraction"]), runtime_reserve_gib=float(d["runtime_reserve_gib"]))
+                   memory_fraction=float(d["memory_fraction"]), runtime_reserve_gib=float(d["runtime_reserve_gib"]),
+                   step_options=_step_options(d.get("step_options") or {}, source))
+
+
+def _step_options(opts: dict[str, Any], source: str) -> dict[str, Any]:
+    """The profile's `step_options`: the `model.options.StepOptions` fields its efficiencies were fitted with (e.g.
+    the H200's moe_tile 4096), which the planner predicts with unless told otherwise; HardwareError for a field or
+    value StepOptions refuses."""
+    from slope_jax.model.options import StepOptions
+
+    try:
+        StepOptions(**opts)
+    except (TypeError, ValueError) as e:
+        raise HardwareError(f"{source}: step_options {opts!r}: {e}") from None
+    return dict(opts)
 
 
 def _finite(v) -> bool:

@@ -99,7 +99,7 @@ def _links(parallel: ParallelConfig, devices_per_host: int) -> dict[str, str]:
 
 def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: str | Hardware = "cpu", *,
             batch: int | None = None, dtype: str | None = None, devices_per_host: int = 8,
-            tiles: flops.Tiles = flops.Tiles(), memory_limit_bytes: float | None = None,
+            tiles: flops.Tiles | None = None, memory_limit_bytes: float | None = None,
             bucket: int | None = None, cached: int = 0) -> Prediction:
     """Predict one prefill step of `batch` requests of `length` tokens on `parallel` (formulas: the module docstring).
 
@@ -108,27 +108,27 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
       length: prompt tokens (padded to the engine's bucket). hardware: profile name, JSON path or Hardware.
       batch: requests per step (default 1: the TTFT of a request on an idle server).
       dtype: activation dtype (default float32 on shared-compute CPU profiles, else bfloat16).
-      devices_per_host: for the link kind of each collective. tiles: the engine's tile sizes.
+      devices_per_host: for the link kind of each collective. tiles: the engine's step options (default: the
+        profile's `step_options`, the ones its efficiencies were fitted with, else the engine's defaults).
       memory_limit_bytes: capacity (default `Hardware.usable_bytes`: HBM × memory_fraction − runtime reserve).
       bucket: padded length (default the engine's bucket policy); must be >= length and a multiple of 2·R·U.
       cached: prefix hit: `length` (and `bucket`) new tokens after `cached` reused ones, whose attention over the
         cached keys is added (`flops.cached_prefix_attention`). Returns: a Prediction. Raises LayoutError (the
         layout breaks a rule) or HardwareError (bad profile).
     """
-    hw = load(hardware)
-    parallel.validate(cfg)
+    hw, _ = load(hardware), parallel.validate(cfg)
+    tiles = flops.Tiles(**hw.step_options) if tiles is None else tiles
     dtype = dtype or ("float32" if hw.shared_compute else "bfloat16")
     hw = hw.for_dtype(dtype)  # the efficiency fitted for this activation dtype, where the profile has one
     b, (P, R, U) = DTYPE_BYTES[dtype], (parallel.pipeline, parallel.ring, parallel.ulysses)
     ep = parallel.expert_degree(cfg)  # validate() checked it: 1, or R·U dividing num_experts
     m, t, devices = batch or 1, _bucket(length, parallel, bucket), parallel.num_devices
-    n = min(length, t)
+    n, C = min(length, t), parallel.seq_chunks
     peak = hw.peak(dtype) / (devices if hw.shared_compute else 1)  # virtual devices share the host's cores
     f = _with_cached_prefix(flops.per_device(cfg, P, R, U, t, n, m, tiles, ep),
                             flops.cached_prefix_attention(cfg, P, R, U, t, cached, m, tiles), cfg)
     S, _ = flops.stage_slots(cfg, P) if devices > 1 else (cfg.num_hidden_layers, cfg.num_hidden_layers)
     ticks = m + P - 1 if devices > 1 else m
-    C = parallel.seq_chunks
     chunk_ratio = _chunk_ratio(cfg, t, P, R, U, C, m) if C > 1 and P > 1 else 1.0
     times = _compute_times(cfg, hw, f, peak, devices, chunk_ratio)
     links = _links(parallel, devices_per_host)
@@ -140,8 +140,7 @@ def predict(cfg: ModelConfig, parallel: ParallelConfig, length: int, hardware: s
     params = memory.param_bytes(cfg, b, P, ep, ring=R, ulysses=U)
     weight_s = params["total"] * ticks_run * eff.weight_byte_s * share
     step_s = compute_s + comm_s + overhead_s + weight_s
-    mem = _memory(cfg, parallel, t, m, b, tiles, ep, params)
-    mem_total = sum(mem.values())
+    mem_total = sum((mem := _memory(cfg, parallel, t, m, b, tiles, ep, params)).values())
     limit = hw.usable_bytes if memory_limit_bytes is None else memory_limit_bytes
     model_f = flops.model_flops(cfg, n) * m
     assumptions = _assumptions(hw, cfg, parallel, dtype, peak, length, t, m, ticks, S, ep, tiles, chunk_ratio)
