@@ -16,7 +16,7 @@ from support import CONFIG_A, CONFIG_B, REPO
 from slope_jax.model import gpt_oss as model
 from slope_jax.model.options import StepOptions
 from slope_jax.parallel.config import LayoutError, ParallelConfig
-from slope_jax.plan import calibrate, flops, hardware, report, search, verify
+from slope_jax.plan import calibrate, flops, hardware, memory, report, search, verify
 from slope_jax.plan.model import predict
 from slope_jax.serve.engine import PrefillEngine
 
@@ -370,3 +370,16 @@ def test_the_h200_profile_predicts_the_runs_it_was_fitted_on():
     for n in (8192, 32768):
         measured_ms = steps[f"T{n}/prefill/cudnn+loop@4096"]["seconds"] * 1e3
         assert abs(predict(cut, ParallelConfig(), n, "h200").ttft_ms / measured_ms - 1) < 0.05  # fitted: within 1 %
+
+
+def test_a_short_step_on_a_gpu_costs_at_least_reading_its_weights():
+    """Roofline floor: one token of gpt-oss-20b on one H100 was predicted at 0.25 ms (compute only; weight_byte_s is
+    0 on the GPU profiles), under the time its weights take to stream from HBM; long prompts stay compute-bound."""
+    from slope_jax.plan.__main__ import load_model
+
+    cfg, hw = load_model("gpt-oss-20b"), hardware.load("h100")
+    weights = memory.param_bytes(cfg, 2, 1, 1)["total"]
+    one = predict(cfg, ParallelConfig(), 1, hw)
+    assert one.ttft_ms >= weights / hw.hbm_bytes_per_s * 1e3 * 0.999
+    long = predict(cfg, ParallelConfig(), 32768, hw)
+    assert long.time_breakdown_ms["weights"] == 0.0  # hidden under compute
