@@ -301,10 +301,7 @@ def model_config(path) -> ModelConfig:
 
 
 def config_of(meta: dict) -> ModelConfig:
-    d = dict(meta["config"])
-    d["layer_types"] = tuple(d["layer_types"])
-    d["eos_token_ids"] = tuple(d["eos_token_ids"])
-    return ModelConfig(**d)
+    return ModelConfig.from_fields(meta["config"])
 
 
 class _StoreReader:

@@ -166,6 +166,11 @@ class ModelConfig:
         )
 
     @classmethod
+    def from_fields(cls, d: dict[str, Any]) -> ModelConfig:
+        """The inverse of `to_dict` (JSON lists back to tuples): how a converted checkpoint's marker stores it."""
+        return cls(**{**d, "layer_types": tuple(d["layer_types"]), "eos_token_ids": tuple(d["eos_token_ids"])})
+
+    @classmethod
     def from_json(cls, path: str | os.PathLike) -> ModelConfig:
         """Read a config file in either dialect (an OpenAI config has `num_experts` and no `model_type`)."""
         path = os.fspath(path)

@@ -65,15 +65,20 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def load_model(spec: str):
-    """ModelConfig from a config.json path, a checkpoint directory, or a configs/ name. Raises ValueError."""
+    """ModelConfig from a config.json path, a checkpoint directory (HF, or converted by slope_jax.convert), or a
+    configs/ name. Raises ValueError."""
+    from slope_jax.checkpoints.digest import ORBAX_MARKER
     from slope_jax.model.config import ModelConfig
 
+    if os.path.isfile(os.path.join(spec, ORBAX_MARKER)):  # a converted checkpoint: its marker holds the config
+        with open(os.path.join(spec, ORBAX_MARKER)) as fh:
+            return ModelConfig.from_fields(json.load(fh)["config"])
     for path in (spec, os.path.join(spec, "config.json"), os.path.join(REPO, "configs", spec + ".json"),
                  os.path.join(REPO, "configs", spec)):
         if os.path.isfile(path):
             return ModelConfig.from_json(path)
-    raise FileNotFoundError(f"--model={spec!r}: not a config.json, a checkpoint directory with config.json, or a "
-                            f"name in {os.path.join(REPO, 'configs')}")
+    raise FileNotFoundError(f"--model={spec!r}: not a config.json, a checkpoint directory (with config.json, or "
+                            f"converted), or a name in {os.path.join(REPO, 'configs')}")
 
 
 @dataclasses.dataclass(frozen=True)
