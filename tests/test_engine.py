@@ -80,7 +80,7 @@ def test_api_misuse_gets_an_error_that_says_what_to_pass(shipped, call, match):
 
 def test_prompts_from_generators_equal_lists(shipped):
     want = [r.first_token for r in shipped.prefill([[5, 6, 7], list(range(9))])]
-    got = shipped.prefill(iter([(x for x in [5, 6, 7]), range(9)]))
+    got = shipped.prefill(iter([(x for x in [5, 6, 7]), range(9)]), arrival_times=(t for t in [0.0, 0.0]))
     assert [r.first_token for r in got] == want
 
 

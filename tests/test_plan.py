@@ -387,8 +387,8 @@ def test_a_short_step_on_a_gpu_costs_at_least_reading_its_weights():
 
 def test_the_planner_reads_a_converted_checkpoints_config(tmp_path):
     """`--model=<directory written by slope_jax.convert>`: it has no config.json, its marker holds the config."""
-    from slope_jax.checkpoints.digest import ORBAX_MARKER
+    from slope_jax.model.config import CONVERTED_MARKER
     from slope_jax.plan.__main__ import load_model
 
-    (tmp_path / ORBAX_MARKER).write_text(json.dumps({"format": 1, "config": CONFIG_A.to_dict()}))
+    (tmp_path / CONVERTED_MARKER).write_text(json.dumps({"format": 1, "config": CONFIG_A.to_dict()}))
     assert load_model(str(tmp_path)) == CONFIG_A

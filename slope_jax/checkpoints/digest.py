@@ -28,7 +28,9 @@ import time
 
 import xxhash
 
-ORBAX_MARKER = "slope_jax_orbax.json"  # written last by checkpoints.orbax_store.save
+from slope_jax.model.config import CONVERTED_MARKER
+
+ORBAX_MARKER = CONVERTED_MARKER  # written last by checkpoints.orbax_store.save
 _SAMPLES = 16  # blocks hashed per weight file, evenly spaced (plus the safetensors header)
 _BLOCK = 1 << 16
 

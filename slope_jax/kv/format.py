@@ -38,8 +38,9 @@ readers). `<kv_dir>/<request_id>` is a **pointer**: a symbolic link to an immuta
   never modified or renamed after publication, only deleted; a read that fails because its version was deleted
   meanwhile (a superseded version is garbage-collected) starts over at the current version, so a reader sees a
   complete export or, before the first publication, none.
-- Garbage collection (`collect`, run by each publication of that id, and by `kv.store.KVStore`'s retention for the
-  ids it removes and, once per grace period, for every id): versions that are not the current target
+- Garbage collection (`collect`, run by each publication of that id, and by `kv.store.KVStore` for every id when it
+  scans the directory (prefix reuse on) and once per grace period under retention, and for the ids retention
+  removes): versions that are not the current target
   and were last touched more than `GC_GRACE_S` ago (a superseded version is touched when the pointer leaves it),
   staging/link debris of the same run with a lower counter (a crashed or failed export: a run exports
   sequentially), and debris of other runs older than `STALE_S`. Another writer's live staging directory is never

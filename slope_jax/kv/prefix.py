@@ -385,6 +385,7 @@ def weights_digest(path: str) -> str:
             files += [os.path.join(sub, n) for n in sorted(os.listdir(d)) if n.endswith(".safetensors")]
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors weight files to digest")
+    t0 = time.time_ns()  # before the stats: a change just after them is within RACY_NS of t0, however long hashing
     st = {f: os.stat(os.path.join(path, f)) for f in files}
     key = (os.path.realpath(path), tuple((f, s.st_size, s.st_ino, s.st_mtime_ns, s.st_ctime_ns) for f, s in st.items()))
     if key in _WEIGHTS_CACHE:
@@ -397,6 +398,6 @@ def weights_digest(path: str) -> str:
         with open(os.path.join(path, rel), "rb") as f:
             for chunk in iter(lambda: f.read(1 << 24), b""):
                 h.update(chunk)
-    if all(time.time_ns() - s.st_ctime_ns > RACY_NS for s in st.values()):
+    if all(t0 - s.st_ctime_ns > RACY_NS for s in st.values()):
         _WEIGHTS_CACHE[key] = h.hexdigest()
     return h.hexdigest()

@@ -9,9 +9,14 @@ Every entry point (the engine, the launcher's intake, the HTTP endpoint) asks on
   a hit, with every file's digest checked and its token ids compared with the request's, so a tampered, truncated
   or stale entry is skipped (`ReuseRefused` names why; `discard` takes it out of the index) and the prefix is taken
   from another export holding it, or the request computed cold.
-- **retention** (`max_bytes`, `max_age_s`): after each publication, exports are removed least recently used first
-  while the directory holds more than `max_bytes` of export files, and exports not used for `max_age_s`; an export
-  this process holds (`hold`) is never removed. The same policy bounds P/D exports that a decode engine has consumed.
+- **retention** (`max_bytes`, `max_age_s`): when the store is opened (`PrefillEngine.use_store` / `kv_store`) and
+  after each publication, exports are removed least recently used first while the directory holds more than
+  `max_bytes` of export files, and exports not used for `max_age_s`; an export this process holds (`hold`) or one
+  published less than `min_age_s` ago (60 s: a decode engine handed it has that long to read it) is never removed.
+  Last use is the version directory's mtime (`lookup` touches it), so the order survives restarts. Removing an id
+  collects its superseded versions; once per grace period retention sweeps versions no pointer names, and `scan`
+  sweeps killed runs' staging debris (`kv.format.collect`). The same policy bounds P/D exports that a decode engine
+  has consumed.
 - **a directory that takes no writes** (read-only, full, over quota, no permission: `unwritable`): reuse from the
   exports already there goes on (reads are all it needs), new prefixes are not stored, an export it refuses fails
   alone (`exports_required`: the request errors, or only its `export_error` says so) and leaves nothing behind, and

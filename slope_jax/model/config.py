@@ -24,6 +24,9 @@ class ConfigError(ValueError):
     """A configuration value breaks a rule of the model; the message names the field and the rule."""
 
 
+# a converted checkpoint's marker (written last by checkpoints.orbax_store.save): holds its config, among others
+CONVERTED_MARKER = "slope_jax_orbax.json"
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """gpt-oss hyper-parameters (docs/model.md §1). Sizes: counts; `sliding_window` is in tokens (keys seen by a query,
@@ -169,6 +172,16 @@ class ModelConfig:
     def from_fields(cls, d: dict[str, Any]) -> ModelConfig:
         """The inverse of `to_dict` (JSON lists back to tuples): how a converted checkpoint's marker stores it."""
         return cls(**{**d, "layer_types": tuple(d["layer_types"]), "eos_token_ids": tuple(d["eos_token_ids"])})
+
+    @classmethod
+    def from_converted(cls, path: str | os.PathLike) -> ModelConfig | None:
+        """The config of a checkpoint directory written by `slope_jax.convert` (its `CONVERTED_MARKER` holds it; no
+        config.json there), or None when `path` is not one."""
+        marker = os.path.join(os.fspath(path), CONVERTED_MARKER)
+        if not os.path.isfile(marker):
+            return None
+        with open(marker) as f:
+            return cls.from_fields(json.load(f)["config"])
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> ModelConfig:

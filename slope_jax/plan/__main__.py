@@ -67,12 +67,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def load_model(spec: str):
     """ModelConfig from a config.json path, a checkpoint directory (HF, or converted by slope_jax.convert), or a
     configs/ name. Raises ValueError."""
-    from slope_jax.checkpoints.digest import ORBAX_MARKER
     from slope_jax.model.config import ModelConfig
 
-    if os.path.isfile(os.path.join(spec, ORBAX_MARKER)):  # a converted checkpoint: its marker holds the config
-        with open(os.path.join(spec, ORBAX_MARKER)) as fh:
-            return ModelConfig.from_fields(json.load(fh)["config"])
+    converted = ModelConfig.from_converted(spec) if os.path.isdir(spec) else None
+    if converted is not None:
+        return converted
     for path in (spec, os.path.join(spec, "config.json"), os.path.join(REPO, "configs", spec + ".json"),
                  os.path.join(REPO, "configs", spec)):
         if os.path.isfile(path):

@@ -184,7 +184,9 @@ def _weight_s(hw: Hardware, bytes_read: float, compute_s: float, share: int) -> 
     passes) × `weight_byte_s` where the profile fitted it (the CPU), and on a device of its own at least the part of
     reading them from HBM (`hbm_bytes_per_s`) that the compute does not hide — the roofline floor of a short step:
     one token of gpt-oss-20b on an H100 was predicted at 0.25 ms, under the ~4 ms its 13 GiB of weights take to read
-    (Williams, Waterman & Patterson 2009, roofline)."""
+    (Williams, Waterman & Patterson 2009, roofline). `calibrate` fits `weight_byte_s` as an added term, which is what
+    this returns on shared-compute (CPU) profiles; a device profile fitted on rows where the floor binds would not
+    reproduce its fit (the H200's is fitted at 8K/32K tokens, far above it)."""
     fitted = bytes_read * hw.efficiency.weight_byte_s * share
     if hw.shared_compute:
         return fitted

@@ -260,7 +260,7 @@ def decode_request(engine, path: str, *, max_new_tokens: int, temperature: float
         gap = float(logits[mine] - logits[int(first)])
         tol = TIE_TOLERANCE.get(m.get("dtype"), 0.0) if tie_tolerance is None else tie_tolerance
         rec["decoded_first_token"] = mine
-        rec["first_token_logit_gap"] = round(gap, 6)
+        rec["first_token_logit_gap"] = round(gap, 6) if np.isfinite(gap) else None  # strict JSON: no NaN
         rec["first_token_check"] = "ok" if mine == int(first) else ("near_tie" if gap <= tol else "mismatch")
         if not np.all(np.isfinite(logits)) or logits.max() == logits.min():  # no token is preferred: no tie either
             rec["first_token_check"] = "mismatch"

@@ -497,26 +497,26 @@ class PrefillEngine:
           prompts, ids and options (checked by an all-gather of a hash before any step, so a mismatch is an error on
           every process instead of mixed results or a hang), or for a `top_k` below 1.
         """
-        prompts = _check_call(prompts, top_k, arrival_times)
+        prompts, arrival, arrival_error = _check_call(prompts, top_k, arrival_times)
         now, salts = time.perf_counter(), _salts(cache_salt, len(prompts))
         on = self.reuse.enabled if prefix_reuse is None else bool(prefix_reuse)
         kv_full = on if kv_full is None else bool(kv_full)
         if jax.process_count() > 1:
             agreement.check_same_on_all_processes(prompts, ids, kv_dir is not None, kv_full, return_kv, top_k,
-                                                  overwrite, salts, on, sorted(map(str, rows_for)))
+                                                  overwrite, salts, on, sorted(map(str, rows_for)),
+                                                  arrival_error is None)  # one bad list: an error on every process
+        if arrival_error is not None:
+            raise RequestError(arrival_error)
         tokens = [self.validate_prompt(i, p) for i, p in enumerate(prompts)]
         ids = self._check_ids(ids, len(tokens), kv_dir, overwrite)
-        if return_kv is None:
-            return_kv = kv_dir is None and jax.process_count() == 1
-        # with reuse off a prompt is neither looked up nor indexed, but its export still names its identity (the
-        # decode side refuses it for another cache_salt or other weights)
+        return_kv = (kv_dir is None and jax.process_count() == 1) if return_kv is None else return_kv
+        # reuse off: no lookup, no index, but the export names its identity (the decode side checks salt, weights)
         hits = (reuse_lib.find(self, tokens, salts, kv_dir) if on
                 else [reuse_lib.Hit([], identity=self.prefix_identity(s)) for s in salts])
-        arrival = list(arrival_times) if arrival_times is not None else [now] * len(tokens)
         try:
-            return self._run_steps(tokens, ids, arrival, hits, kv_dir=kv_dir, kv_full=kv_full, overwrite=overwrite,
-                                   cache=on, return_kv=return_kv, top_k=top_k, on_computed=on_computed,
-                                   rows_for=frozenset(map(str, rows_for)))
+            return self._run_steps(tokens, ids, arrival or [now] * len(tokens), hits, kv_dir=kv_dir, kv_full=kv_full,
+                                   overwrite=overwrite, cache=on, return_kv=return_kv, top_k=top_k,
+                                   on_computed=on_computed, rows_for=frozenset(map(str, rows_for)))
         finally:
             for h in hits:
                 if h.release is not None:
@@ -886,30 +886,37 @@ def _check_top_k(top_k) -> None:
         raise RequestError(f"top_k={top_k!r}: must be an integer >= 1 (the (token, logit) pairs each result reports)")
 
 
-def _check_call(prompts, top_k, arrival_times) -> Sequence:
-    """`prefill`'s arguments checked before anything runs (RequestError naming the field): the prompts as a sequence
-    (any iterable is taken), `top_k`, `arrival_times`."""
+def _check_call(prompts, top_k, arrival_times) -> tuple[Sequence, list | None, str | None]:
+    """`prefill`'s arguments checked before anything runs: the prompts as a sequence (any iterable is taken), `top_k`
+    (RequestError), and `arrival_times` as a list with what is wrong with it (None: nothing; the caller raises it
+    once every process has said whether its own list is good)."""
     _check_top_k(top_k)
     prompts = prompts if isinstance(prompts, (list, tuple, np.ndarray)) else list(prompts)
-    _check_arrival_times(arrival_times, len(prompts))
-    return prompts
+    times = None if arrival_times is None or isinstance(arrival_times, (str, bytes)) else _as_list(arrival_times)
+    return prompts, times, _arrival_error(arrival_times, times, len(prompts))
 
 
-def _check_arrival_times(arrival_times, count: int) -> None:
-    """RequestError unless `arrival_times` is None or one finite number (a `time.perf_counter()` stamp) per prompt:
-    checked before any step runs, so a bad list never fails a batch half-way through its exports."""
-    if arrival_times is None:
-        return
+def _as_list(x) -> list | None:
     try:
-        times = list(arrival_times)
-    except TypeError as e:
-        raise RequestError(f"arrival_times: a sequence of one time.perf_counter() stamp per prompt, got "
-                           f"{type(arrival_times).__name__}") from e
+        return list(x)
+    except TypeError:
+        return None
+
+
+def _arrival_error(given, times: list | None, count: int) -> str | None:
+    """What is wrong with `arrival_times` (None: nothing): it must be None or one finite number (a
+    `time.perf_counter()` stamp) per prompt, so a bad list never fails a batch half-way through its exports."""
+    if given is None:
+        return None
+    if times is None:
+        return (f"arrival_times: a sequence of one time.perf_counter() stamp per prompt, got "
+                f"{type(given).__name__}")
     if len(times) != count:
-        raise RequestError(f"arrival_times: {len(times)} stamps for {count} prompts (one per prompt)")
+        return f"arrival_times: {len(times)} stamps for {count} prompts (one per prompt)"
     for i, t in enumerate(times):
         if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)) or not np.isfinite(t):
-            raise RequestError(f"arrival_times[{i}]={t!r}: must be a finite number (a time.perf_counter() stamp)")
+            return f"arrival_times[{i}]={t!r}: must be a finite number (a time.perf_counter() stamp)"
+    return None
 
 
 def _salts(cache_salt, count: int) -> list[str | None]:

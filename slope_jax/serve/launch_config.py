@@ -303,14 +303,17 @@ class LaunchConfig:
 
     def kv_store(self):
         """The one owner of the --kv_dir policy (`kv.store.KVStore`: --overwrite, retention by --kv_dir_max_gib and
-        --kv_dir_max_age_h), or None without --kv_dir."""
+        --kv_dir_max_age_h, never of an export younger than 60 s or --kv_lease_s), or None without --kv_dir."""
         if self.kv_dir is None:
             return None
         from slope_jax.kv.store import KVStore
 
+        from slope_jax.kv.store import MIN_AGE_S
+
         return KVStore(self.kv_dir, overwrite=self.overwrite,
                        max_bytes=None if self.kv_dir_max_gib is None else int(self.kv_dir_max_gib * 2**30),
-                       max_age_s=None if self.kv_dir_max_age_h is None else self.kv_dir_max_age_h * 3600.0)
+                       max_age_s=None if self.kv_dir_max_age_h is None else self.kv_dir_max_age_h * 3600.0,
+                       min_age_s=max(MIN_AGE_S, self.kv_lease_s or 0.0))  # a decode side has its lease to read
 
     def reuse_options(self):
         """The engine's prefix-reuse options (`kv.prefix.ReuseOptions`) from --prefix_reuse, --prefix_block and

@@ -155,7 +155,7 @@ def _choose_layout(config: LaunchConfig, cfg, hardware: str, max_tokens: int) ->
     if config.layout == "auto":
         lengths = (config.expected_length_values or config.precompile_lengths) or [min(max_tokens, 32768)]
         parallel, reason = slo.auto_layout(cfg, hardware, jax.device_count(), jax.local_device_count(), lengths,
-                                           config.ttft_slo_ms, config.slo_percentile / 100)
+                                           config.ttft_slo_ms, config.slo_percentile / 100, config.step_options)
         if config.seq_chunks_given:  # an explicit --seq_chunks overrides the planner's choice
             parallel = parallel.replace(seq_chunks=config.seq_chunks)
         parallel = parallel.replace(microbatches=config.microbatches)

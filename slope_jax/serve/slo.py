@@ -40,15 +40,16 @@ def hardware_for(device_kind: str, platform: str) -> str:
 
 
 def auto_layout(cfg: ModelConfig, hardware: str, num_devices: int, devices_per_host: int, lengths: list[int],
-                ttft_slo_ms: float, percentile: float = 0.9) -> tuple[ParallelConfig, str]:
+                ttft_slo_ms: float, percentile: float = 0.9, tiles=None) -> tuple[ParallelConfig, str]:
     """`--layout=auto`: the layout the planner picks for this length mix on these devices (`plan.choose_layout`:
     among layouts that fit memory and meet the SLO at the longest length, the one with the best goodput; else the
-    fastest that fits; the profile carried over to this machine, `this_machine`). Returns (ParallelConfig, reason).
-    Raises LayoutError when no layout fits in memory."""
+    fastest that fits; the profile carried over to this machine, `this_machine`), predicted with the step options the
+    engine will run (`tiles`; None: the profile's `step_options`). Returns (ParallelConfig, reason). Raises
+    LayoutError when no layout fits in memory."""
     from slope_jax.plan import choose_layout
 
     par, reason, _ = choose_layout(cfg, this_machine(hardware), num_devices, devices_per_host, lengths, ttft_slo_ms,
-                                   percentile)
+                                   percentile, **({} if tiles is None else {"tiles": tiles}))
     return par, reason
 
 
@@ -253,7 +254,8 @@ def engine_key(shape: tuple) -> tuple:
 
 def batch_model(engine, hardware: str, dtype: str, devices_per_host: int) -> BatchModel:
     """The scheduler's batch-time model for `engine` (see `BatchModel`), from `slope_jax.plan.predict` on
-    `hardware` (a profile name) carried over to this machine (`this_machine`) for the engine's layout and dtype, with
+    `hardware` (a profile name) carried over to this machine (`this_machine`) for the engine's layout, dtype and step
+    options (not the profile's `step_options`: the engine runs its own), with
     `compile_prior_ms` as the estimate of a full compile before the first one is measured."""
     from slope_jax.plan import predict
 
@@ -263,11 +265,11 @@ def batch_model(engine, hardware: str, dtype: str, devices_per_host: int) -> Bat
 
     def step_ms(bucket: int, m: int) -> float:
         return float(predict(engine.cfg, layout, bucket, hardware, batch=m, bucket=bucket, dtype=dtype,
-                             devices_per_host=devices_per_host).ttft_ms)
+                             devices_per_host=devices_per_host, tiles=engine.options).ttft_ms)
 
     def hit_ms(n: int, cached: int) -> float:
         bucket, _ = engine.step_key(n, cached)
         return float(predict(engine.cfg, layout, n - cached, hardware, bucket=bucket, dtype=dtype, cached=cached,
-                             devices_per_host=devices_per_host).ttft_ms)
+                             devices_per_host=devices_per_host, tiles=engine.options).ttft_ms)
 
     return BatchModel(engine, step_ms, compile_prior_ms(name), hit_ms)
