@@ -10,6 +10,16 @@ import tempfile
 from typing import Callable
 
 
+def unwritable_ancestor(path: str) -> str | None:
+    """None if `path` (a file or directory to create, with any missing parents) can be created: its nearest existing
+    ancestor is a writable directory. Else that ancestor, for the caller's error message — checked before long work,
+    so a bad output path fails in a second, not after it."""
+    base = os.path.abspath(path)
+    while not os.path.exists(base) and os.path.dirname(base) != base:
+        base = os.path.dirname(base)
+    return None if os.path.isdir(base) and os.access(base, os.W_OK) else base
+
+
 def atomic_write(path: str, write: Callable[[str], None], *, mode: int = 0o644) -> None:
     """Call `write(tmp_path)` to produce the file, then rename it to `path` atomically.
 

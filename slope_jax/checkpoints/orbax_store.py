@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as Ps
 
 from slope_jax.checkpoints.tree import flatten as _flatten
 from slope_jax.checkpoints.tree import unflatten as _unflatten
-from slope_jax.atomic import atomic_json, atomic_write
+from slope_jax.atomic import atomic_json, atomic_write, unwritable_ancestor
 from slope_jax.checkpoints import digest
 from slope_jax.checkpoints import host as host_lib
 from slope_jax.checkpoints.hf import CheckpointError, bar_interval
@@ -269,10 +269,8 @@ def _check_out(out: str, checkpoint: str | None = None) -> None:
                                   "checkpoint needs its own directory")
     if os.path.exists(os.path.join(out, MARKER)) or os.path.exists(os.path.join(out, PARAMS_DIR)):
         raise CheckpointError(f"{out}: already holds a converted checkpoint; choose a new --out or delete it")
-    base = out
-    while not os.path.exists(base) and os.path.dirname(base) != base:
-        base = os.path.dirname(base)
-    if not (os.path.isdir(base) and os.access(base, os.W_OK)):
+    base = unwritable_ancestor(out)
+    if base is not None:
         raise CheckpointError(f"{out}: cannot be created: {base} is not a writable directory")
 
 

@@ -119,11 +119,11 @@ class PlanConfig:
                                  "(p100 admits no queueing at all: every layout's goodput would be 0)")
         if not math.isfinite(self.ttft_slo_ms):
             raise app.UsageError(f"--ttft_slo_ms={self.ttft_slo_ms}: must be a finite number of milliseconds")
-        for flag in ("json", "png"):  # its nearest existing ancestor must take the file (directories are created)
-            base = os.path.dirname(os.path.abspath(getattr(self, flag) or "."))
-            while not os.path.exists(base) and os.path.dirname(base) != base:
-                base = os.path.dirname(base)
-            if getattr(self, flag) and not (os.path.isdir(base) and os.access(base, os.W_OK)):
+        from slope_jax.atomic import unwritable_ancestor
+
+        for flag in ("json", "png"):  # written after planning (directories are created): checked before it
+            base = getattr(self, flag) and unwritable_ancestor(os.path.dirname(os.path.abspath(getattr(self, flag))))
+            if base:
                 raise app.UsageError(f"--{flag}={getattr(self, flag)}: {base} is not a writable directory")
         if not self.lengths or min(self.lengths) < 1:
             raise app.UsageError("--lengths: need at least one positive length")
