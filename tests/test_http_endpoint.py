@@ -5,12 +5,15 @@ log-softmax, the proxy's request flow against stand-in servers, and the launcher
 requests routed by id)."""
 
 import asyncio
+import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
 
@@ -20,7 +23,9 @@ from support import REPO, SHIPPED, free_port, launcher_env
 
 from slope_jax.kv import format as kvfmt
 from slope_jax.kv.store import KVStore
-from slope_jax.serve import http, pd_proxy
+from slope_jax.serve import http, pd_proxy, summary
+from slope_jax.serve.front import Front, Intake
+from slope_jax.serve.scheduler import Scheduler, slo_stats
 
 W = 32  # the shipped checkpoint's sliding window
 VOCAB = 1024
@@ -393,7 +398,7 @@ def server(tmp_path_factory):
             if time.time() > deadline or any(p.poll() is not None for p in procs):
                 pytest.fail((base / "p0.log").read_text()[-3000:])
             time.sleep(0.5)
-    yield url, base
+    yield url, base, procs
     for p in procs:
         p.terminate()
     for p in procs:
@@ -404,7 +409,7 @@ def test_endpoint_serves_first_token_and_export(server):
     import torch
     import transformers
 
-    url, base = server
+    url, base, _ = server
     rng = np.random.default_rng(0)
     # lengths that cross the window and do not divide the mesh, in one compiled bucket (48) to keep the test cheap
     prompts = {"a": rng.integers(0, VOCAB, W + 5).tolist(), "b": rng.integers(0, VOCAB, W + 13).tolist()}
@@ -451,7 +456,7 @@ def test_endpoint_serves_first_token_and_export(server):
 
 
 def test_endpoint_errors(server):
-    url, base = server
+    url, base, _ = server
     status, body = _post(url + "/v1/completions", {"prompt": [1, 2, 99999], "max_tokens": 1})
     assert status == 400 and body["error"]["param"] == "prompt" and "outside the vocabulary [0, 1024)" in \
         body["error"]["message"]
@@ -503,7 +508,7 @@ def test_huge_body_does_not_stall_others_and_release(server):
     here, its own prefill on 2 shared cores with the bucket compiled by the warm-up; tokenizing on the event loop, or
     holding the GIL while tokenizing, holds it for the rest of the tokenization: 3.5 s here, 14 s for 12 MB in the
     issue). Then the chat route without a chat template, and /v1/kv/release."""
-    url, base = server
+    url, base, _ = server
     small = {"prompt": list(range(3, 3 + W + 5)), "max_tokens": 1}
     status, body = _post(url + "/v1/completions", {**small, "request_id": "warm"})  # compile the bucket first
     assert status == 200, body
@@ -543,3 +548,56 @@ def test_huge_body_does_not_stall_others_and_release(server):
     assert status == 404
     status, body = _post(url + "/v1/kv/release", {"request_id": "huge"})
     assert status == 404
+
+
+def test_sigterm_prints_the_summary_of_what_was_served(server):
+    """An endpoint runs until it is stopped: SIGTERM ends process 0 with status 143 and the summary of the records
+    written so far (its count line agrees with the results file). Last in this file: it stops the module's server."""
+    url, base, procs = server
+    procs[1].send_signal(signal.SIGTERM)  # process 0 (started second)
+    assert procs[1].wait(timeout=60) == 143
+    log = (base / "p0.log").read_text()
+    records = (base / "results.jsonl").read_text().splitlines()
+    assert f"{len(records)} records: " in log and "SLO attainment" in log and "(summary at SIGTERM" in log, log[-3000:]
+
+
+def test_a_request_whose_client_left_is_cancelled_not_computed(tmp_path):
+    """A client that disconnects before its prefill starts: waiting in the endpoint's queue (`HttpIntake.get`) or
+    already in the scheduler (`Intake` cancels it there), its request is never batched and gets one record with
+    `"cancelled": true`; the summary and SLO stats count it as cancelled, neither failed nor in attainment."""
+    intake = http.HttpIntake("127.0.0.1", 0, model_name="tiny", vocab_size=VOCAB, max_tokens=100, tokenizer_path=None,
+                             top_k=TOP_K, kv_store=KVStore(str(tmp_path)), kv_pool_gib=0)
+    loop = asyncio.new_event_loop()
+    futures = {}
+
+    def arrive(rid):  # what `_completions` does with a validated request
+        futures[rid] = loop.create_future()
+        intake._waiters[rid] = (futures[rid], None)
+        line = json.dumps({"id": rid, "tokens": [1, 2, 3], "ttft_slo_ms": 60_000}).encode()
+        intake._queue.put((rid, line, time.perf_counter()))
+
+    out = io.StringIO()
+    front = Front(None, types.SimpleNamespace(ttft_slo_ms=None), types.SimpleNamespace(vocab_size=VOCAB), 100, None,
+                  out, None, types.SimpleNamespace(refusal=lambda n: None))
+    front.source = intake
+    front.intake = Intake(intake, Scheduler(lambda lengths: 1.0, batch_size=8, batch_wait_ms=0), front.parse_line,
+                          front.emit)
+    for rid in ("a", "b", "c"):
+        arrive(rid)
+    intake._abandon("b", futures["b"])  # left while in the endpoint's queue
+    front.intake._drain()  # a and c reach the scheduler; b is recorded at once
+    intake._abandon("c", futures["c"])  # left while queued in the scheduler
+    batch = front.intake.next_batch()
+    assert [r.id for r in batch] == ["a"]
+    records = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert [(r["id"], r.get("cancelled")) for r in records] == [("b", True), ("c", True)], records
+    assert all("client disconnected" in r["error"] for r in records) and records[1]["num_tokens"] == 3
+    assert intake.clients_left() == set()  # their records were delivered: nothing is left to reclaim
+    served = {"id": "a", "num_tokens": 3, "cached_tokens": 0, "first_token": 7, "ttft_ms": 5.0, "queue_ms": 1.0,
+              "compile_ms": 0.0, "compute_ms": 4.0, "export_ms": 0.0, "ttft_slo_ms": 60_000, "slo_met": True}
+    text = summary.format_summary(records + [served], 1.0)
+    assert "3 records: 1 ok (1 SLO met, 0 late), 0 rejected, 2 cancelled, 0 failed" in text, text
+    st = slo_stats(records + [served], 1.0)
+    assert (st.cancelled, st.failed, st.with_slo, st.attainment) == (2, 0, 1, 1.0)
+    assert "cancelled 2, failed 0" in st.summary_line()
+    loop.close()

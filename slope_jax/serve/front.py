@@ -236,6 +236,10 @@ class Front:
         if isinstance(raw, OSError):
             self.emit({"id": None, "line": self.lineno, "error": f"reading the requests failed: {raw}"})
             return []
+        if isinstance(raw, requests.ClientLeft):
+            logging.info("request %s: its client left before the prefill started; not computed", raw.request_id)
+            self.emit(requests.cancelled_record(raw.request_id, self.lineno))
+            return []
         if not raw.strip():
             return []
         try:
@@ -365,6 +369,20 @@ class Intake:
         except queue.Empty:
             pass
 
+    def _cancel_left(self) -> None:
+        """Queued requests whose client disconnected (an HTTP source's `clients_left`) leave the scheduler with a
+        cancelled record: under overload, clients that give up would otherwise still cost their compute."""
+        clients_left = getattr(self.reader, "clients_left", None)
+        ids = clients_left() if clients_left is not None else None
+        if not ids:
+            return
+        from slope_jax.serve import requests
+
+        for item in self.scheduler.cancel(ids):
+            req = item.request
+            logging.info("request %s: its client left while it was queued; not computed", req.id)
+            self.emit(requests.cancelled_record(req.id, req.line, item.num_tokens))
+
     def next_batch(self):
         """The next batch to run (a list of Request), a `compute.WarmUp` of step shapes to compile while idle, or
         None when the input is closed and everything is served (and warmed).
@@ -376,6 +394,7 @@ class Intake:
         requests/s, each after the previous batch ended with it unread)."""
         while True:
             self._drain()
+            self._cancel_left()
             batch, rejected, wait_s = self.scheduler.take_batch(time.perf_counter(), self.closed)
             for item, reason in rejected:
                 req = item.request

@@ -67,9 +67,9 @@ chat template and tokenization never run on the event loop, and the tokenizer re
 not hold other requests), queues one request line `{"id", "tokens", "ttft_slo_ms", "cache_salt"}` with its arrival
 time for the launcher's loop (`get`, the `batching.LineReader` contract), and waits for the record the loop emits for
 that id (`deliver`), which becomes the HTTP answer. A client that disconnects cancels its handler: a request the
-loop has not taken yet is dropped; one already taken is computed (a batch is not unpicked), and its export is
-reclaimed as if released. The loop itself (admission, batching, compute on every process, export, result records) is
-unchanged.
+loop has not started computing is cancelled (its result record says `"cancelled": true`; nothing is computed); one
+already in a batch is computed (a batch is not unpicked), and its export is reclaimed as if released. The loop
+itself (admission, batching, compute on every process, export, result records) is unchanged.
 """
 
 from __future__ import annotations
@@ -481,7 +481,6 @@ class HttpIntake:
         # validation (JSON, chat template, tokenization) runs here, off the event loop: a 12 MB body must not hold
         # other requests (`_Unlocked` releases the GIL while tokenizing)
         self._pool = concurrent.futures.ThreadPoolExecutor(self.VALIDATION_THREADS, "slope_jax-http-validate")
-        self.dropped: list[str] = []  # ids abandoned before the launcher's loop took them (never computed)
 
     # ---- the launcher's side (main thread) -------------------------------------------------------------------
     def start(self) -> None:
@@ -616,17 +615,20 @@ class HttpIntake:
 
     def get(self, timeout_s: float | None):
         """The next request line `(raw bytes, arrival)`; raises queue.Empty after `timeout_s` (None: block). A
-        request whose client left while it waited here is dropped (never computed)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            left = None if deadline is None else deadline - time.monotonic()
-            rid, line, arrival = self._queue.get(timeout=left) if left is None or left > 0 else self._queue.get_nowait()
-            with self._lock:
-                if rid not in self._abandoned:
-                    return line, arrival
-                self._abandoned.discard(rid)
-            self.dropped.append(rid)
-            logging.info("request %s: its client left before the prefill started; dropped", rid)
+        request whose client left while it waited here comes as `(requests.ClientLeft(id), arrival)`: the loop
+        records it as cancelled and never computes it."""
+        if timeout_s is None or timeout_s > 0:
+            rid, line, arrival = self._queue.get(timeout=timeout_s)
+        else:
+            rid, line, arrival = self._queue.get_nowait()
+        with self._lock:
+            return (requests.ClientLeft(rid) if rid in self._abandoned else line), arrival
+
+    def clients_left(self) -> set[str]:
+        """Ids of the requests whose client disconnected before their answer (the loop cancels those it still
+        queues: `front.Intake`; their records' `deliver` forgets them)."""
+        with self._lock:
+            return set(self._abandoned)
 
     def deliver(self, record: dict) -> None:
         """Route one emitted record to the HTTP request waiting for its id (others are ignored; the export of one

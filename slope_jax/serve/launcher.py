@@ -85,6 +85,7 @@ def _serve(config: LaunchConfig) -> int:
         engine.use_store(kv_store)  # its reuse index (earlier runs' exports too) and retention serve the engine
     engine.peer_rows = peer_rows.start(config)  # several processes: how early P/D answers get the rows
     front = Front.open(engine, config, cfg, max_tokens, hardware, kv_store) if jax.process_index() == 0 else None
+    _STATE.update(front=front, config=config, t_start=t_start)  # the summary at SIGTERM (`_on_term`)
     try:
         compute.compute_loop(engine, compute.Broadcast(jax.process_count() > 1), front, kv_store=kv_store,
                              kv_full=config.kv_full, top_k=config.top_k)
@@ -177,6 +178,7 @@ def _finish(config: LaunchConfig, engine, front, t_start: float) -> int:
     if front is not None:
         if front.out is not sys.stdout:
             front.out.close()
+        _STATE["front"] = None  # the summary below is the run's: a SIGTERM from here on prints none
         if config.summary:
             wall_s = time.perf_counter() - t_start
             print(summary.format_summary(front.records, wall_s, shutil.get_terminal_size((120, 24)).columns) + "\n"
@@ -197,6 +199,22 @@ def _finish(config: LaunchConfig, engine, front, t_start: float) -> int:
     return 0
 
 
+def _on_term(sig: str) -> None:
+    """SIGTERM/SIGINT (`distributed.exit_on_sigterm`'s thread, the process then exits): tell the peers, and on
+    process 0 print the summary of the records written so far (an HTTP endpoint runs until it is stopped: its
+    operator reads what it served here, as after a --requests run)."""
+    if _STATE["watch"] is not None:
+        _STATE["watch"].close(f"terminated by {sig}")
+    front, config = _STATE.get("front"), _STATE.get("config")
+    if front is None or not config.summary:
+        return
+    from slope_jax.serve import summary
+
+    wall_s = max(time.perf_counter() - _STATE["t_start"], 1e-9)
+    print(summary.format_summary(list(front.records), wall_s, shutil.get_terminal_size((120, 24)).columns)
+          + f"\n(summary at {sig}: requests still queued or computing have no record)", file=sys.stderr, flush=True)
+
+
 def _compile_line(engine) -> str:
     """One summary line: how long getting the step programs took and how many came from the compilation cache."""
     from slope_jax import compile_cache
@@ -214,7 +232,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from slope_jax.serve import distributed
 
-    distributed.exit_on_sigterm(lambda sig: _STATE["watch"] and _STATE["watch"].close(f"terminated by {sig}"))
+    distributed.exit_on_sigterm(_on_term)
     _STATE["multi"] = FLAGS.num_processes > 1
     try:
         config = LaunchConfig.from_flags(FLAGS)

@@ -39,6 +39,25 @@ class LineError(RequestError):
         self.line, self.request_id, self.duplicate_of = line, request_id, duplicate_of
 
 
+class ClientLeft:
+    """What a request source hands the loop, in place of a request line, for a request whose client disconnected
+    before the prefill took it (`serve.http.HttpIntake.get`): the loop writes its `cancelled_record` and computes
+    nothing. `request_id`: the request's id."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+
+
+def cancelled_record(request_id: str, line: int, num_tokens: int | None = None) -> dict:
+    """The result line of a request whose client disconnected before its prefill started: `"cancelled": true`, not
+    computed, not counted as failed nor in SLO attainment (`serve.summary`, `scheduler.slo_stats`)."""
+    rec = {"id": request_id, "line": line, "cancelled": True,
+           "error": f"line {line} ({request_id}): the client disconnected before the prefill started; not computed"}
+    if num_tokens is not None:
+        rec["num_tokens"] = int(num_tokens)
+    return rec
+
+
 def error_record(err: LineError) -> dict:
     """The result line for a bad request line. Its `id` is the request's id only when that id is valid and was not used
     before; a duplicate gets `"id": null` plus `"duplicate_of"`, so each id names at most one record. `line` is always

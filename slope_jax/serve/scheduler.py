@@ -187,6 +187,15 @@ class Scheduler:
             self._seq += 1
             self._new.append(item)
 
+    def cancel(self, ids: set[str]) -> list[Pending]:
+        """Remove the queued requests whose `id` is in `ids` (their client left) and return them; a request in the
+        batch in flight is not queued and stays."""
+        with self._lock:
+            gone = [p for p in self._queue + self._new if p.id in ids]
+            self._queue = [p for p in self._queue if p.id not in ids]
+            self._new = [p for p in self._new if p.id not in ids]
+            return gone
+
     @property
     def pending(self) -> int:
         """Requests queued (admitted or awaiting admission), not counting the batch in flight."""
@@ -495,7 +504,8 @@ class SLOStats:
     """SLO metrics of one run (see the module docstring for the definitions).
 
     requests: records; served: without error; rejected: refused by admission (`rejected` true in the record);
-    failed: other errors; with_slo: records carrying `ttft_slo_ms`; met: of those, served within it; late: served but
+    cancelled: withdrawn by their client before the prefill started (`cancelled` true; not in attainment); failed:
+    other errors; with_slo: records carrying `ttft_slo_ms`; met: of those, served within it; late: served but
     past it; attainment: met / with_slo (None if no request has an SLO); goodput_tokens_per_s,
     goodput_requests_per_s: met (or served without SLO) per wall second; throughput_tokens_per_s: all served;
     ttft_p50/p90/p99_ms: percentiles of served TTFT (numpy linear interpolation; None if nothing was served).
@@ -516,6 +526,7 @@ class SLOStats:
     ttft_p90_ms: float | None
     ttft_p99_ms: float | None
     wall_s: float
+    cancelled: int = 0
 
     def summary_line(self) -> str:
         att = "n/a (no request has ttft_slo_ms)" if self.attainment is None else (
@@ -524,7 +535,9 @@ class SLOStats:
             f"{self.ttft_p50_ms:.1f}/{self.ttft_p90_ms:.1f}/{self.ttft_p99_ms:.1f} ms")
         return (f"SLO attainment {att}; goodput {self.goodput_tokens_per_s:.0f} tokens/s "
                 f"({self.goodput_requests_per_s:.2f} req/s); TTFT p50/p90/p99 {pct}; served {self.served}, "
-                f"late {self.late}, rejected {self.rejected}, failed {self.failed}; wall {self.wall_s:.1f} s")
+                f"late {self.late}, rejected {self.rejected}, "
+                + (f"cancelled {self.cancelled}, " if self.cancelled else "")
+                + f"failed {self.failed}; wall {self.wall_s:.1f} s")
 
 
 def slo_met(record: dict) -> bool | None:
@@ -547,13 +560,15 @@ def slo_stats(records: Sequence[dict], wall_s: float) -> SLOStats:
         raise ValueError(f"wall_s={wall_s}: must be > 0")
     served = [r for r in records if "error" not in r]
     rejected = sum(1 for r in records if "error" in r and r.get("rejected"))
-    with_slo = [r for r in records if r.get("ttft_slo_ms") is not None]
+    cancelled = sum(1 for r in records if "error" in r and r.get("cancelled"))
+    with_slo = [r for r in records if r.get("ttft_slo_ms") is not None and not r.get("cancelled")]
     met = [r for r in with_slo if slo_met(r)]
     good = met + [r for r in served if r.get("ttft_slo_ms") is None]
     ttft = np.array([r["ttft_ms"] for r in served], np.float64)
     p50, p90, p99 = (float(x) for x in np.percentile(ttft, [50, 90, 99])) if ttft.size else (None, None, None)
     return SLOStats(
-        requests=len(records), served=len(served), rejected=rejected, failed=len(records) - len(served) - rejected,
+        requests=len(records), served=len(served), rejected=rejected, cancelled=cancelled,
+        failed=len(records) - len(served) - rejected - cancelled,
         with_slo=len(with_slo), met=len(met), late=sum(1 for r in with_slo if "error" not in r and not slo_met(r)),
         attainment=len(met) / len(with_slo) if with_slo else None,
         goodput_tokens_per_s=sum(r["num_tokens"] for r in good) / wall_s,

@@ -11,7 +11,9 @@ the same records the results file holds, so every count can be checked against i
 An error is never cut: it goes on its own lines under its row, wrapped at `width` columns. The two count lines
 are not wrapped (one line each, for grep). Count words mean one record
 flag each: ok = no "error"; late = "late": true (served after its ttft_slo_ms); rejected = "rejected": true (refused
-by admission); failed = every other error; SLO met = "slo_met": true. Pure Python; no JAX.
+by admission); cancelled = "cancelled": true (the HTTP client disconnected before the prefill started: nothing
+computed, not in SLO attainment; shown only when there are some); failed = every other error; SLO met =
+"slo_met": true. Pure Python; no JAX.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ _HEAD = (f"{'id':<24} {'tokens':>7} {'cached':>7} {'first':>7} {'TTFT ms':>9} {'
 
 def _status(r: dict) -> str:
     if "error" in r:
-        return "rejected:" if r.get("rejected") else "failed:"
+        return "rejected:" if r.get("rejected") else "cancelled:" if r.get("cancelled") else "failed:"
     if r.get("slo_met") is None:
         return "ok"
     return "ok, SLO met" if r["slo_met"] else "ok, SLO missed (late)"
@@ -48,12 +50,15 @@ def count_line(records: Sequence[dict], wall_s: float) -> str:
     docstring)."""
     ok = [r for r in records if "error" not in r]
     rejected = sum(1 for r in records if "error" in r and r.get("rejected"))
+    cancelled = sum(1 for r in records if "error" in r and r.get("cancelled"))
     met = sum(1 for r in ok if r.get("slo_met") is True)
     late = sum(1 for r in records if r.get("late") is True)
     toks = sum(r["num_tokens"] for r in ok)
     cached = sum(r.get("cached_tokens", 0) for r in ok)
     return (f"{len(records)} records: {len(ok)} ok ({met} SLO met, {late} late), {rejected} rejected, "
-            f"{len(records) - len(ok) - rejected} failed; {toks} prompt tokens ({cached} from the prefix cache) in "
+            + (f"{cancelled} cancelled, " if cancelled else "")
+            + f"{len(records) - len(ok) - rejected - cancelled} failed; {toks} prompt tokens ({cached} from the "
+            f"prefix cache) in "
             f"{wall_s:.1f} s "
             f"({toks / max(wall_s, 1e-9):.0f} tokens/s including compilation)")
 
