@@ -474,13 +474,13 @@ class PrefillEngine:
             first token is known, and the directory's earlier exports are prefix-cache entries.
           ids: export directory names (default "0", "1", …); each must be a plain file name.
           kv_full: export every token of sliding layers (default while prefix reuse is on: reusable from any block
-            boundary), else the last W and back to the vLLM KV-block boundary before them (`kv.format`).
+            boundary), else the last W and back to the vLLM KV-block boundary before them (`kv.format`); a hit from
+            a `last_window` entry keeps its sliding rows from that entry's first (`KVExporter.sliding_from`).
           return_kv: fill `PrefillResult.kv` (default: True without `kv_dir` in a single-process run, else False:
             under several processes it gathers the whole cache to each, ~10 GB per 128K tokens of gpt-oss-120b).
           top_k: how many (token, logit) pairs to report (≥ 1; at most the vocabulary size are).
           arrival_times: `time.perf_counter()` of each prompt's arrival, for queue_ms (default: now).
-          overwrite: replace an existing export `kv_dir/<id>/` (atomically: a reader sees the old or the new one);
-            default False: an existing export is an error.
+          overwrite: replace an existing export `kv_dir/<id>/` atomically, a reader sees old or new (default: error).
           cache_salt: one string for every prompt, or one per prompt (None: no salt): prompts share cached prefixes
             only with prompts of the same salt (vLLM's `cache_salt`; tenants).
           prefix_reuse: look up and reuse cached prefixes, and cache these prompts' KV (default: `reuse.enabled`).

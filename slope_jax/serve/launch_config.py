@@ -52,7 +52,8 @@ flags.DEFINE_string("kv_dir", None, "Export each request's KV cache to KV_DIR/<i
 flags.DEFINE_bool("kv_full", None, "Export every token of sliding-window layers (--kv_full) or only the rows a "
                   "decoder needs (--nokv_full: the last W tokens and back to the vLLM KV-block boundary at or before "
                   "them, docs/kv-format.md). Default: every token while --prefix_reuse is on (a later prompt can then "
-                  "reuse an export from any block boundary), else those rows.")
+                  "reuse an export from any block boundary), else those rows. A prompt whose prefix came from a "
+                  "--nokv_full export keeps sliding rows from that export's first one only.")
 flags.DEFINE_bool("prefix_reuse", True, "Prefix reuse: a prompt whose leading blocks were prefilled before (same "
                   "weights, dtype, KV layout and cache_salt) computes only its new tokens, attending to the cached "
                   "KV, which comes from host memory or from the --kv_dir exports (also those of earlier runs). "
