@@ -473,6 +473,27 @@ def test_host_tier_is_lru_within_its_budget_and_never_evicts_an_entry_in_use():
     assert not tier.add(entry("huge", 4000))  # larger than the whole budget: not cached
 
 
+def test_admission_look_ahead_marks_nothing_used():
+    """`serve.reuse.peek` (admission's prediction of a request's hit) reads the index without marking the entry used:
+    a request that admission then rejects must not keep an entry in the host tier (nor on disk) over one that served."""
+    import types
+
+    from slope_jax.serve import reuse
+
+    block, ident = 4, "0" * 32
+    tier = prefix_lib.HostTier(max_bytes=2500)
+    prompts = {key: np.arange(8, dtype=np.int32) + 100 * i for i, key in enumerate("abc")}
+    for key, toks in prompts.items():
+        k, v = ({0: np.zeros((1000 // 8,), np.float32)} for _ in range(2))
+        prompts[key] = (toks, prefix_lib.HostEntry(key, toks, prefix_lib.block_hashes(toks, ident, block), k, v))
+    engine = types.SimpleNamespace(reuse=prefix_lib.ReuseOptions(block_size=block), host_tier=tier,
+                                   prefix_identity=lambda salt: ident)
+    assert tier.add(prompts["a"][1]) and tier.add(prompts["b"][1])
+    assert reuse.peek(engine, np.concatenate([prompts["a"][0], [7]]), None, None) == 8  # a's 2 blocks would serve
+    assert tier.add(prompts["c"][1])  # over budget: a, the least recently used, leaves (peek used nothing)
+    assert tier.lookup(prompts["a"][1].hashes)[0] is None and tier.lookup(prompts["b"][1].hashes)[1] == 2
+
+
 def test_host_tier_entries_share_rows_and_count_them_once():
     """A turn's entry references its prefix's rows (`kv.prefix.Rows`): the tier counts shared arrays once, frees
     them when their last entry leaves, and every entry still reads its own rows."""

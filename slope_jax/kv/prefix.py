@@ -318,13 +318,15 @@ class HostTier:
             if not self._pins.held(key):
                 self._drop(key)
 
-    def lookup(self, hashes: list[str]) -> tuple[HostEntry | None, int]:
-        """The entry sharing the longest run of leading block hashes (and how many), marked recently used."""
+    def lookup(self, hashes: list[str], touch: bool = True) -> tuple[HostEntry | None, int]:
+        """The entry sharing the longest run of leading block hashes (and how many), marked recently used unless
+        `touch` is False (admission's look ahead: a request it rejects uses nothing)."""
         with self._lock:
             for i in range(len(hashes), 0, -1):
                 key = next(self._index.holders(hashes[i - 1]), None)
                 if key is not None:
-                    self._entries.move_to_end(key)
+                    if touch:
+                        self._entries.move_to_end(key)
                     return self._entries[key], i
         return None, 0
 

@@ -242,15 +242,17 @@ class KVStore:
             self._index(request_id)
         self.retain()
 
-    def lookup(self, hashes: list[str], block_size: int) -> tuple[str | None, int]:
-        """(request id, leading blocks matched) of the export sharing the most leading blocks of `hashes`."""
+    def lookup(self, hashes: list[str], block_size: int, touch: bool = True) -> tuple[str | None, int]:
+        """(request id, leading blocks matched) of the export sharing the most leading blocks of `hashes`, marked used
+        (retention's LRU, on disk too) unless `touch` is False (admission's look ahead)."""
         self.refresh()
         with self._lock:
             for i in range(len(hashes), 0, -1):
                 rid = next((r for r in self._blocks.holders(hashes[i - 1]) if self._entries[r]["block"] == block_size),
                            None)
                 if rid is not None:
-                    self._used(rid)
+                    if touch:
+                        self._used(rid)
                     return rid, i
         return None, 0
 

@@ -121,9 +121,9 @@ def peek(engine, tokens: np.ndarray, salt: str | None, kv_dir: str | None) -> in
     usable = _limit(prefix_lib.block_hashes(tokens, engine.prefix_identity(salt), block), tokens.size, block)
     if not usable:
         return 0
-    best = engine.host_tier.lookup(usable)[1] if engine.host_tier is not None else 0
-    if kv_dir is not None:
-        best = max(best, engine.kv_store(kv_dir).lookup(usable, block)[1])
+    best = engine.host_tier.lookup(usable, touch=False)[1] if engine.host_tier is not None else 0
+    if kv_dir is not None:  # not marked used: a request admission rejects uses nothing
+        best = max(best, engine.kv_store(kv_dir).lookup(usable, block, touch=False)[1])
     return best * block
 
 
