@@ -96,7 +96,7 @@ def main(argv):
     with open(os.path.join(work, "out.json")) as f:
         out = json.load(f)
     log = proc.stdout + proc.stderr
-    loads = [float(x) for x in re.findall(r"injected \d+ tokens from \S+ in ([0-9.]+) ms", log)]
+    loads = [float(x) for x in re.findall(r"injected tokens \[\d+, \d+\) \(\d+\) from \S+ in ([0-9.]+) ms", log)]
     ids = [ph["requests"][0]["id"] for ph in phases]
     secs = dict(zip(ids, out["phase_seconds"]))
     rows = []

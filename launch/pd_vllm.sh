@@ -26,7 +26,8 @@
 # pool's size, 1), KV_LEASE_S (how long an unread pool entry lives, 60), UCX_NET_DEVICES (lo: this script serves
 # 127.0.0.1; UCX uses shared memory / cross-memory attach between the processes of one host anyway),
 # SLOPE_JAX_FLAGS (more launcher flags, e.g. "--ttft_slo_ms=500"), VLLM_FLAGS (more `vllm serve` flags; vLLM keeps
-# its defaults otherwise, prefix caching on: a prompt it holds loads only the tokens it lacks, docs/deployment.md),
+# its defaults otherwise, prefix caching on: a prompt it holds loads only the tokens it lacks, docs/deployment.md;
+# a --max-model-len there is also the prefill's --max_tokens),
 # READY_TIMEOUT (seconds to wait for /health, 900).
 # vLLM-CPU decodes gpt-oss wrongly with its split-KV decode path, which turns on when a connector reserves a core:
 # VLLM_CPU_ATTN_SPLIT_KV=0 is set here. The `vllm` command of the vllm-cpu package fails on its own version look-up
@@ -55,6 +56,13 @@ if [ "$kv_transport" = files ]; then pool_gib=0; fi
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"  # vLLM imports the connector from this checkout
 
+# vLLM's --max-model-len in VLLM_FLAGS also bounds the prefill's prompts (--max_tokens): a longer prompt gets the
+# prefill's 400 at once, as vLLM alone refuses it, instead of being prefilled first and then refused by vLLM
+prompt_limit=()
+if [[ " ${VLLM_FLAGS:-} " =~ [[:space:]]--max[-_]model[-_]len[=[:space:]]+([0-9]+)[[:space:]] ]]; then
+  prompt_limit=("--max_tokens=${BASH_REMATCH[1]}")
+fi
+
 pids=()
 cleanup() {
   trap - EXIT INT TERM
@@ -70,7 +78,8 @@ set -m  # each server in its own process group: cleanup stops its children (vLLM
 PORT=${PORT:-23456} PYTHON=$py "$repo/launch/local.sh" 2 --cpu_devices=4 --ring=4 --ulysses=2 --dtype=float32 \
   --checkpoint="$prefill_ckpt" --http_port="$prefill_port" --http_model_name="$name" --kv_dir="$kv_dir" \
   --kv_pool_gib="$pool_gib" --kv_lease_s="${KV_LEASE_S:-60}" \
-  --results="$log_dir/prefill_results.jsonl" --kv_dir_max_gib="${KV_DIR_MAX_GIB:-8}" ${SLOPE_JAX_FLAGS:-} \
+  --results="$log_dir/prefill_results.jsonl" --kv_dir_max_gib="${KV_DIR_MAX_GIB:-8}" ${prompt_limit[@]+"${prompt_limit[@]}"} \
+  ${SLOPE_JAX_FLAGS:-} \
   >"$log_dir/prefill.log" 2>&1 &
 pids+=("$!")
 

@@ -175,6 +175,10 @@ def test_malformed_request_gets_the_prefill_4xx(servers):
     assert f"token id {VOCAB} at index 2 is outside the vocabulary [0, {VOCAB})" in body["error"]["message"]
     status, _, body = _post(proxy + "/v1/completions", {"model": MODEL, "prompt": TEXT, "ttft_slo_ms": -1})
     assert status == 400 and body["error"]["param"] == "ttft_slo_ms"
+    # longer than vLLM's --max-model-len (2048, VLLM_FLAGS): refused by the prefill at once (launch/pd_vllm.sh passes
+    # the limit on as --max_tokens), as vLLM alone refuses it, not prefilled first
+    status, _, body = _post(proxy + "/v1/completions", {"model": MODEL, "prompt": [5] * 2049, "max_tokens": 4})
+    assert status == 400 and body["error"]["param"] == "prompt" and "limit of 2048" in body["error"]["message"], body
     # chat: the shipped checkpoint has no chat template; the proxy answers the prefill's 400 that says so (vLLM
     # would render gpt-oss chats with its Harmony encoder, whose vocabulary this offline machine does not have)
     status, _, body = _post(proxy + "/v1/chat/completions", {"model": MODEL, "messages": [

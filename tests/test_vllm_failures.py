@@ -140,7 +140,7 @@ def test_async_load_decodes_like_plain_vllm_while_others_keep_decoding(run):
     assert results["a"]["tokens"] == results["plain/a"]["tokens"]
     assert re.search(r"request \S+: export \S+/big \(found by kv_transfer_params\S*\) validated, 8000 tokens, "
                      r"background load", log)
-    load_ms = float(re.findall(r"injected 7999 tokens from \S+ in ([0-9.]+) ms \(background;", log)[0])
+    load_ms = float(re.findall(r"injected tokens \[0, 7999\) \(7999\) from \S+ in ([0-9.]+) ms \(background;", log)[0])
     big, a = results["async/big"], results["a"]
     t0, t1 = big["added"], big["token_times"][0]
     during = [t for t in a["token_times"] if t0 <= t <= t1]
@@ -223,7 +223,8 @@ def test_nixl_pull_loads_like_a_file(run):
         assert params[handoff.TRANSPORT_KEY] == handoff.NIXL, params
     params = _same_as_plain(results, "nixl/fallback", "mid", LENGTHS["mid"] - 1)
     assert re.fullmatch(rf"file \(the NIXL pull failed: {LEASE_GONE}\)", params[handoff.TRANSPORT_KEY]), params
-    load_ms = float(re.findall(r"injected 7999 tokens from nixl:\S+ in ([0-9.]+) ms \(background;", log)[0])
+    load_ms = float(re.findall(r"injected tokens \[0, 7999\) \(7999\) from nixl:\S+ in ([0-9.]+) ms \(background;",
+                               log)[0])
     print(f"NIXL background load of {N_BIG} tokens (~40 MB): {load_ms:.0f} ms")
     assert data["pool"]["entries"] == 0 and data["pool"]["used_bytes"] == 0, data["pool"]
     assert data["pool2"]["entries"] == 0 and data["pool2"]["used_bytes"] == 0, data["pool2"]

@@ -40,8 +40,11 @@ Notable:
   load thread stops (at its next layer; vLLM frees the blocks then), and its rows are never used.
 
 Outputs: each finished request's `kv_transfer_params` carries `slope_jax_loaded_tokens` (tokens injected) and
-`slope_jax_status`: "loaded", "not used: <reason>" (refused before loading, vLLM prefilled it) or
-"recomputed: the KV load failed: <reason>" (0 tokens loaded, vLLM prefilled it under `recompute`).
+`slope_jax_status`: "loaded", "not used: <reason>" (refused before loading, vLLM prefilled it), "not needed: …"
+(vLLM's prefix cache held the prompt's first n−1 tokens), "validated" (the
+export passed its checks but vLLM asked for no external tokens — a request it computes itself, e.g. with `echo` or
+`prompt_logprobs` — so nothing was loaded) or "recomputed: the KV load failed: <reason>" (0 tokens loaded, vLLM
+prefilled it under `recompute`).
 
 No JAX is imported here (numpy, safetensors, ml_dtypes and torch only); docs/kv-format.md §6 lists the setup.
 """
@@ -770,8 +773,10 @@ class SlopeJaxConnector(KVConnectorBase_V1, SupportsHMA):
         """Record a load whose rows are all written (worker's thread)."""
         self._worker_meta.loaded.add(load.req_id)
         self._worker_meta.transports[load.req_id] = done.via
-        logger.info("SlopeJaxConnector: request %s: injected %d tokens from %s in %.1f ms (%s; read and verified in "
-                    "%.1f ms, cache writes %.1f ms)", load.req_id, load.export.num_tokens - 1,
+        lo = min((r[0] for r in (load.rows or {}).values()), default=0)  # vLLM's own tokens end here (full groups)
+        hi = max((r[1] for r in (load.rows or {}).values()), default=0)
+        logger.info("SlopeJaxConnector: request %s: injected tokens [%d, %d) (%d) from %s in %.1f ms (%s; read and "
+                    "verified in %.1f ms, cache writes %.1f ms)", load.req_id, lo, hi, hi - lo,
                     load.source or load.export.path, done.wall_s * 1e3, load.how, done.read_s * 1e3,
                     done.write_s * 1e3)
 
