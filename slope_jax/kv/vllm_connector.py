@@ -41,10 +41,9 @@ Notable:
 
 Outputs: each finished request's `kv_transfer_params` carries `slope_jax_loaded_tokens` (tokens injected) and
 `slope_jax_status`: "loaded", "not used: <reason>" (refused before loading, vLLM prefilled it), "not needed: …"
-(vLLM's prefix cache held the prompt's first n−1 tokens), "validated" (the
-export passed its checks but vLLM asked for no external tokens — a request it computes itself, e.g. with `echo` or
-`prompt_logprobs` — so nothing was loaded) or "recomputed: the KV load failed: <reason>" (0 tokens loaded, vLLM
-prefilled it under `recompute`).
+(vLLM's prefix cache held the prompt's first n−1 tokens), "validated" (the export passed its checks but vLLM asked
+for no external tokens — a request it computes itself, e.g. with `echo` or `prompt_logprobs` — so nothing was
+loaded) or "recomputed: the KV load failed: <reason>" (0 tokens loaded, vLLM prefilled it under `recompute`).
 
 No JAX is imported here (numpy, safetensors, ml_dtypes and torch only); docs/kv-format.md §6 lists the setup.
 """
