@@ -39,7 +39,7 @@ Transparent: whatever `vllm serve` accepts the proxy passes on. The flow is vLLM
   hex>", so a retry with the same id is a new export, never the first one's KV; the answer's X-Slope-Jax-Export
   names it (comma-separated for a list), beside X-Slope-Jax-First-Token and X-Slope-Jax-TTFT-ms (the prefill's).
 - A client that disconnects cancels its work on both sides: the proxy's handler is cancelled, which closes its
-  connections to the prefill (a request not yet taken by the prefill's loop is dropped there) and to the decode
+  connections to the prefill (a request whose prefill has not started is cancelled there) and to the decode
   server (vLLM aborts the request).
 - Reclaiming: once the decode server's answer has been relayed whole, the proxy tells the prefill server
   (POST /v1/kv/release) that the export was consumed; after a failure or a disconnect it does so `release_grace_s`
