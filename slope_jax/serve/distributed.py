@@ -200,7 +200,7 @@ class PeerWatch:
         self._lost_event = threading.Event()
         self._ended: set[int] = set()  # peers whose connection has closed
         self._ended_cv = threading.Condition()
-        self._on_lost = on_peer_lost or _exit_with
+        self._on_lost = on_peer_lost or exit_with
         for pid, conn in conns.items():
             conn.settimeout(None)
             threading.Thread(target=self._watch, args=(pid, conn), name=f"slope_jax-peer-watch-{pid}",
@@ -280,7 +280,9 @@ class PeerWatch:
                 self._ended_cv.wait_for(lambda: len(self._ended) >= len(self.conns), timeout=2.0)
 
 
-def _exit_with(message: str) -> None:
+def exit_with(message: str) -> None:
+    """Print `slope_jax: error: <message>` (one line, never interleaved with another error) and exit with status 2
+    at once (no exit handlers: JAX's shutdown barrier would wait for peers that are gone)."""
     from slope_jax import cli
 
     cli.EXITING.acquire()  # the main thread may be reporting its own error: one line, never two

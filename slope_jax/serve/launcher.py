@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import threading
 import time
 import traceback
 
@@ -54,6 +55,7 @@ FLAGS = flags.FLAGS
 
 _STEP_FLAGS = launch_config.STEP_FLAGS  # the flags of the start-up fingerprint (every process must agree)
 _STATE: dict = {"watch": None, "multi": False}
+_SUMMARY_ONCE = threading.Lock()  # `_summary_so_far`: held from the first call until the process exits
 
 
 def _fingerprint(config: LaunchConfig) -> dict:
@@ -200,11 +202,28 @@ def _finish(config: LaunchConfig, engine, front, t_start: float) -> int:
 
 
 def _on_term(sig: str) -> None:
-    """SIGTERM/SIGINT (`distributed.exit_on_sigterm`'s thread, the process then exits): tell the peers, and on
-    process 0 print the summary of the records written so far (an HTTP endpoint runs until it is stopped: its
-    operator reads what it served here, as after a --requests run)."""
+    """SIGTERM/SIGINT (`distributed.exit_on_sigterm`'s thread, the process then exits): tell the peers, and print
+    the summary so far."""
     if _STATE["watch"] is not None:
         _STATE["watch"].close(f"terminated by {sig}")
+    _summary_so_far(sig)
+
+
+def _on_peer_lost(message: str) -> None:
+    """The peer watch's exit (a peer died or failed, e.g. `local.sh` stopping every process): the summary so far,
+    then the one error line and status 2."""
+    from slope_jax.serve import distributed
+
+    _summary_so_far("a peer's loss")
+    distributed.exit_with(message)
+
+
+def _summary_so_far(why: str) -> None:
+    """Process 0, a run ending early (SIGTERM, Ctrl-C, a peer lost): print the summary of the records written so far
+    (an HTTP endpoint runs until it is stopped: its operator reads what it served here, as after a --requests run).
+    Once: a second caller (the signal and the peer watch race when every process is signalled) waits for the first's
+    exit."""
+    _SUMMARY_ONCE.acquire()
     front, config = _STATE.get("front"), _STATE.get("config")
     if front is None or not config.summary:
         return
@@ -212,7 +231,7 @@ def _on_term(sig: str) -> None:
 
     wall_s = max(time.perf_counter() - _STATE["t_start"], 1e-9)
     print(summary.format_summary(list(front.records), wall_s, shutil.get_terminal_size((120, 24)).columns)
-          + f"\n(summary at {sig}: requests still queued or computing have no record)", file=sys.stderr, flush=True)
+          + f"\n(summary at {why}: requests still queued or computing have no record)", file=sys.stderr, flush=True)
 
 
 def _compile_line(engine) -> str:
@@ -263,7 +282,7 @@ def _start(config: LaunchConfig) -> None:
     except distributed.StartupError as e:
         _fail(f"start-up failed: {e}")
     if conns:
-        _STATE["watch"] = distributed.PeerWatch(config.process_id, conns)
+        _STATE["watch"] = distributed.PeerWatch(config.process_id, conns, on_peer_lost=_on_peer_lost)
 
 
 def _run(config: LaunchConfig) -> None:
