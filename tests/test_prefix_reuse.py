@@ -62,6 +62,17 @@ def _check(cold, hot, prompt, want_cached, tmp_path=None):
 SWEEP = [(9, 8), (17, 16), (24, 16), (12, 8), (41, 40), (70, 40)]
 
 
+def test_timed_runs_measure_each_length_and_cache_nothing(checkpoints):
+    """`PrefillEngine.timed_runs` (the launcher's warm-up of its --precompile buckets) returns one measured time per
+    length and leaves no prefix-cache entry behind: its dummy prompts must not serve, or be counted as, real hits."""
+    eng = _engine(checkpoints)
+    runs = eng.timed_runs([24, 40])
+    assert [n for n, _ in runs] == [24, 40] and all(ms > 0 for _, ms in runs)
+    ids = (np.arange(40) % CONFIG_A.vocab_size).astype(np.int32)  # the warm-up's own prompt
+    assert eng.prefill([ids], return_kv=False)[0].cached_tokens == 0
+    assert eng.prefill([ids], return_kv=False)[0].cached_tokens == 32  # while a real prompt is cached (blocks of 8)
+
+
 def test_hit_equals_cold_on_one_device(checkpoints, reference_engines):
     hot = _engine(checkpoints)
     hot.prefill([BASE[:40]])  # cached: 5 blocks

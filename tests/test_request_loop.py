@@ -155,6 +155,19 @@ class _FlakyEngine:
         return [f"result-{i}" for i in ids]
 
 
+def test_broadcast_reassembles_values_longer_than_one_chunk():
+    """`compute.Broadcast` sends a value as its byte length and fixed-size chunks (two compiled collectives however
+    large a batch is); the chunks reassemble into the value at every size around the chunk boundaries (one process:
+    the collectives are the identity, the chunking is what is checked)."""
+    b = compute.Broadcast(True)
+    b.CHUNK = 64
+    for size in (1, 50, 63, 64, 65, 200, 640):
+        value = {"ids": "x" * size, "n": [size, None]}
+        assert b(value) == value, size
+    b.warm()  # compiles the collectives ahead of the first batch; no effect on later values
+    assert b([["r", [1, 2, 3]]]) == [["r", [1, 2, 3]]] and compute.Broadcast(False)(None) is None
+
+
 def test_a_failing_step_is_retried_per_request_and_blamed_on_one():
     eng = _FlakyEngine()
     prompts = [[1] * 5, [13] * 6, [2] * 7, [3] * 20, [4] * 3]
@@ -339,10 +352,12 @@ def test_first_request_is_not_held_back_for_a_later_one():
         p.stdin.close()
         second = json.loads(p.stdout.readline())
         assert p.wait(timeout=60) == 0
+        err = p.stderr.read()
     finally:
         p.kill()
     assert first["id"] == "first" and second["id"] == "second"
     assert first["compile_ms"] < 1.0  # --precompile covered its bucket
+    assert "cost model seeded by 1 warm-up step(s)" in err  # and ran it, so predictions start from its time
     assert first["ttft_ms"] < wait_ms + first["compute_ms"] + 200, first  # measured: ~wait + compute + ~1 ms
 
 

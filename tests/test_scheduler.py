@@ -205,6 +205,19 @@ def test_online_correction_tracks_measured_speed():
     assert pred.factor == 4.0
 
 
+def test_online_correction_seeded_by_measured_warm_up_steps():
+    """Warm-up steps measured before traffic set the factor (geometric mean of measured / predicted) in place of the
+    uninformed 1.0 that the first requests were predicted with; clipped like `observe`; unusable samples are
+    skipped, and with none left the factor stays."""
+    pred = OnlineCorrection(per_request(10.0), max_factor=8.0)
+    assert pred.seed([([1], 20.0), ([1, 1], 160.0)]) == pytest.approx(4.0)  # ratios 2 and 8: geometric mean 4
+    assert pred([3, 5]) == pytest.approx(80.0)  # two requests at 10 ms each, x4
+    assert pred.seed([([1], 1e6)]) == 8.0  # clipped
+    assert pred.seed([([], 5.0), ([1], 0.0), ([1], float("nan"))]) == 8.0  # nothing usable: unchanged
+    pred.observe([1], 10.0)  # later batches correct it as before (alpha 0.2 from the seeded factor)
+    assert pred.factor == pytest.approx(0.8 * 8.0 + 0.2 * 1.0)
+
+
 def test_scheduler_and_simulation_import_without_jax():
     import subprocess
     import sys
@@ -253,7 +266,10 @@ def test_urgent_short_request_leaves_first_and_alone_behind_seven_long_ones():
         s.finished(0.129)
         batch, rejected, _ = s.take_batch(0.129, closed=True)
         assert rejected == [] and [p.id for p in batch] == [f"long{i}" for i in range(7)]
-        assert batch[0].predicted_compute_ms == pytest.approx(7 * 1008.0, abs=1e-6)  # bucket 1008
+        # the steps run one after another: each member's own step is 1008 ms (bucket 1008), its TTFT its step's end
+        assert [p.predicted_compute_ms for p in batch] == pytest.approx([1008.0] * 7, abs=1e-6)
+        assert [p.predicted_ttft_ms for p in batch] == pytest.approx([129.0 + 1008.0 * k for k in range(1, 8)],
+                                                                     abs=1e-6)
 
 
 def test_batch_rides_only_in_free_step_slots_past_other_buckets():
@@ -377,3 +393,39 @@ def test_compile_estimate_follows_the_latest_measured_compile():
     assert model.compile_ms((32, 1)) == 0.0 and model.compile_ms((768, 1)) == 41_000.0
     engine.compile_ms[(48, 1)] = 900.0  # a persistent-cache hit compiles fast: the estimate drops with it
     assert model.compile_ms((768, 1)) == 900.0 and model([40, 600]) == pytest.approx(48.0 + 608.0, abs=1e-9)
+
+
+def test_each_member_is_predicted_at_the_end_of_its_own_step():
+    """The engine runs a batch's steps one after another (`steps.group_steps`: by bucket, `per_step` prompts each)
+    and a request's first token is ready when its step ends: a member's predicted TTFT is the end of its own step
+    (the steps before it, then its step's compute and the compile of its shape where the batch first runs it), not
+    the batch's end (which every member was given before: the first members' predictions were the whole batch's
+    time, and the part spent on earlier steps read as compute rather than waiting). The simulator times members the
+    same way."""
+    bucket = lambda n: 64 if n <= 64 else 256  # noqa: E731
+    step = lambda t, m: t + 10.0 * m  # noqa: E731
+    compiled = set()
+    s = Scheduler(batch_predictor(step, bucket, per_step=2), batch_size=8, batch_wait_ms=0, bucket=bucket,
+                  per_step=2, compile_ms=lambda shape: 0.0 if shape in compiled else 500.0)
+    for i, n in enumerate([10, 20, 30]):  # one bucket (64): a step of 2 prompts, then a step of 1
+        s.add(req(f"r{i}", 0.0, None, n=n))
+    batch, rejected, _ = s.take_batch(0.002, closed=True)
+    assert rejected == [] and len(batch) == 3
+    got = {p.id: (p.predicted_ttft_ms, p.predicted_compute_ms, p.predicted_compile_ms) for p in batch}
+    # (64 x 2: r0, r1) 84 ms + its compile 500; (64 x 1: r2) 74 ms + its compile 500 (another shape)
+    assert got["r0"] == got["r1"] == pytest.approx((2.0 + 584.0, 584.0, 500.0))
+    assert got["r2"] == pytest.approx((2.0 + 584.0 + 574.0, 574.0, 500.0))
+    assert [p.predicted_share for p in batch] == pytest.approx([584.0 / 1158.0] * 2 + [1.0])
+    compiled.add((64, 2))  # a later batch of the compiled shape pays no compile in its step
+    for i, n in enumerate([10, 20]):
+        s.add(req(f"q{i}", 1.0, None, n=n))
+    s.finished(1.0)
+    batch, _, _ = s.take_batch(1.0, closed=True)
+    assert [p.predicted_ttft_ms for p in batch] == pytest.approx([84.0] * 2)
+    assert [p.predicted_compile_ms for p in batch] == [0.0, 0.0]
+
+    from slope_jax.serve.simulate import TraceRequest, simulate
+    trace = [TraceRequest(f"s{i}", 0.0, n, None) for i, n in enumerate([10, 20, 30])]
+    run = simulate(trace, batch_predictor(step, bucket, per_step=1), batch_size=8, batch_wait_ms=0, bucket=bucket)
+    assert [r["ttft_ms"] for r in run.records] == pytest.approx([74.0, 148.0, 222.0])
+    assert [r["predicted_ttft_ms"] for r in run.records] == pytest.approx([74.0, 148.0, 222.0])

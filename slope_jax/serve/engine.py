@@ -388,6 +388,25 @@ class PrefillEngine:
             for m in per_step:
                 self.compiled(self.bucket(int(n)), m)
 
+    def timed_runs(self, lengths: Sequence[int]) -> list[tuple[int, float]]:
+        """Run one prompt of each of these lengths twice (token ids `0, 1, …` modulo the vocabulary; prefix reuse
+        off, nothing exported or kept) and return `[(length, ms)]`, the wall time of the second run: the first pays
+        what a program's first execution costs once (its buffers, the runtime's first dispatch; ~50 ms more per
+        bucket of the tiny checkpoint on 8 CPU devices), which no later request pays. The launcher runs its
+        `--precompile` lengths through this before traffic and seeds the scheduler's cost model with the times
+        (`slo.BatchModel.seed`). Under several processes every process must call it with the same lengths (the
+        steps are collective). Raises what `prefill` raises."""
+        out = []
+        vocab = self.cfg.vocab_size
+        for n in lengths:
+            ids = np.arange(int(n), dtype=np.int64) % vocab
+            for _ in range(2):
+                t0 = time.perf_counter()
+                self.prefill([ids], prefix_reuse=False, return_kv=False)
+                ms = (time.perf_counter() - t0) * 1e3
+            out.append((int(n), ms))
+        return out
+
     @_one_at_a_time
     def compiled(self, t: int, m: int, prefix_rows: int = 0):
         """The compiled step for bucket length t, m prompts in flight and (prefix reuse) `prefix_rows` rows of cached

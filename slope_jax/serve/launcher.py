@@ -80,13 +80,17 @@ def _serve(config: LaunchConfig) -> int:
     engine = PrefillEngine.from_checkpoint(config.checkpoint, parallel, config.dtype,
                                            progress=jax.process_index() == 0, options=config.step_options,
                                            reuse=config.reuse_options())
+    warm_runs = []
     if config.precompile:
         engine.precompile(config.precompile_lengths)
+        warm_runs = engine.timed_runs(config.precompile_lengths)  # every process: the steps are collective
     kv_store = config.kv_store()  # the one owner of the --kv_dir policy: the intake, the HTTP endpoint, the engine
     if kv_store is not None:
         engine.use_store(kv_store)  # its reuse index (earlier runs' exports too) and retention serve the engine
     engine.peer_rows = peer_rows.start(config)  # several processes: how early P/D answers get the rows
     front = Front.open(engine, config, cfg, max_tokens, hardware, kv_store) if jax.process_index() == 0 else None
+    if front is not None and warm_runs:
+        front.predict_ms.seed(warm_runs)  # the first requests' predictions start from measured steps
     _STATE.update(front=front, config=config, t_start=t_start)  # the summary at SIGTERM (`_on_term`)
     try:
         compute.compute_loop(engine, compute.Broadcast(jax.process_count() > 1), front, kv_store=kv_store,

@@ -7,8 +7,9 @@ for prompts of these token counts (`slope_jax.plan.predict` per bucket, or a mea
 `bucket` (token count -> compiled length) and `per_step` (prompts per engine step) the scheduler knows the step
 shapes `(bucket, prompts)` a batch runs, and with `compile_ms(shape)` (expected XLA compile ms of a shape, 0 once
 compiled) it adds the compilation of every shape the plan has not compiled before, once: the first batch of a new
-bucket pays it, later ones do not. The scheduler treats every member of a batch as finishing when the whole batch
-does (the launcher writes a batch's records when it ends).
+bucket pays it, later ones do not. Admission plans every member of a batch as finishing when the whole batch does
+(conservative); at release each member's predicted TTFT is the end of its own step, since the engine runs a batch's
+steps one after another and a request's first token is ready when its step ends.
 
 Policy (docs/design.md §7, "the request loop uses the same model"):
   * Order: `order="edf"` serves the earliest deadline first; requests without an SLO come after all requests with
@@ -91,8 +92,9 @@ class Pending:
     `Scheduler.add` fills it from `default_slo_ms`).
     Set by the scheduler: late (serve_late: predicted to miss its deadline, served behind on-time requests);
     dropped (rejected after admission because work ahead overran its prediction);
-    predicted_ttft_ms / predicted_compute_ms / predicted_compile_ms (when released: the model's TTFT from arrival,
-    its batch's compute and the compiling inside it), to write next to the measured TTFT.
+    predicted_ttft_ms / predicted_compute_ms / predicted_compile_ms (when released: the model's TTFT from arrival —
+    until its own step of the batch ends —, its step's compute and the compiling inside it), to write next to the
+    measured TTFT; predicted_share: the fraction of its batch's predicted time after which its step ends.
     """
 
     request: Any
@@ -107,6 +109,7 @@ class Pending:
     dropped: bool = False  # rejected after having been admitted (work ahead overran its prediction)
     seq: int = -1  # arrival order, set by `add` (FCFS tie-break)
     cached_tokens: int = 0  # prompt tokens expected from the prefix cache (prefix reuse): the step computes the rest
+    predicted_share: float = 1.0  # its step ends after this fraction of its batch's predicted time (set at release)
 
     @property
     def work(self) -> int | tuple[int, int]:
@@ -250,7 +253,7 @@ class Scheduler:
                 return [], rejected, None
             start = now
             plan = self._plan(self._sorted(self._queue), start, head_only=self.slo_policy == "none")
-            head, head_compute_ms, head_compile_ms = plan[0][0], plan[0][2], plan[0][3]
+            head, head_compute_ms = plan[0][0], plan[0][2]
             oldest = min(p.arrival_s for p in head)
             wait_until = oldest + self.batch_wait_s
             slack = _slack(plan)
@@ -259,9 +262,10 @@ class Scheduler:
                 return [], rejected, max(0.0, min(wait_until - now, slack))
             taken = {id(p) for p in head}
             self._queue = [p for p in self._queue if id(p) not in taken]
-            for p in head:
-                p.predicted_compute_ms, p.predicted_compile_ms = head_compute_ms, head_compile_ms
-                p.predicted_ttft_ms = (now + head_compute_ms / 1e3 - p.arrival_s) * 1e3
+            for p, (done_ms, step_ms, compile_ms) in zip(head, self._member_times(head, head_compute_ms)):
+                p.predicted_compute_ms, p.predicted_compile_ms = step_ms, compile_ms
+                p.predicted_ttft_ms = (now + done_ms / 1e3 - p.arrival_s) * 1e3
+                p.predicted_share = done_ms / head_compute_ms if head_compute_ms > 0 else 1.0
             self._busy_until = now + head_compute_ms / 1e3
             return head, rejected, None
 
@@ -306,6 +310,28 @@ class Scheduler:
             return ms, set()
         new = self._shapes(batch) - compiled
         return ms + sum(float(self.compile_ms(shape)) for shape in new), new
+
+    def _member_times(self, batch: Sequence[Pending], total_ms: float) -> list[tuple[float, float, float]]:
+        """Per member of a released batch, in order: (ms from the batch's start until its own step ends, its step's
+        ms, the part of that compiling). The engine runs a batch's steps one after another (`steps.group_steps`)
+        and a request's first token is ready when its step ends, so a member of a later step waits for the steps
+        before it. Each step costs `predict_ms` of its prompts plus compiling its shape where the batch first runs
+        it; the steps are scaled to sum to `total_ms` (the batch's predicted time, as admission planned it)."""
+        works = [p.work for p in batch]
+        steps, compiled = [], set()
+        for key, idx in group_steps(works, self._step_key, self.per_step):
+            shape = (key, len(idx))
+            compile_ms = float(self.compile_ms(shape)) if self.compile_ms is not None and shape not in compiled else 0.0
+            compiled.add(shape)
+            steps.append((idx, float(self.predict_ms([works[i] for i in idx])) + compile_ms, compile_ms))
+        scale = total_ms / sum(ms for _, ms, _ in steps) if sum(ms for _, ms, _ in steps) > 0 else 1.0
+        out: list = [None] * len(batch)
+        done = 0.0
+        for idx, ms, compile_ms in steps:
+            done += ms * scale
+            for i in idx:
+                out[i] = (done, ms * scale, compile_ms * scale)
+        return out
 
     def _keeps(self, p: Pending, finish_s: float) -> float:
         """The latest finish of p's batch that keeps p's deadline, if p would make it at `finish_s`; else inf."""
@@ -488,6 +514,21 @@ class OnlineCorrection:
 
     def __call__(self, lengths: list[int]) -> float:
         return float(self.base(lengths)) * self.factor
+
+    def seed(self, samples: list[tuple[list, float]]) -> float:
+        """Set the factor from measured batches before any request — `[(lengths, measured_ms)]`, e.g. warm-up runs
+        of the buckets traffic will use — as the geometric mean of measured / predicted (clipped as `observe`
+        clips), in place of the uninformed 1.0 the first requests were otherwise predicted with. Samples without a
+        positive prediction and time are skipped; none left: the factor stays. Returns the factor."""
+        ratios = []
+        for lengths, measured_ms in samples:
+            base = float(self.base(lengths))
+            if base > 0 and measured_ms > 0 and math.isfinite(measured_ms):
+                ratios.append(measured_ms / base)
+        if ratios:
+            f = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+            self.factor = min(self.max_factor, max(1 / self.max_factor, f))
+        return self.factor
 
     def observe(self, lengths: list[int], measured_ms: float) -> None:
         """Fold in one finished batch: its prompt lengths and its measured compute time in ms."""

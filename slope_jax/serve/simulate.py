@@ -110,7 +110,7 @@ def simulate(trace: Sequence[TraceRequest], predict_ms: PredictMs, *, service_ms
     records: dict[str, dict] = {}
     i, now, wait_s = 0, 0.0, None
     in_flight: list[Pending] = []
-    busy_end = math.inf
+    busy_start = busy_end = math.inf
     while True:
         while i < len(trace) and trace[i].arrival_s <= now:
             r = trace[i]
@@ -119,7 +119,9 @@ def simulate(trace: Sequence[TraceRequest], predict_ms: PredictMs, *, service_ms
             i += 1
         if in_flight and busy_end <= now:
             for p in in_flight:
-                rec = {"id": p.id, "num_tokens": p.num_tokens, "ttft_ms": (busy_end - p.arrival_s) * 1e3,
+                # its first token: when its step of the batch ends (the steps run one after another)
+                done = busy_start + (busy_end - busy_start) * p.predicted_share
+                rec = {"id": p.id, "num_tokens": p.num_tokens, "ttft_ms": (done - p.arrival_s) * 1e3,
                        "ttft_slo_ms": p.request.ttft_slo_ms, "predicted_ttft_ms": p.predicted_ttft_ms}
                 if p.request.ttft_slo_ms is not None:
                     rec["slo_met"] = rec["ttft_ms"] <= p.request.ttft_slo_ms
@@ -134,7 +136,7 @@ def simulate(trace: Sequence[TraceRequest], predict_ms: PredictMs, *, service_ms
                              "error": reason, "rejected": True, "slo_met": False,
                              "rejected_after_ms": (now - p.arrival_s) * 1e3, "dropped": p.dropped}
         if batch:
-            in_flight = batch
+            in_flight, busy_start = batch, now
             busy_end = now + float(service_ms([p.num_tokens for p in batch])) / 1e3
         nxt = min(trace[i].arrival_s if i < len(trace) else math.inf, busy_end,
                   now + wait_s if wait_s is not None else math.inf)

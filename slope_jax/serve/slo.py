@@ -237,6 +237,15 @@ class BatchModel:
         ms = self._latest(loads=False, hit=hit)
         return prior if ms is None else ms
 
+    def seed(self, runs: list[tuple[int, float]]) -> None:
+        """Start the online correction from measured warm-up steps `[(prompt length, ms)]` (`PrefillEngine.
+        timed_runs`, one prompt each) instead of the uncorrected model (`OnlineCorrection.seed`); logs the result."""
+        before = [self.model.base([n]) for n, _ in runs]
+        factor = self.model.seed([([n], ms) for n, ms in runs])
+        logging.info("cost model seeded by %d warm-up step(s): measured %s ms vs predicted %s ms -> predictions x%.2f",
+                     len(runs), ", ".join(f"{ms:.0f}" for _, ms in runs), ", ".join(f"{b:.0f}" for b in before),
+                     factor)
+
     def observe(self, lengths: list[int], measured_ms: float) -> None:
         """Fold in one finished batch's measured compute (ms, compilation excluded)."""
         self._record()
