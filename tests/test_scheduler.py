@@ -218,6 +218,28 @@ def test_online_correction_seeded_by_measured_warm_up_steps():
     assert pred.factor == pytest.approx(0.8 * 8.0 + 0.2 * 1.0)
 
 
+def test_refreshed_prefix_hits_of_queued_requests_set_their_predictions():
+    """A request admitted while its prefix was not cached yet (the request that exports it was queued or running)
+    is re-estimated after each batch (`refresh_expected`, the head of the queue in service order, up to `limit`):
+    released as the hit it will be, predicted from its new tokens, not as the cold prompt."""
+    new_tokens = lambda works: sum(w[0] - w[1] if isinstance(w, tuple) else w for w in works)  # noqa: E731 (1 ms/token)
+    s = Scheduler(new_tokens, batch_size=1, batch_wait_ms=0)
+    for rid, n in (("doc", 600), ("turn", 1400), ("other", 900)):
+        s.add(req(rid, 0.0, 60_000, n=n))
+    batch, _, _ = s.take_batch(0.0, closed=True)
+    assert [p.id for p in batch] == ["doc"]
+    hits = {"turn": 512, "other": 256}
+    assert s.refresh_expected(lambda p: hits.get(p.id, 0), limit=1) == 1  # only the head: "turn"
+    s.finished(0.6)
+    batch, _, _ = s.take_batch(0.6, closed=True)
+    assert [p.id for p in batch] == ["turn"] and batch[0].cached_tokens == 512
+    assert batch[0].predicted_compute_ms == pytest.approx(888.0) and batch[0].predicted_ttft_ms == pytest.approx(1488.0)
+    assert s.refresh_expected(lambda p: 0) == 0  # "other" was never refreshed: still 0, unchanged
+    s.finished(1.5)
+    batch, _, _ = s.take_batch(1.5, closed=True)
+    assert [p.id for p in batch] == ["other"] and batch[0].predicted_compute_ms == pytest.approx(900.0)
+
+
 def test_scheduler_and_simulation_import_without_jax():
     import subprocess
     import sys

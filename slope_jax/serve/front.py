@@ -391,7 +391,11 @@ class Intake:
         a request with an earlier deadline is ordered (EDF) and admitted against the queue as it is: picking from
         the queue alone started a long request whose deadline was seconds away ahead of a short one that had just
         arrived and could only wait behind it (benchmarks/slo_peer.py: 2-4 of 48 requests rejected at 0.7-1.0
-        requests/s, each after the previous batch ended with it unread)."""
+        requests/s, each after the previous batch ended with it unread). The head of the queue's expected
+        prefix-cache hits are looked up again first (`Scheduler.refresh_expected`): the batch that just ended may
+        have exported the prefix they share."""
+        if self.peek is not None:  # the batch just finished may have exported prefixes queued requests share
+            self.scheduler.refresh_expected(lambda p: self.peek(p.request))
         while True:
             self._drain()
             self._cancel_left()

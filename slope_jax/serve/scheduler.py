@@ -228,6 +228,22 @@ class Scheduler:
                 self._busy_until = now + sum(expected[s] for s in shapes) / 1e3
             return shapes
 
+    def refresh_expected(self, expected: Callable[[Pending], int], limit: int = 32) -> int:
+        """Re-estimate the prefix-cache hit (`Pending.cached_tokens`) of the first `limit` admitted requests in
+        service order with `expected(p)`: a batch that finished since they were admitted may have exported the
+        prefix they share (an agent's turns, questions of one document queued behind the first), and predicting
+        them cold overstates their compute and compile (another program) for admission and for their
+        `predicted_ttft_ms`. Bounded to the head of the queue: it is what runs next, and each estimate hashes the
+        prompt. Returns how many estimates changed."""
+        with self._lock:
+            head = self._sorted(self._queue)[:max(0, int(limit))]
+        changed = 0
+        for p in head:
+            n = int(expected(p))
+            if n != p.cached_tokens:
+                p.cached_tokens, changed = n, changed + 1
+        return changed
+
     def finished(self, now: float) -> None:
         """The batch in flight has finished at `now` (perf_counter seconds): the engine is free."""
         with self._lock:
