@@ -159,6 +159,10 @@ def test_answer_logprobs_are_a_log_softmax_of_the_logits():
                                           "num_tokens": 3, "token_ids_sha256": kvfmt.token_hash(np.array([7, 8, 9]))}
     assert {k: body[k] for k in ("ttft_ms", "queue_ms", "compute_ms", "predicted_ttft_ms")} == {
         "ttft_ms": 5.0, "queue_ms": 1.0, "compute_ms": 4.0, "predicted_ttft_ms": 4.5}
+    assert "prediction_note" not in body  # within 25 % of the prediction: the record has none either
+    note = "TTFT 9 ms vs 4 ms predicted (+100%): mostly computing, 8 ms vs 4 ms predicted"
+    _, body = http.completion_body({**record, "ttft_ms": 9.0, "prediction_note": note}, v, "m")
+    assert body["prediction_note"] == note  # the answer says why, as the results record does
     status, body = http.completion_body({"id": "r", "line": 4, "error": "line 4 (r): rejected: predicted TTFT 9.0 "
                                          "ms exceeds the allowed 1.0 ms (ttft_slo_ms)", "rejected": True}, v, "m")
     assert status == 503 and body["error"]["message"].startswith("request (r): rejected: predicted TTFT")

@@ -67,7 +67,7 @@ def test_timed_runs_measure_each_length_and_cache_nothing(checkpoints):
     length and leaves no prefix-cache entry behind: its dummy prompts must not serve, or be counted as, real hits."""
     eng = _engine(checkpoints)
     runs = eng.timed_runs([24, 40])
-    assert [n for n, _ in runs] == [24, 40] and all(ms > 0 for _, ms in runs)
+    assert [(n, m) for n, m, _ in runs] == [(24, 1), (40, 1)] and all(ms > 0 for *_, ms in runs)
     ids = (np.arange(40) % CONFIG_A.vocab_size).astype(np.int32)  # the warm-up's own prompt
     assert eng.prefill([ids], return_kv=False)[0].cached_tokens == 0
     assert eng.prefill([ids], return_kv=False)[0].cached_tokens == 32  # while a real prompt is cached (blocks of 8)

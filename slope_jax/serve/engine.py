@@ -390,10 +390,11 @@ class PrefillEngine:
 
     TIMED_REPEAT_UNDER_MS = 1000.0  # `timed_runs` runs a length again only when its first run took less than this
 
-    def timed_runs(self, lengths: Sequence[int]) -> list[tuple[int, float]]:
-        """Run one prompt of each of these lengths (token ids `0, 1, …` modulo the vocabulary; prefix reuse off,
-        nothing exported or kept) and return `[(length, ms)]`, the wall time of its last run. A length whose first
-        run took under `TIMED_REPEAT_UNDER_MS` runs twice and reports the second: the first pays what a program's
+    def timed_runs(self, lengths: Sequence[int]) -> list[tuple[int, int, float]]:
+        """Run steps of each of these lengths — one prompt, and on a mesh also `parallel.in_flight` prompts in one
+        step (token ids `0, 1, …` modulo the vocabulary; prefix reuse off, nothing exported or kept) — and return
+        `[(length, prompts, ms)]`, the wall time of each step's last run. A step whose first run took under
+        `TIMED_REPEAT_UNDER_MS` runs twice and reports the second: the first pays what a program's
         first execution costs once (its buffers, the runtime's first dispatch; ~50 ms more per bucket of the tiny
         checkpoint on 8 CPU devices), which no later request pays and which would overstate a short step; on a
         longer one that cost is a few percent, and a second run would double the warm-up. The launcher runs its
@@ -405,15 +406,16 @@ class PrefillEngine:
 
         out = []
         vocab = self.cfg.vocab_size
-        for n in lengths:
+        per_step = [1] if self.mesh is None else sorted({1, self.parallel.in_flight})
+        for n, m in ((n, m) for n in lengths for m in per_step):
             ids = np.arange(int(n), dtype=np.int64) % vocab
             for run in range(2):
                 t0 = time.perf_counter()
-                self.prefill([ids], prefix_reuse=False, return_kv=False)
+                self.prefill([ids] * m, prefix_reuse=False, return_kv=False)
                 ms = (time.perf_counter() - t0) * 1e3
                 if run == 0 and Broadcast(jax.process_count() > 1)(ms) >= self.TIMED_REPEAT_UNDER_MS:
                     break
-            out.append((int(n), ms))
+            out.append((int(n), m, ms))
         return out
 
     @_one_at_a_time

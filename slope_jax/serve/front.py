@@ -207,11 +207,12 @@ class Front:
                                       config.memory_budget_bytes)
         front = cls(engine, config, cfg, max_tokens, tokenizer, out, kv_store, memory)
         front.predict_ms = slo.batch_model(engine, hardware, config.dtype, jax.local_device_count())
-        front.scheduler = _scheduler(config, engine, front.predict_ms)
+        front.scheduler = _scheduler(config, engine, front.predict_ms,
+                                     engine.reuse.block_size if front.shares_prefixes else 0)
         peers = engine.peer_rows.peer_pools if engine.peer_rows is not None else None
         front.source = start_source(config, src, cfg, max_tokens, tok_path, kv_store, engine.host_tier, peers)
         front.intake = Intake(front.source, front.scheduler, front.parse_line, front.emit, config.ttft_slo_ms,
-                              peek=front.expected_hit)
+                              peek=front.expected_hit, hashes=front.prefix_hashes)
         return front
 
     def emit(self, rec: dict) -> None:
@@ -269,16 +270,29 @@ class Front:
         except Exception as e:  # noqa: BLE001 - a failing prediction is this request's error, not the run's
             return f"memory admission failed: {type(e).__name__}: {e}"
 
-    def expected_hit(self, req) -> int:
+    def expected_hit(self, req, usable: list[str] | None = None) -> int:
         """Prompt tokens `req` will most likely take from the prefix cache (`serve.reuse.peek`): admission predicts
-        its TTFT from the rest. 0 when reuse is off or the lookup fails."""
+        its TTFT from the rest. 0 when reuse is off or the lookup fails. `usable`: its `prefix_hashes`."""
         from slope_jax.serve import reuse
 
         try:
-            return reuse.peek(self.engine, req.tokens, req.cache_salt, self.config.kv_dir)
+            return reuse.peek(self.engine, req.tokens, req.cache_salt, self.config.kv_dir, usable)
         except Exception as e:  # noqa: BLE001 - a failed lookup only makes the prediction pessimistic
             logging.warning("prefix lookup for admission of %s failed: %s", req.id, e)
             return 0
+
+    def prefix_hashes(self, req) -> list[str]:
+        """`req`'s usable block hashes (`serve.reuse.usable_hashes`) where a prompt served before it can leave its
+        prefix for it (the scheduler's `prefix_block`), else []."""
+        from slope_jax.serve import reuse
+
+        return reuse.usable_hashes(self.engine, req.tokens, req.cache_salt) if self.shares_prefixes else []
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether a prompt's KV, once computed, can serve a later prompt's prefix in this run: reuse on and a place
+        that keeps it (the host tier of a single process, or `--kv_dir`)."""
+        return self.engine.reuse.enabled and (self.engine.host_tier is not None or self.kv_store is not None)
 
     def observe(self, lengths: list, busy_ms: float) -> None:
         """Online correction: the cost model learns the batch's measured busy time; the scheduler frees the engine."""
@@ -328,25 +342,28 @@ class Front:
             self.emit(result_record(req, res, self.engine, self.tokenizer, self.config.ttft_slo_ms, item))
 
 
-def _scheduler(config: LaunchConfig, engine, predict_ms):
-    """The SLO scheduler of the run (`serve.scheduler.Scheduler`) over the cost model `predict_ms`."""
+def _scheduler(config: LaunchConfig, engine, predict_ms, prefix_block: int = 0):
+    """The SLO scheduler of the run (`serve.scheduler.Scheduler`) over the cost model `predict_ms`; `prefix_block`:
+    the prefix cache's block size where prompts served first leave prefixes for later ones (else 0)."""
     from slope_jax.serve.scheduler import Scheduler
 
     return Scheduler(predict_ms, batch_size=config.batch_size, batch_wait_ms=config.batch_wait_ms,
                      order=config.order, slo_policy=config.slo_policy, default_slo_ms=config.ttft_slo_ms,
                      bucket=engine.bucket, per_step=predict_ms.per_step, compile_ms=predict_ms.compile_ms,
-                     hit_key=engine.step_key)
+                     hit_key=engine.step_key, prefix_block=prefix_block)
 
 
 class Intake:
     """Process 0's side of the loop: lines from the reader thread → parsed requests (as `scheduler.Pending`) in the
     scheduler, bad lines and rejected requests → error records at once."""
 
-    def __init__(self, reader, scheduler, parse_line, emit, default_slo_ms: float | None = None, peek=None):
+    def __init__(self, reader, scheduler, parse_line, emit, default_slo_ms: float | None = None, peek=None,
+                 hashes=None):
         from slope_jax.serve.scheduler import Pending  # numpy: not before main() has set up SIGTERM handling
 
         self.reader, self.scheduler, self.parse_line, self.emit = reader, scheduler, parse_line, emit
-        self.peek = peek  # request -> prompt tokens expected from the prefix cache
+        self.peek = peek  # (request, its hashes) -> prompt tokens expected from the prefix cache
+        self.hashes = hashes  # request -> its usable prefix block hashes (the scheduler matches queued prompts)
         self.default_slo_ms = default_slo_ms
         self.pending_type = Pending
         self.closed = False
@@ -358,7 +375,9 @@ class Intake:
         for req in self.parse_line(*item):
             deadline = None if req.ttft_slo_ms is None else req.arrival + req.ttft_slo_ms / 1e3
             item = self.pending_type(req, req.id, int(req.tokens.size), req.arrival, deadline)
-            item.cached_tokens = self.peek(req) if self.peek is not None else 0
+            item.prefix_hashes = tuple(self.hashes(req)) if self.hashes is not None else ()
+            item.cache_tokens = self.peek(req, list(item.prefix_hashes) or None) if self.peek is not None else 0
+            item.cached_tokens = item.cache_tokens
             self.scheduler.add(item)
 
     def _drain(self) -> None:
@@ -395,7 +414,7 @@ class Intake:
         prefix-cache hits are looked up again first (`Scheduler.refresh_expected`): the batch that just ended may
         have exported the prefix they share."""
         if self.peek is not None:  # the batch just finished may have exported prefixes queued requests share
-            self.scheduler.refresh_expected(lambda p: self.peek(p.request))
+            self.scheduler.refresh_expected(lambda p: self.peek(p.request, list(p.prefix_hashes) or None))
         while True:
             self._drain()
             self._cancel_left()

@@ -4,8 +4,9 @@ r"""The prefill endpoint of a prefill/decode (P/D) deployment: an OpenAI-style c
     POST /v1/completions   {"prompt": "It was the best" | [ids...], "max_tokens": 1, "ttft_slo_ms": 500,
                             "logprobs": 2, "request_id": "doc-17", "model": NAME}
       200: an OpenAI completion whose one choice is the first token (text, token_ids, logprobs if asked), plus
-           ttft_ms / queue_ms / compute_ms / compile_ms / export_ms / predicted_ttft_ms (the scheduler's cost model)
-           and `kv_transfer_params` for the decode side's connector (`slope_jax.kv.vllm_connector`):
+           ttft_ms / queue_ms / compute_ms / compile_ms / export_ms / predicted_ttft_ms (the scheduler's cost model;
+           prediction_note when the TTFT is more than 25 % from it) and `kv_transfer_params` for the decode side's
+           connector (`slope_jax.kv.vllm_connector`):
            {"slope_jax_kv_path": absolute export directory, "slope_jax_first_token": int, "num_tokens": int,
             "token_ids_sha256": `slope_jax.kv.format.token_hash(ids)`, "slope_jax_nixl": {...}}. The path is
            process 0's (a decode server that sees the same filesystem may read it); "slope_jax_nixl" is the NIXL
@@ -414,8 +415,8 @@ def completion_body(record: dict, validated: Validated, model_name: str) -> tupl
                                "slope_jax_first_token": first, "num_tokens": record["num_tokens"],
                                "token_ids_sha256": kvfmt.token_hash(tokens)},
     }
-    for key in ("ttft_ms", "queue_ms", "compute_ms", "compile_ms", "export_ms", "predicted_ttft_ms", "ttft_slo_ms",
-                "slo_met", "late"):
+    for key in ("ttft_ms", "queue_ms", "compute_ms", "compile_ms", "export_ms", "predicted_ttft_ms",
+                "prediction_note", "ttft_slo_ms", "slo_met", "late"):
         if key in record:
             body[key] = record[key]
     if validated.chat:

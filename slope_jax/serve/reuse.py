@@ -112,13 +112,24 @@ def find(engine, tokens: list[np.ndarray], salts: list[str | None], kv_dir: str 
     return _agree(engine, tokens, hits, store)
 
 
-def peek(engine, tokens: np.ndarray, salt: str | None, kv_dir: str | None) -> int:
+def usable_hashes(engine, tokens: np.ndarray, salt: str | None) -> list[str]:
+    """The chained block hashes of `tokens` a hit may cover (whole blocks, at most n − 1 tokens; `kv.prefix`) under
+    the engine's prefix identity and `salt`; [] with reuse off. Two prompts share a cached prefix of as many tokens
+    as their lists' common leading hashes times the block size."""
+    if not engine.reuse.enabled:
+        return []
+    block = engine.reuse.block_size
+    return _limit(prefix_lib.block_hashes(tokens, engine.prefix_identity(salt), block), tokens.size, block)
+
+
+def peek(engine, tokens: np.ndarray, salt: str | None, kv_dir: str | None, usable: list[str] | None = None) -> int:
     """Tokens of `tokens` a prefill would most likely take from the prefix cache now (host tier or `kv_dir` index;
-    nothing is read or verified): what admission predicts a request's TTFT from. 0 with reuse off."""
+    nothing is read or verified): what admission predicts a request's TTFT from. 0 with reuse off. `usable`: the
+    prompt's `usable_hashes`, when already computed."""
     if not engine.reuse.enabled:
         return 0
     block = engine.reuse.block_size
-    usable = _limit(prefix_lib.block_hashes(tokens, engine.prefix_identity(salt), block), tokens.size, block)
+    usable = usable_hashes(engine, tokens, salt) if usable is None else usable
     if not usable:
         return 0
     best = engine.host_tier.lookup(usable, touch=False)[1] if engine.host_tier is not None else 0

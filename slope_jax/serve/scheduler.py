@@ -109,6 +109,8 @@ class Pending:
     dropped: bool = False  # rejected after having been admitted (work ahead overran its prediction)
     seq: int = -1  # arrival order, set by `add` (FCFS tie-break)
     cached_tokens: int = 0  # prompt tokens expected from the prefix cache (prefix reuse): the step computes the rest
+    cache_tokens: int = 0  # of those, what the cache holds now (the rest: shared with a request served before it)
+    prefix_hashes: tuple = ()  # its usable prefix block hashes (`serve.reuse.usable_hashes`), () when not tracked
     predicted_share: float = 1.0  # its step ends after this fraction of its batch's predicted time (set at release)
 
     @property
@@ -141,6 +143,11 @@ class Scheduler:
       hit_key: `hit_key(n, cached) -> (bucket, cached rows)`, the step of a prefix hit (`PrefillEngine.step_key`);
         a hit's compile shape is then `((bucket, cached rows), prompts)`. Requests carry their expected hit in
         `Pending.cached_tokens`; `predict_ms` then receives `(n, cached)` for them (`Pending.work`).
+      prefix_block: the prefix cache's block size (tokens) where a prompt, once served, leaves its KV for later ones
+        (0: not modelled). With one prompt per step, a request whose `prefix_hashes` share leading blocks with a
+        request ahead of it in service order (among the first `SHARE_WINDOW`) is expected to take those blocks
+        from it — the engine runs a batch's steps as separate prefills, so a later step finds an earlier one's
+        prompt — and `cached_tokens` is the larger of that and `cache_tokens`.
     Raises:
       ValueError naming the argument and its allowed values.
     Thread safety: `add` may be called from a reader thread while the loop calls `take_batch`.
@@ -150,7 +157,7 @@ class Scheduler:
                  order: str = "edf", slo_policy: str = "reject", default_slo_ms: float | None = None,
                  bucket: Callable[[int], int] | None = None, per_step: int = 1,
                  compile_ms: Callable[[tuple[int, int]], float] | None = None,
-                 hit_key: Callable[[int, int], tuple[int, int]] | None = None):
+                 hit_key: Callable[[int, int], tuple[int, int]] | None = None, prefix_block: int = 0):
         if order not in ORDERS:
             raise ValueError(f"order={order!r}: must be one of {ORDERS}")
         if slo_policy not in SLO_POLICIES:
@@ -166,7 +173,7 @@ class Scheduler:
         if compile_ms is not None and bucket is None:
             raise ValueError("compile_ms needs bucket: compiled step shapes are (bucket, prompts)")
         self.bucket, self.per_step, self.compile_ms = bucket, int(per_step), compile_ms
-        self.hit_key = hit_key
+        self.hit_key, self.prefix_block = hit_key, max(0, int(prefix_block))
         self.predict_ms = predict_ms
         self.batch_size = int(batch_size)
         self.batch_wait_s = batch_wait_ms / 1e3
@@ -229,19 +236,20 @@ class Scheduler:
             return shapes
 
     def refresh_expected(self, expected: Callable[[Pending], int], limit: int = 32) -> int:
-        """Re-estimate the prefix-cache hit (`Pending.cached_tokens`) of the first `limit` admitted requests in
-        service order with `expected(p)`: a batch that finished since they were admitted may have exported the
-        prefix they share (an agent's turns, questions of one document queued behind the first), and predicting
-        them cold overstates their compute and compile (another program) for admission and for their
-        `predicted_ttft_ms`. Bounded to the head of the queue: it is what runs next, and each estimate hashes the
-        prompt. Returns how many estimates changed."""
+        """Re-estimate what the prefix cache holds for the first `limit` admitted requests in service order
+        (`Pending.cache_tokens`, and `cached_tokens` from it) with `expected(p)`: a batch that finished since they
+        were admitted may have exported the prefix they share (an agent's turns, questions of one document queued
+        behind the first), and predicting them cold overstates their compute and compile (another program) for
+        admission and for their `predicted_ttft_ms`. Bounded to the head of the queue: it is what runs next, and
+        each estimate hashes the prompt. Returns how many estimates changed."""
         with self._lock:
             head = self._sorted(self._queue)[:max(0, int(limit))]
         changed = 0
         for p in head:
             n = int(expected(p))
-            if n != p.cached_tokens:
-                p.cached_tokens, changed = n, changed + 1
+            if n != p.cache_tokens:
+                p.cache_tokens, changed = n, changed + 1
+            p.cached_tokens = n  # `take_batch` adds what a request ahead will leave (`_share_ahead`)
         return changed
 
     def finished(self, now: float) -> None:
@@ -264,9 +272,11 @@ class Scheduler:
             time — sleep until the next arrival or `finished`).
         """
         with self._lock:
+            self._share_ahead(self._sorted(self._queue + self._new))
             rejected = self._admit(now)
             if not self._queue or self._busy_until is not None:
                 return [], rejected, None
+            self._share_ahead(self._sorted(self._queue))  # admission may have rejected a request others shared
             start = now
             plan = self._plan(self._sorted(self._queue), start, head_only=self.slo_policy == "none")
             head, head_compute_ms = plan[0][0], plan[0][2]
@@ -327,18 +337,34 @@ class Scheduler:
         new = self._shapes(batch) - compiled
         return ms + sum(float(self.compile_ms(shape)) for shape in new), new
 
+    def _share_ahead(self, ordered: Sequence[Pending]) -> None:
+        """Expected prefix hits from requests served earlier in this order (`prefix_block`, class docstring): for
+        each of the first `SHARE_WINDOW` requests, the most leading blocks its `prefix_hashes` share with one ahead
+        of it, or `cache_tokens` if more. Not with several prompts per step (prompts of one step do not reuse each
+        other, and which step each lands in is not known here)."""
+        if not self.prefix_block or self.per_step != 1:
+            return
+        head = ordered[:SHARE_WINDOW]
+        for i, p in enumerate(head):
+            best = p.cache_tokens
+            for q in head[:i]:
+                best = max(best, _common_blocks(p.prefix_hashes, q.prefix_hashes) * self.prefix_block)
+            p.cached_tokens = best
+
     def _member_times(self, batch: Sequence[Pending], total_ms: float) -> list[tuple[float, float, float]]:
         """Per member of a released batch, in order: (ms from the batch's start until its own step ends, its step's
-        ms, the part of that compiling). The engine runs a batch's steps one after another (`steps.group_steps`)
-        and a request's first token is ready when its step ends, so a member of a later step waits for the steps
-        before it. Each step costs `predict_ms` of its prompts plus compiling its shape where the batch first runs
-        it; the steps are scaled to sum to `total_ms` (the batch's predicted time, as admission planned it)."""
+        ms, the part of that compiling). The launcher runs a batch's steps one after another, grouped by the prompts'
+        lengths as `compute.prefill_isolated` groups them (`steps.group_steps` over the cold buckets: a prefix hit
+        is found when its step starts), and a request's first token is ready when its step ends, so a member of a
+        later step waits for the steps before it. Each step costs `predict_ms` of its prompts plus compiling the
+        programs it runs (a hit's own) where the batch first runs them; the steps are scaled to sum to `total_ms`
+        (the batch's predicted time, as admission planned it)."""
         works = [p.work for p in batch]
         steps, compiled = [], set()
-        for key, idx in group_steps(works, self._step_key, self.per_step):
-            shape = (key, len(idx))
-            compile_ms = float(self.compile_ms(shape)) if self.compile_ms is not None and shape not in compiled else 0.0
-            compiled.add(shape)
+        for _, idx in group_steps([p.num_tokens for p in batch], self._group, self.per_step):
+            shapes = step_shapes([works[i] for i in idx], self._step_key, self.per_step) - compiled
+            compile_ms = sum(float(self.compile_ms(s)) for s in shapes) if self.compile_ms is not None else 0.0
+            compiled |= shapes
             steps.append((idx, float(self.predict_ms([works[i] for i in idx])) + compile_ms, compile_ms))
         scale = total_ms / sum(ms for _, ms, _ in steps) if sum(ms for _, ms, _ in steps) > 0 else 1.0
         out: list = [None] * len(batch)
@@ -448,6 +474,19 @@ class Scheduler:
             if parts[1] > 0 and float(self.compile_ms(shape)) > 0:  # parts[1]: compiling; its own shape is new
                 self._warm[shape] = None
         return rejected
+
+
+SHARE_WINDOW = 32  # requests at the head of the queue whose shared prefixes with the ones ahead are modelled
+
+
+def _common_blocks(a: Sequence[str], b: Sequence[str]) -> int:
+    """How many leading block hashes two prompts share (chained hashes: equal up to there, different after)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _slack(plan) -> float:

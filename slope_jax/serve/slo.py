@@ -188,13 +188,14 @@ class BatchModel:
         self.identity = program_identity(engine) if compile_cache.directory() else None
         self.cached = compile_cache.compiled_steps(self.identity) if self.identity else set()
         self._recorded: set = set()
-        self._record()
+        self.record_compiled()
 
     def __call__(self, lengths: list) -> float:
         return self.model(lengths)
 
-    def _record(self) -> None:
-        """Add the shapes this process compiled since the last call to the persistent cache's step index."""
+    def record_compiled(self) -> None:
+        """Add the shapes this process compiled since the last call to the persistent cache's step index (also
+        called after idle-time warm compiles, which no later prediction may follow in this run)."""
         from slope_jax import compile_cache
 
         new = [k for k, _ in _items(self.engine.compile_ms) if k not in self._recorded]
@@ -226,7 +227,7 @@ class BatchModel:
         from slope_jax import compile_cache
 
         key = engine_key(shape)
-        self._record()
+        self.record_compiled()
         if key in self.engine.compile_ms:
             return 0.0
         hit = len(key) == 3
@@ -237,18 +238,18 @@ class BatchModel:
         ms = self._latest(loads=False, hit=hit)
         return prior if ms is None else ms
 
-    def seed(self, runs: list[tuple[int, float]]) -> None:
-        """Start the online correction from measured warm-up steps `[(prompt length, ms)]` (`PrefillEngine.
-        timed_runs`, one prompt each) instead of the uncorrected model (`OnlineCorrection.seed`); logs the result."""
-        before = [self.model.base([n]) for n, _ in runs]
-        factor = self.model.seed([([n], ms) for n, ms in runs])
+    def seed(self, runs: list[tuple[int, int, float]]) -> None:
+        """Start the online correction from measured warm-up steps `[(prompt length, prompts, ms)]`
+        (`PrefillEngine.timed_runs`) instead of the uncorrected model (`OnlineCorrection.seed`); logs the result."""
+        before = [self.model.base([n] * m) for n, m, _ in runs]
+        factor = self.model.seed([([n] * m, ms) for n, m, ms in runs])
         logging.info("cost model seeded by %d warm-up step(s): measured %s ms vs predicted %s ms -> predictions x%.2f",
-                     len(runs), ", ".join(f"{ms:.0f}" for _, ms in runs), ", ".join(f"{b:.0f}" for b in before),
+                     len(runs), ", ".join(f"{ms:.0f}" for *_, ms in runs), ", ".join(f"{b:.0f}" for b in before),
                      factor)
 
     def observe(self, lengths: list[int], measured_ms: float) -> None:
         """Fold in one finished batch's measured compute (ms, compilation excluded)."""
-        self._record()
+        self.record_compiled()
         self.model.observe(lengths, measured_ms)
 
 
