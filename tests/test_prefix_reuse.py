@@ -68,6 +68,9 @@ def test_timed_runs_measure_each_length_and_cache_nothing(checkpoints):
     eng = _engine(checkpoints)
     runs = eng.timed_runs([24, 40])
     assert [(n, m) for n, m, _ in runs] == [(24, 1), (40, 1)] and all(ms > 0 for *_, ms in runs)
+    assert eng.bucket(39) == eng.bucket(40) != eng.bucket(24)
+    assert [n for n, *_ in eng.timed_runs([40, 39, 40, 24])] == [24, 39]  # one length per bucket, shortest first
+    assert [n for n, *_ in eng.timed_runs([40, 24], budget_ms=1e-3)] == [24]  # no step starts past the budget
     ids = (np.arange(40) % CONFIG_A.vocab_size).astype(np.int32)  # the warm-up's own prompt
     assert eng.prefill([ids], return_kv=False)[0].cached_tokens == 0
     assert eng.prefill([ids], return_kv=False)[0].cached_tokens == 32  # while a real prompt is cached (blocks of 8)

@@ -111,10 +111,11 @@ for _field in dataclasses.fields(StepOptions):  # one flag per step option, same
     else:
         flags.DEFINE_integer(_field.name, _field.default, STEP_OPTION_HELP[_field.name])
 flags.DEFINE_list("precompile", [], "Prompt lengths whose buckets are compiled before the first request is read "
-                  "(e.g. 1024,4096,16384), so early requests do not wait for compilation; each then runs on a dummy "
-                  "prompt (twice when the first run takes under 1 s: its first execution's one-time cost is paid "
-                  "before traffic) and the last run's time seeds the scheduler's cost model, so the first requests' "
-                  "TTFT predictions and admission follow this machine's measured speed. Compiled programs go to "
+                  "(e.g. 1024,4096,16384), so early requests do not wait for compilation; each bucket then runs on a "
+                  "dummy prompt, shortest first, for up to 30 s in all (twice when the first run takes under 1 s: "
+                  "its first execution's one-time cost is paid before traffic) and the runs' times seed the "
+                  "scheduler's cost model, so the first requests' TTFT predictions and admission follow this "
+                  "machine's measured speed. Compiled programs go to "
                   "the compilation cache: `--precompile=... --requests=/dev/null` fills it and exits.")
 flags.DEFINE_string("compile_cache_dir", None, "Persistent XLA compilation cache directory: compiled length buckets "
                     "are kept there and loaded by later runs (the start-up log says cache hit or miss per bucket). "
