@@ -63,14 +63,17 @@ SWEEP = [(9, 8), (17, 16), (24, 16), (12, 8), (41, 40), (70, 40)]
 
 
 def test_timed_runs_measure_each_length_and_cache_nothing(checkpoints):
-    """`PrefillEngine.timed_runs` (the launcher's warm-up of its --precompile buckets) returns one measured time per
+    """`compute.timed_runs` (the launcher's warm-up of its --precompile buckets) returns one measured time per
     length and leaves no prefix-cache entry behind: its dummy prompts must not serve, or be counted as, real hits."""
     eng = _engine(checkpoints)
-    runs = eng.timed_runs([24, 40])
+    from slope_jax.serve.compute import Broadcast, timed_runs
+
+    runs = timed_runs(eng, [24, 40], Broadcast(False))
     assert [(n, m) for n, m, _ in runs] == [(24, 1), (40, 1)] and all(ms > 0 for *_, ms in runs)
     assert eng.bucket(39) == eng.bucket(40) != eng.bucket(24)
-    assert [n for n, *_ in eng.timed_runs([40, 39, 40, 24])] == [24, 39]  # one length per bucket, shortest first
-    assert [n for n, *_ in eng.timed_runs([40, 24], budget_ms=1e-3)] == [24]  # no step starts past the budget
+    one = Broadcast(False)
+    assert [n for n, *_ in timed_runs(eng, [40, 39, 40, 24], one)] == [24, 39]  # one length per bucket, shortest first
+    assert [n for n, *_ in timed_runs(eng, [40, 24], one, budget_ms=1e-3)] == [24]  # no step starts past the budget
     ids = (np.arange(40) % CONFIG_A.vocab_size).astype(np.int32)  # the warm-up's own prompt
     assert eng.prefill([ids], return_kv=False)[0].cached_tokens == 0
     assert eng.prefill([ids], return_kv=False)[0].cached_tokens == 32  # while a real prompt is cached (blocks of 8)

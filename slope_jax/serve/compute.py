@@ -119,6 +119,44 @@ def warm_up(engine, keys: list, front=None) -> None:
         front.scheduler.finished(time.perf_counter())
 
 
+TIMED_REPEAT_UNDER_MS = 1000.0  # `timed_runs` runs a step again only when its first run took less than this
+TIMED_BUDGET_MS = 30_000.0  # `timed_runs` starts no further step once its runs took this long in all
+
+
+def timed_runs(engine, lengths, broadcast: Broadcast, budget_ms: float = TIMED_BUDGET_MS) -> list:
+    """Every process (the steps are collective; `broadcast` shares process 0's times, so every process makes the
+    same choices): run steps of these lengths' buckets on `engine` — one prompt, and on a mesh also
+    `parallel.in_flight` prompts in one step (token ids `0, 1, …` modulo the vocabulary; prefix reuse off, nothing
+    exported or kept) — and return `[(length, prompts, ms)]`, the wall time of each step's last run: one length per
+    bucket, shortest first, until the runs took `budget_ms` in all. A step whose first run took under
+    `TIMED_REPEAT_UNDER_MS` runs twice and reports the second: the first pays what a program's first execution costs
+    once (its buffers, the runtime's first dispatch; ~50 ms more per bucket of the tiny checkpoint on 8 CPU
+    devices), which no later request pays and which would overstate a short step; on a longer one that cost is a
+    few percent, and a second run would double the warm-up. The launcher runs its `--precompile` lengths through
+    this before traffic and seeds the scheduler's cost model with the times (`slo.BatchModel.seed`). Raises what
+    `PrefillEngine.prefill` raises."""
+    import numpy as np
+
+    buckets: dict = {}
+    for n in sorted(int(x) for x in lengths):
+        buckets.setdefault(engine.bucket(n), n)
+    per_step = [1] if engine.mesh is None else sorted({1, engine.parallel.in_flight})
+    out, spent = [], 0.0
+    for n, m in ((n, m) for n in buckets.values() for m in per_step):
+        if spent >= budget_ms:
+            break
+        ids = np.arange(n, dtype=np.int64) % engine.cfg.vocab_size
+        for _ in range(2):
+            t0 = time.perf_counter()
+            engine.prefill([ids] * m, prefix_reuse=False, return_kv=False)
+            ms = float(broadcast((time.perf_counter() - t0) * 1e3))
+            spent += ms
+            if ms >= TIMED_REPEAT_UNDER_MS:
+                break
+        out.append((n, m, ms))
+    return out
+
+
 def prefill_isolated(engine, items: list[BatchItem], *, kv_store=None, kv_full: bool | None = None,
                      top_k: int = 5, on_computed=None) -> list:
     """Run a batch so that a failure is attributed to the request that causes it: items go in the engine steps of

@@ -388,44 +388,6 @@ class PrefillEngine:
             for m in per_step:
                 self.compiled(self.bucket(int(n)), m)
 
-    TIMED_REPEAT_UNDER_MS = 1000.0  # `timed_runs` runs a step again only when its first run took less than this
-    TIMED_BUDGET_MS = 30_000.0  # `timed_runs` starts no further step once its runs took this long in all
-
-    def timed_runs(self, lengths: Sequence[int], budget_ms: float | None = None) -> list[tuple[int, int, float]]:
-        """Run steps of these lengths' buckets — one prompt, and on a mesh also `parallel.in_flight` prompts in one
-        step (token ids `0, 1, …` modulo the vocabulary; prefix reuse off, nothing exported or kept) — and return
-        `[(length, prompts, ms)]`, the wall time of each step's last run: one length per bucket, shortest first,
-        until the runs took `budget_ms` (default `TIMED_BUDGET_MS`) in all. A step whose first run took under
-        `TIMED_REPEAT_UNDER_MS` runs twice and reports the second: the first pays what a program's first execution
-        costs once (its buffers, the runtime's first dispatch; ~50 ms more per bucket of the tiny checkpoint on 8
-        CPU devices), which no later request pays and which would overstate a short step; on a longer one that cost
-        is a few percent, and a second run would double the warm-up. The launcher runs its `--precompile` lengths
-        through this before traffic and seeds the scheduler's cost model with the times (`slo.BatchModel.seed`).
-        Under several processes every process must call it with the same lengths (the steps are collective; the
-        times are process 0's, broadcast, so every process makes the same choices). Raises what `prefill` raises."""
-        from slope_jax.serve.compute import Broadcast
-
-        budget = self.TIMED_BUDGET_MS if budget_ms is None else float(budget_ms)
-        share = Broadcast(jax.process_count() > 1)
-        buckets = {}
-        for n in sorted(int(x) for x in lengths):
-            buckets.setdefault(self.bucket(n), n)
-        per_step = [1] if self.mesh is None else sorted({1, self.parallel.in_flight})
-        out, spent = [], 0.0
-        for n, m in ((n, m) for n in buckets.values() for m in per_step):
-            if spent >= budget:
-                break
-            ids = np.arange(n, dtype=np.int64) % self.cfg.vocab_size
-            for _ in range(2):
-                t0 = time.perf_counter()
-                self.prefill([ids] * m, prefix_reuse=False, return_kv=False)
-                ms = float(share((time.perf_counter() - t0) * 1e3))
-                spent += ms
-                if ms >= self.TIMED_REPEAT_UNDER_MS:
-                    break
-            out.append((n, m, ms))
-        return out
-
     @_one_at_a_time
     def compiled(self, t: int, m: int, prefix_rows: int = 0):
         """The compiled step for bucket length t, m prompts in flight and (prefix reuse) `prefix_rows` rows of cached

@@ -12,6 +12,7 @@ import os
 import queue
 import sys
 import time
+from collections.abc import Sequence
 
 from absl import logging
 
@@ -270,7 +271,7 @@ class Front:
         except Exception as e:  # noqa: BLE001 - a failing prediction is this request's error, not the run's
             return f"memory admission failed: {type(e).__name__}: {e}"
 
-    def expected_hit(self, req, usable: list[str] | None = None) -> int:
+    def expected_hit(self, req, usable: Sequence[str] | None = None) -> int:
         """Prompt tokens `req` will most likely take from the prefix cache (`serve.reuse.peek`): admission predicts
         its TTFT from the rest. 0 when reuse is off or the lookup fails. `usable`: its `prefix_hashes`."""
         from slope_jax.serve import reuse
@@ -376,7 +377,7 @@ class Intake:
             deadline = None if req.ttft_slo_ms is None else req.arrival + req.ttft_slo_ms / 1e3
             item = self.pending_type(req, req.id, int(req.tokens.size), req.arrival, deadline)
             item.prefix_hashes = tuple(self.hashes(req)) if self.hashes is not None else ()
-            item.cache_tokens = self.peek(req, list(item.prefix_hashes) or None) if self.peek is not None else 0
+            item.cache_tokens = self.peek(req, item.prefix_hashes or None) if self.peek is not None else 0
             item.cached_tokens = item.cache_tokens
             self.scheduler.add(item)
 
@@ -414,7 +415,7 @@ class Intake:
         prefix-cache hits are looked up again first (`Scheduler.refresh_expected`): the batch that just ended may
         have exported the prefix they share."""
         if self.peek is not None:  # the batch just finished may have exported prefixes queued requests share
-            self.scheduler.refresh_expected(lambda p: self.peek(p.request, list(p.prefix_hashes) or None))
+            self.scheduler.refresh_expected(lambda p: self.peek(p.request, p.prefix_hashes or None))
         while True:
             self._drain()
             self._cancel_left()

@@ -83,7 +83,8 @@ def _serve(config: LaunchConfig) -> int:
     warm_runs = []
     if config.precompile:
         engine.precompile(config.precompile_lengths)
-        warm_runs = engine.timed_runs(config.precompile_lengths)  # every process: the steps are collective
+        # every process (the steps are collective): warm-up runs whose times seed the cost model below
+        warm_runs = compute.timed_runs(engine, config.precompile_lengths, compute.Broadcast(jax.process_count() > 1))
     kv_store = config.kv_store()  # the one owner of the --kv_dir policy: the intake, the HTTP endpoint, the engine
     if kv_store is not None:
         engine.use_store(kv_store)  # its reuse index (earlier runs' exports too) and retention serve the engine

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -122,7 +123,8 @@ def usable_hashes(engine, tokens: np.ndarray, salt: str | None) -> list[str]:
     return _limit(prefix_lib.block_hashes(tokens, engine.prefix_identity(salt), block), tokens.size, block)
 
 
-def peek(engine, tokens: np.ndarray, salt: str | None, kv_dir: str | None, usable: list[str] | None = None) -> int:
+def peek(engine, tokens: np.ndarray, salt: str | None, kv_dir: str | None, usable: Sequence[str] | None = None
+         ) -> int:
     """Tokens of `tokens` a prefill would most likely take from the prefix cache now (host tier or `kv_dir` index;
     nothing is read or verified): what admission predicts a request's TTFT from. 0 with reuse off. `usable`: the
     prompt's `usable_hashes`, when already computed."""

@@ -339,17 +339,19 @@ class Scheduler:
 
     def _share_ahead(self, ordered: Sequence[Pending]) -> None:
         """Expected prefix hits from requests served earlier in this order (`prefix_block`, class docstring): for
-        each of the first `SHARE_WINDOW` requests, the most leading blocks its `prefix_hashes` share with one ahead
-        of it, or `cache_tokens` if more. Not with several prompts per step (prompts of one step do not reuse each
-        other, and which step each lands in is not known here)."""
+        each of the first `SHARE_WINDOW` requests, its leading blocks whose hashes a request ahead of it holds
+        (hashes are chained: a block's hash held ahead means every block before it is shared too), or
+        `cache_tokens` if more. Not with several prompts per step (prompts of one step do not reuse each other, and
+        which step each lands in is not known here)."""
         if not self.prefix_block or self.per_step != 1:
             return
-        head = ordered[:SHARE_WINDOW]
-        for i, p in enumerate(head):
-            best = p.cache_tokens
-            for q in head[:i]:
-                best = max(best, _common_blocks(p.prefix_hashes, q.prefix_hashes) * self.prefix_block)
-            p.cached_tokens = best
+        ahead: set = set()
+        for p in ordered[:SHARE_WINDOW]:
+            shared = 0
+            while shared < len(p.prefix_hashes) and p.prefix_hashes[shared] in ahead:
+                shared += 1
+            p.cached_tokens = max(p.cache_tokens, shared * self.prefix_block)
+            ahead.update(p.prefix_hashes)
 
     def _member_times(self, batch: Sequence[Pending], total_ms: float) -> list[tuple[float, float, float]]:
         """Per member of a released batch, in order: (ms from the batch's start until its own step ends, its step's
@@ -477,16 +479,6 @@ class Scheduler:
 
 
 SHARE_WINDOW = 32  # requests at the head of the queue whose shared prefixes with the ones ahead are modelled
-
-
-def _common_blocks(a: Sequence[str], b: Sequence[str]) -> int:
-    """How many leading block hashes two prompts share (chained hashes: equal up to there, different after)."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _slack(plan) -> float:

@@ -240,7 +240,7 @@ class BatchModel:
 
     def seed(self, runs: list[tuple[int, int, float]]) -> None:
         """Start the online correction from measured warm-up steps `[(prompt length, prompts, ms)]`
-        (`PrefillEngine.timed_runs`) instead of the uncorrected model (`OnlineCorrection.seed`); logs the result."""
+        (`compute.timed_runs`) instead of the uncorrected model (`OnlineCorrection.seed`); logs the result."""
         before = [self.model.base([n] * m) for n, m, _ in runs]
         factor = self.model.seed([([n] * m, ms) for n, m, ms in runs])
         logging.info("cost model seeded by %d warm-up step(s): measured %s ms vs predicted %s ms -> predictions x%.2f",
