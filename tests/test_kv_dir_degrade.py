@@ -100,8 +100,24 @@ def _fails_at(point: str, code: int):
     return inject
 
 
+def _safetensors_fails(code: int):
+    """The shard file's write fails as safetensors reports a full disk or a file-size limit: its own
+    SafetensorError "... (os error N)", not an OSError (probe: a traceback per request and staging debris)."""
+    def inject(monkeypatch, d):
+        import safetensors.numpy
+        from safetensors import SafetensorError
+
+        def save_file(tensors, path, metadata=None):
+            with open(path, "wb") as f:
+                f.write(b"partial")  # some bytes reached the disk first
+            raise SafetensorError(f"Error while serializing: I/O error: {os.strerror(code)} (os error {code})")
+        monkeypatch.setattr(safetensors.numpy, "save_file", save_file)
+    return inject
+
+
 FAULTS = {
     "read-only": (_read_only, errno.EROFS),
+    "disk-full-safetensors": (_safetensors_fails(errno.ENOSPC), errno.ENOSPC),
     "disk-full-shard": (_fails_at("shard_written", errno.ENOSPC), errno.ENOSPC),
     "quota-manifest": (_fails_at("manifest_written", errno.EDQUOT), errno.EDQUOT),
     "disk-full-version": (_fails_at("version_ready", errno.ENOSPC), errno.ENOSPC),

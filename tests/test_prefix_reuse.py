@@ -371,6 +371,22 @@ def _garbage_with_matching_digest(path):
     json.dump(m, open(os.path.join(vdir, "manifest.json"), "w"))
 
 
+def _remap_manifest(how):
+    """Edit the manifest's mapping of layers to tensors (every file's bytes and digest stay valid): `how` "kv" swaps
+    the k and v tensor names of layer 1's segments, "layers" swaps the `layer` ids of layers 1 and 3 (same kind)."""
+    def edit(path):
+        mpath = os.path.join(os.path.realpath(path), "manifest.json")
+        m = json.load(open(mpath))
+        recs = {r["layer"]: r for r in m["layers"]}
+        if how == "kv":
+            for seg in recs[1]["segments"]:
+                seg["k"], seg["v"] = seg["v"], seg["k"]
+        else:
+            recs[1]["layer"], recs[3]["layer"] = 3, 1
+        json.dump(m, open(mpath, "w"))
+    return edit
+
+
 @pytest.mark.parametrize("damage, reason", [
     (_flip_last_byte, "XXH3-128"),  # tampered bytes
     (_truncate, "bytes"),  # truncated file
@@ -379,7 +395,10 @@ def _garbage_with_matching_digest(path):
     (_edit_manifest(**{"model.sliding_window": 11}), "sliding_window"),  # another window
     (_edit_manifest(**{"model.num_key_value_heads": 2}), "num_key_value_heads"),  # another KV layout
     (_garbage_with_matching_digest, "unreadable"),  # digests rewritten to match bytes no parser reads
-], ids=["tampered", "truncated", "fingerprint", "dtype", "window", "kv_heads", "garbage"])
+    (_remap_manifest("kv"), "names tensor"),  # k and v swapped: verified bytes, wrong KV (probe: logits off 1.46)
+    (_remap_manifest("layers"), "names tensor"),  # two layers' records swapped
+], ids=["tampered", "truncated", "fingerprint", "dtype", "window", "kv_heads", "garbage", "kv_swapped",
+        "layers_swapped"])
 def test_a_bad_entry_is_skipped_with_its_reason_and_the_prompt_computed_cold(checkpoints, reference_engines,
                                                                              tmp_path, caplog, damage, reason):
     d = str(tmp_path / "kv")

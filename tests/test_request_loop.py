@@ -443,11 +443,16 @@ def test_launch_config_is_the_flags_once_validated():
     assert config.kv_store().kv_dir == "kv" and LaunchConfig().kv_store() is None
     for given, message in [({"batch_size": 0}, "--batch_size=0: must be > 0"),
                            ({"q_tile": 0}, "--q_tile=0: must be a positive integer"),
-                           ({"device_memory_gib": -1.0}, "--device_memory_gib=-1.0: must be > 0"),
+                           ({"device_memory_gib": -1.0}, "--device_memory_gib=-1.0: must be a finite number > 0"),
                            ({"layout": "auto"}, "--layout=auto needs --ttft_slo_ms"),
                            ({"precompile": ["12", "x"]}, "--precompile: 'x' is not a positive prompt length"),
                            ({"process_id": 2}, "--process_id=2: must be in 0..0"),
-                           ({"http_port": 8100}, "--http_port needs --kv_dir")]:
+                           ({"http_port": 8100}, "--http_port needs --kv_dir"),
+                           ({"kv_dir": "kv", "kv_dir_max_gib": float("inf")},
+                            "--kv_dir_max_gib=inf: must be a finite number > 0"),
+                           ({"kv_dir_max_age_h": 2.0}, "--kv_dir_max_age_h needs --kv_dir"),
+                           ({"kv_dir": ""}, "--kv_dir='': must name a directory"),
+                           ({"kv_dir": __file__}, f"--kv_dir={__file__}: exists and is not a directory")]:
         with pytest.raises(FlagError, match=message.replace("(", r"\(").replace(".", r"\.")):
             LaunchConfig.from_flags(_flag_values(**given))
 

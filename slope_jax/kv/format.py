@@ -58,6 +58,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import time
 from typing import Iterable
 
@@ -71,6 +72,7 @@ VERSION = 3  # 3: `<request_id>` is a pointer (symlink) to an immutable version 
 READ_VERSIONS = (2, 3)
 AXES = ["token", "kv_head", "head_dim"]
 MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 64 << 20  # far above any export's (36 layers x 32 processes' segments + 1000 block hashes: <1 MB)
 SLIDING, FULL = "sliding_attention", "full_attention"
 POLICIES = ("last_window", "full")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -250,10 +252,23 @@ def write_shard_file(directory: str, process: int, segments: Iterable[tuple[int,
         raise UncreatableDirectoryError(e.errno, f"{directory}: cannot be created ({e.strerror}: a parent directory "
                                         "cannot be made here)", e.filename) from e
     path = os.path.join(directory, name)
-    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT}))
+    atomic_write(path, lambda tmp: _save_safetensors(save_file, tensors, tmp))
     atomic_json(path + _DIGEST_SUFFIX, {"bytes": os.path.getsize(path), "xxh3_128": file_digest(path)})
     _reached("shard_written")
     return name, records
+
+
+def _save_safetensors(save_file, tensors: dict, path: str) -> None:
+    """`save_file` (safetensors), its I/O failures raised as OSError with their errno: safetensors reports a full disk
+    (ENOSPC), a quota (EDQUOT) or a file-size limit (EFBIG) as its own SafetensorError "... (os error 28)", which
+    the callers' handling of a directory that takes no writes (`kv.store.unwritable`) would not recognise."""
+    try:
+        save_file(tensors, path, metadata={"format": FORMAT})
+    except Exception as e:  # noqa: BLE001 - safetensors_rust.SafetensorError has no importable base but Exception
+        code = re.search(r"os error (\d+)", str(e))
+        if isinstance(e, OSError) or code is None:
+            raise
+        raise OSError(int(code.group(1)), f"{path}: {e}") from e
 
 
 def write_manifest(directory: str, *, request_id: str, token_ids: np.ndarray, cfg, dtype: str, full: bool,
@@ -468,6 +483,20 @@ def collect(kv_dir: str, request_id: str | None = None, *, now: float | None = N
     return removed
 
 
+def pointer_version(kv_dir: str, request_id: str) -> str:
+    """The version directory name the export pointer `<kv_dir>/<request_id>` (a symlink) names. Only what `publish`
+    writes is a pointer: a bare name `.v-<nonce>-<counter>.<request_id>`, inside `kv_dir`. Raises KVFormatError for
+    any other link (an absolute or relative path elsewhere, another id's version): such an entry is never read as an
+    export, and nothing through it is ever removed. OSError if the link cannot be read."""
+    target = os.readlink(os.path.join(kv_dir, request_id))
+    m = _STAGING.match(target)
+    if m is None or m.group(1) != "v" or m.group(4) != request_id or os.sep in target or (
+            os.altsep and os.altsep in target):
+        raise KVFormatError(f"{os.path.join(kv_dir, request_id)}: a link to {target!r}, not an export pointer (a "
+                            f"version directory '.v-<nonce>-<counter>.{request_id}' inside the KV directory)")
+    return target
+
+
 def export_id(path: str) -> str:
     """The request id an export path names: its base name, or the id part of a version directory's name."""
     base = os.path.basename(os.path.normpath(os.fspath(path)))
@@ -532,10 +561,11 @@ def _read_manifest(path: str, request_id: str, cfg=None) -> dict:
     if not os.path.exists(mpath):
         raise KVFormatError(f"{path}: no {MANIFEST} (an unfinished or failed export is never valid)")
     try:
-        with open(mpath) as f:
-            m = json.load(f)
+        m = json.loads(_read_regular(mpath))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise KVFormatError(f"{mpath}: not valid JSON ({e})") from e
+    except RecursionError as e:
+        raise KVFormatError(f"{mpath}: not a manifest (JSON nested too deeply to read)") from e
     if not isinstance(m, dict):
         raise KVFormatError(f"{mpath}: expected a JSON object, got {type(m).__name__}")
     if m.get("format") != FORMAT or m.get("version") not in READ_VERSIONS:
@@ -552,6 +582,20 @@ def _read_manifest(path: str, request_id: str, cfg=None) -> dict:
     model = _check_model(path, m.get("model"), cfg)
     _check_layers(path, m, model)
     return m
+
+
+def _read_regular(path: str, limit: int = MAX_MANIFEST_BYTES) -> str:
+    """The text of `path` if it is a regular file of at most `limit` bytes. Opened without blocking and checked with
+    fstat, so a FIFO or device named like a manifest is refused instead of hanging the reader. Raises KVFormatError
+    (not a regular file, too large) or OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise KVFormatError(f"{path}: not a regular file")
+        if st.st_size > limit:
+            raise KVFormatError(f"{path}: {st.st_size} bytes, more than a manifest may hold ({limit})")
+        return f.read(limit + 1).decode("utf-8")
 
 
 def _check_identity(path: str, m: dict, request_id: str) -> None:
@@ -667,6 +711,11 @@ def _check_layers(path: str, m: dict, model: dict) -> None:
             if seg["file"] not in files:
                 _fail(path, f"layers[{layer}].segments", f"segment [{start}, {end}) refers to {seg['file']!r}, not "
                       "in 'files'")
+            for what in ("k", "v", "positions"):  # the writer's names (`segment_name`): a manifest edited to map a
+                # layer or segment to another one's tensors (same shapes, verified bytes) would load wrong KV
+                if seg[what] != segment_name(layer, what, start, end):
+                    _fail(path, f"layers[{layer}].segments", f"segment [{start}, {end}) names tensor {seg[what]!r} "
+                          f"for {what}; layer {layer}'s is {segment_name(layer, what, start, end)!r}")
             used.add(seg["file"])
             cursor = end
         if cursor != want[1]:

@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 
 
 # errors that say the directory takes no (more) writes, as opposed to a fault of one export
-UNWRITABLE = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.ENOTDIR})
+UNWRITABLE = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM,
+                        errno.ENOTDIR})
 
 
 # a directory modification time younger than this is "racy" (as git calls an index entry of the same second): two
@@ -55,6 +56,8 @@ RACY_MTIME_NS = 2_000_000_000
 # (`serve.http`, $SLOPE_JAX_KV_LEASE_S), the time a decode engine is given to read what it was handed
 MIN_AGE_S = 60.0
 
+SKIPS_LOGGED = 20  # entries of one store whose reason for not being reused is logged at WARNING (`KVStore._skip`)
+
 
 class ReuseRefused(ValueError):
     """A cached entry cannot serve a prefix hit; the message names the entry and the reason."""
@@ -62,8 +65,9 @@ class ReuseRefused(ValueError):
 
 def unwritable(err: BaseException | None) -> bool:
     """True if `err` (or an error it was raised from: `raise ... from`) is an OSError saying the directory takes no
-    writes: read-only file system, no space left, disk quota exceeded, permission denied, a path component that is
-    not a directory, or a directory whose parent cannot be created (`kv.format.UncreatableDirectoryError`)."""
+    writes: read-only file system, no space left, disk quota exceeded, a file-size limit (`ulimit -f`), permission
+    denied, a path component that is not a directory, or a directory whose parent cannot be created
+    (`kv.format.UncreatableDirectoryError`)."""
     seen = set()
     while err is not None and id(err) not in seen:
         if isinstance(err, kvfmt.UncreatableDirectoryError) or (isinstance(err, OSError) and err.errno in UNWRITABLE):
@@ -144,6 +148,7 @@ class KVStore:
         self._dir_mtime = None
         self._warned: set[str] = set()  # conditions already warned about (one warning line each per store)
         self.removed: list[str] = []  # ids removed by retention (for logs and tests)
+        self.skipped: dict[str, str] = {}  # ids whose entry is no reuse candidate -> why (`_skip`)
 
     # -------------------------------------------------------------------------------------------------- exists
     def check_new(self, request_id: str) -> None:
@@ -200,7 +205,13 @@ class KVStore:
     def _index(self, rid: str) -> None:
         path = os.path.join(self.kv_dir, rid)
         try:
-            version = os.readlink(path) if os.path.islink(path) else rid
+            version = kvfmt.pointer_version(self.kv_dir, rid) if os.path.islink(path) else rid
+        except kvfmt.KVFormatError as e:  # a foreign link: never read as an export, never followed by retention
+            if self._seen.get(rid) != "":
+                self._forget(rid)
+                self._seen[rid] = ""
+                self._skip(rid, str(e))
+            return
         except OSError:
             return
         if self._seen.get(rid) == version:
@@ -209,8 +220,10 @@ class KVStore:
         self._seen[rid] = version
         try:
             m = kvfmt.read_manifest(path)
-        except (kvfmt.KVFormatError, OSError):
-            return  # unreadable exports are not reuse candidates (the decode side reports them)
+        except (kvfmt.KVFormatError, OSError) as e:  # not a reuse candidate (the decode side reports it too)
+            if os.path.lexists(path):  # else removed while it was read: another writer's retention, no fault
+                self._skip(rid, str(e) if isinstance(e, kvfmt.KVFormatError) else f"{path}: {e}")
+            return
         record = _reuse_record(m)
         if record is None:
             return
@@ -224,10 +237,26 @@ class KVStore:
             entry = {"hashes": hashes[_first_servable_block(m, block, len(hashes)):], "block": block,
                      "bytes": sum(int(c["bytes"]) for c in m["checksums"].values()), "used": used,
                      "published": published, "version": version}
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+            self._skip(rid, f"{path}: manifest fields reuse reads are malformed ({type(e).__name__}: {e})")
             return  # a manifest the format check let through but reuse cannot read: not a candidate
         self._entries[rid] = entry
         self._blocks.add(rid, entry["hashes"])
+        self.skipped.pop(rid, None)
+
+    def _skip(self, rid: str, reason: str) -> None:
+        """Log why entry `rid` is no reuse candidate: one line per entry (and version), the first `SKIPS_LOGGED` of a
+        store at WARNING, the rest at DEBUG after one line saying so."""
+        with self._lock:
+            self.skipped[rid] = reason
+            n = len(self.skipped)
+        if n <= SKIPS_LOGGED:
+            log.warning("kv_dir %s: entry %r is not used for prefix reuse: %s", self.kv_dir, rid, reason)
+        else:
+            if n == SKIPS_LOGGED + 1:
+                log.warning("kv_dir %s: more entries are not used for prefix reuse; further reasons are logged at "
+                            "DEBUG level", self.kv_dir)
+            log.debug("kv_dir %s: entry %r is not used for prefix reuse: %s", self.kv_dir, rid, reason)
 
     def _forget(self, rid: str) -> None:
         self._seen.pop(rid, None)
@@ -354,7 +383,7 @@ class KVStore:
         path = os.path.join(self.kv_dir, rid)
         try:
             if os.path.islink(path):
-                if os.readlink(path) != version:
+                if kvfmt.pointer_version(self.kv_dir, rid) != version:
                     return False
                 os.remove(path)  # the pointer first: a directory that refuses it keeps the export whole
                 kvfmt.remove_tree(os.path.join(self.kv_dir, version))
@@ -364,6 +393,8 @@ class KVStore:
                 kvfmt.remove_tree(aside)
         except FileNotFoundError:
             pass
+        except kvfmt.KVFormatError:  # replaced by a foreign link meanwhile: nothing through it is removed
+            return False
         except OSError as e:
             if unwritable(e):
                 self.note_unwritable(f"{type(e).__name__}: {e}")

@@ -675,12 +675,17 @@ class HttpIntake:
             return False, "no such export (removed already?)"
         if (m.get("prefix") or {}).get("hashes"):
             return False, "kept for prefix reuse (it holds reusable blocks; kv_dir retention bounds such exports)"
-        target = os.path.realpath(path)
         try:
+            # only what the export format writes is removed: a pointer naming a version directory inside kv_dir (or a
+            # plain export directory); a link elsewhere is refused by `pointer_version`, never followed
+            target = os.path.join(os.path.dirname(path), kvfmt.pointer_version(os.path.dirname(path), rid)
+                                  if os.path.islink(path) else rid)
             if os.path.islink(path):
                 os.remove(path)  # the pointer first: a reader resolving it now finds no export, never a partial one
         except FileNotFoundError:
-            pass
+            return False, "no such export (removed already?)"
+        except (kvfmt.KVFormatError, OSError) as e:
+            return False, f"not removed: {e}"
         kvfmt.remove_tree(target)
         logging.info("request %s: export %s reclaimed", rid, path)
         return True, "removed"

@@ -245,8 +245,8 @@ class LaunchConfig:
         for name in ("max_tokens", "cpu_devices", "device_memory_gib", "prefix_block", "kv_dir_max_gib",
                      "kv_dir_max_age_h"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise FlagError(f"--{name}={value}: must be > 0")
+            if value is not None and not 0 < value < float("inf"):
+                raise FlagError(f"--{name}={value}: must be a finite number > 0")
         if self.ttft_slo_ms is not None and not 0 < self.ttft_slo_ms < float("inf"):
             raise FlagError(f"--ttft_slo_ms={self.ttft_slo_ms}: must be a finite number > 0")
         if not 0 <= self.prefix_host_gib < float("inf"):
@@ -284,8 +284,21 @@ class LaunchConfig:
                 raise FlagError("--http_port and --requests are exclusive: requests come over HTTP")
             if self.kv_dir is None:
                 raise FlagError("--http_port needs --kv_dir: the decode server reads each request's export")
+        self._check_kv_dir()
         if self.process_id == 0 and self.requests != "-" and not os.path.exists(self.requests):
             raise FlagError(f"--requests={self.requests}: no such file")
+
+    def _check_kv_dir(self) -> None:
+        if self.kv_dir is None:
+            for name in ("kv_dir_max_gib", "kv_dir_max_age_h"):
+                if getattr(self, name) is not None:
+                    raise FlagError(f"--{name} needs --kv_dir: it bounds the exports written there")
+            return
+        if not self.kv_dir.strip():
+            raise FlagError("--kv_dir='': must name a directory (created if missing); leave the flag out to write "
+                            "no KV exports")
+        if os.path.exists(self.kv_dir) and not os.path.isdir(self.kv_dir):
+            raise FlagError(f"--kv_dir={self.kv_dir}: exists and is not a directory")
 
     @property
     def precompile_lengths(self) -> list[int]:
