@@ -43,14 +43,18 @@ r"""The prefill endpoint of a prefill/decode (P/D) deployment: an OpenAI-style c
 
 Body fields. `prompt`: a non-empty string (tokenized with the checkpoint's tokenizer.json by the boundary's rule:
 special-token strings such as "<|endoftext|>" become the control token, nothing is prepended), a non-empty list of
-token ids, or a list holding exactly one of those. `max_tokens` / `max_completion_tokens`: absent or 1 — this
-server produces the first token only; the decode server makes the rest (`slope_jax.serve.pd_proxy` sends the same
-request there). `logprobs`: null or 0..--top_k top log-probabilities of the first position (OpenAI's legacy
-shape; `top_logprobs` keys are token ids as strings: distinct tokens can decode to the same text). `ttft_slo_ms`: finite
-number > 0 (default --ttft_slo_ms). `request_id` (or header X-Request-Id): names the KV export directory, the
-boundary's id rule, unique within the run; default "cmpl-<32 hex>". `model`: absent or the served name
-(--http_model_name). `stream`, `echo`: absent or false; `n`, `best_of`: absent or 1. `kv_transfer_params`: the P/D
-proxy's {"do_remote_decode": true, ...}: with do_remote_decode the KV is also published in the NIXL pool, unless
+token ids (a whole-number float such as 10.0 is that id, as vLLM reads it; 10.5 is refused), or a list holding
+exactly one of those. `truncate_prompt_tokens` (null, or an integer >= -1 and at most --max_tokens) and
+`truncation_side` ("left", the default: keep the last tokens; "right": the first; or null): vLLM's truncation,
+applied after tokenization (chat too), so the export holds exactly the tokens vLLM keeps; -1 keeps --max_tokens
+less one (vLLM: its max model length less one); 0 is refused (nothing would be left). `max_tokens` /
+`max_completion_tokens`: absent or 1 — this server produces the first token only; the decode server makes the
+rest (`slope_jax.serve.pd_proxy` sends the same request there). `logprobs`: null or 0..--top_k top log-probabilities of
+the first position (OpenAI's legacy shape; `top_logprobs` keys are token ids as strings: distinct tokens can decode to
+the same text). `ttft_slo_ms`: finite number > 0 (default --ttft_slo_ms). `request_id` (or header X-Request-Id): names
+the KV export directory, the boundary's id rule, unique within the run; default "cmpl-<32 hex>". `model`: absent or the
+served name (--http_model_name). `stream`, `echo`: absent or false; `n`, `best_of`: absent or 1. `kv_transfer_params`:
+the P/D proxy's {"do_remote_decode": true, ...}: with do_remote_decode the KV is also published in the NIXL pool, unless
 "slope_jax_transport" is "files" (the export file is always written). `cache_salt`: the
 tenant whose prefix cache the prompt may use and whose export it is. Every other field (sampling options, structured
 outputs, `prompt_logprobs`, ...) shapes decoding only and is ignored, as vLLM ignores fields it does not know: the
@@ -81,6 +85,7 @@ import functools
 import json
 import os
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -97,10 +102,12 @@ from slope_jax.serve import requests
 TRANSPORT_PARAM = "slope_jax_transport"  # kv_transfer_params.slope_jax_transport="files": no NIXL publication
 POOL_GIB_ENV, LEASE_ENV = "SLOPE_JAX_KV_POOL_GIB", "SLOPE_JAX_KV_LEASE_S"
 _FIELDS = frozenset({"prompt", "model", "max_tokens", "max_completion_tokens", "logprobs", "ttft_slo_ms",
-                     "request_id", "stream", "echo", "n", "best_of", "kv_transfer_params", "cache_salt"})
+                     "request_id", "stream", "echo", "n", "best_of", "kv_transfer_params", "cache_salt",
+                     "truncate_prompt_tokens", "truncation_side"})
 _CHAT_FIELDS = frozenset({"messages", "model", "max_tokens", "max_completion_tokens", "ttft_slo_ms", "request_id",
                           "stream", "n", "kv_transfer_params", "cache_salt", "add_generation_prompt",
-                          "continue_final_message", "chat_template_kwargs", "tools", "documents"})
+                          "continue_final_message", "chat_template_kwargs", "tools", "documents",
+                          "truncate_prompt_tokens", "truncation_side", "reasoning_effort"})
 _ID_LOCK = threading.Lock()  # id reservations: validations run on several threads (`HttpIntake`)
 
 
@@ -184,18 +191,22 @@ def validate(body: bytes, headers: dict, number: int, *, model_name: str, vocab_
     _check_model(obj, where, model_name)
     _check_first_token_only(obj, where, fields)
     logprobs = _check_answer_options(obj, where, top_k, chat)
+    keep = _truncation(obj, where, max_tokens)
     rid, param_id = _request_id(obj, headers, where)
     _reserve(rid, seen_ids, where, param_id)
     line = {"id": rid, **{k: obj[k] for k in ("ttft_slo_ms", "cache_salt") if obj.get(k) is not None}}
     line.update(chat_prompt(obj, where, tokenizer, chat_template) if chat else _prompt_field(obj, where, tokenizer))
-    try:
-        req = requests.parse(json.dumps(line), number, vocab_size=vocab_size, max_tokens=max_tokens,
+    try:  # a prompt to be truncated may be longer than the limit: the truncated one is at most the limit
+        req = requests.parse(json.dumps(line), number, vocab_size=vocab_size,
+                             max_tokens=max_tokens if keep is None else sys.maxsize,
                              tokenizer=None if tokenizer is None else _Unlocked(tokenizer), seen_ids=None,
                              arrival=arrival, label="request")
     except requests.LineError as e:
         message = str(e).replace("'tokens'", "'prompt'").replace("'text'", "'prompt'")
         param = _param_of(message)
         raise HttpError(400, message, "messages" if chat and param == "prompt" else param) from e
+    if keep is not None and len(req.tokens) > keep[0]:  # vLLM's slice: the last N tokens ("left") or the first N
+        req.tokens = req.tokens[-keep[0]:] if keep[1] == "left" else req.tokens[:keep[0]]
     try:
         kv_store.check_new(req.id)
     except kvfmt.ExportExistsError as e:
@@ -272,6 +283,31 @@ def _check_answer_options(obj: dict, where: str, top_k: int, chat: bool) -> int 
     return logprobs
 
 
+def _truncation(obj: dict, where: str, max_tokens: int) -> tuple[int, str] | None:
+    """vLLM's `truncate_prompt_tokens` and `truncation_side` (its TokenizeParams, applied after tokenization):
+    (how many tokens of the prompt to keep, the side cut: "left" keeps the last ones, vLLM's default for generate
+    models; "right" the first ones), or None (null or absent: no truncation). -1 keeps `max_tokens` (--max_tokens,
+    this server's max model length) less one, held back for generation. HttpError 400 naming the field: not an
+    integer >= -1, more than `max_tokens`, 0 (nothing of the prompt would be left), a side other than 'left' /
+    'right'."""
+    keep, side = obj.get("truncate_prompt_tokens"), obj.get("truncation_side")
+    if side is not None and side not in ("left", "right"):
+        raise HttpError(400, f"{where}: 'truncation_side' must be 'left' or 'right' (or null), got "
+                        f"{requests._short(side)}", "truncation_side")
+    if keep is None:
+        return None
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < -1:
+        raise HttpError(400, f"{where}: 'truncate_prompt_tokens' must be an integer >= -1 (or null), got "
+                        f"{requests._short(keep)}", "truncate_prompt_tokens")
+    if keep > max_tokens:
+        raise HttpError(400, f"{where}: 'truncate_prompt_tokens' must be at most {max_tokens} (--max_tokens, the "
+                        f"longest prompt served), got {keep}", "truncate_prompt_tokens")
+    if keep == 0 or (keep == -1 and max_tokens <= 1):
+        raise HttpError(400, f"{where}: 'truncate_prompt_tokens' is {keep}: nothing of the prompt would be left",
+                        "truncate_prompt_tokens")
+    return (max_tokens - 1 if keep == -1 else keep), side or "left"
+
+
 def _request_id(obj: dict, headers: dict, where: str) -> tuple[str, str]:
     """(id, the field it came from): `request_id`, else the X-Request-Id header, else a fresh "cmpl-<uuid>";
     HttpError 400 when its format breaks the id rule (`requests.check_request_id`)."""
@@ -293,6 +329,9 @@ def _prompt_field(obj: dict, where: str, tokenizer) -> dict:
         raise HttpError(400, f"{where}: missing field 'prompt' (a string or a list of token ids)", "prompt")
     prompt = obj["prompt"]
     if isinstance(prompt, list) and prompt and all(isinstance(p, (list, str)) for p in prompt):
+        if not (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
+            raise HttpError(400, f"{where}: 'prompt' mixes text and token-id lists; a list of prompts holds strings "
+                            "only or token-id lists only", "prompt")
         if len(prompt) != 1:
             raise HttpError(400, f"{where}: 'prompt' holds {len(prompt)} prompts; the prefill endpoint takes one per "
                             "request", "prompt")
@@ -305,7 +344,9 @@ def _prompt_field(obj: dict, where: str, tokenizer) -> dict:
     if not isinstance(prompt, list):
         raise HttpError(400, f"{where}: 'prompt' must be a string or a list of token ids, got "
                         f"{type(prompt).__name__}", "prompt")
-    return {"tokens": prompt}
+    # a whole-number float is that token id, as vLLM reads it (pydantic's lax mode); 10.5 stays, for the boundary's
+    # "token ids must be integers" naming 'prompt'
+    return {"tokens": [int(t) if isinstance(t, float) and t.is_integer() else t for t in prompt]}
 
 
 class ChatTemplate:
@@ -376,13 +417,35 @@ def chat_prompt(obj: dict, where: str, tokenizer, template: ChatTemplate | None)
         if obj.get(name) is not None and not isinstance(obj[name], kind):
             raise HttpError(400, f"{where}: '{name}' must be {'a list' if kind is list else 'an object'} or null",
                             name)
+    kwargs = _template_kwargs(obj, where, options)
     try:
-        text = template.render(flat, tools=obj.get("tools"), documents=obj.get("documents"),
-                               **(obj.get("chat_template_kwargs") or {}), **options)
+        text = template.render(flat, tools=obj.get("tools"), **kwargs)
     except Exception as e:  # noqa: BLE001 - the template's own error (raise_exception, a missing key) is the client's
         raise HttpError(400, f"{where}: the chat template failed on these messages ({type(e).__name__}: "
                         f"{str(e)[:200]})", "messages") from e
     return {"text": text}
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # vLLM 0.32's ChatCompletionRequest
+
+
+def _template_kwargs(obj: dict, where: str, options: dict) -> dict:
+    """The chat template's variables as `vllm serve` builds them (ChatCompletionRequest.build_chat_params):
+    `chat_template_kwargs`, overridden by add_generation_prompt, continue_final_message, `documents` and
+    `reasoning_effort` where these are set (gpt-oss's template reads `reasoning_effort`), and `enable_thinking` =
+    effort != "none" when an effort is given and `chat_template_kwargs` does not set it. HttpError 400 naming
+    `reasoning_effort` for a value vLLM refuses."""
+    effort = obj.get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise HttpError(400, f"{where}: 'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)} (or null), "
+                        f"got {requests._short(effort)}", "reasoning_effort")
+    user = obj.get("chat_template_kwargs") or {}
+    extra = {**options, "documents": obj.get("documents"), "reasoning_effort": effort}
+    if effort is not None and "enable_thinking" not in user:
+        extra["enable_thinking"] = effort != "none"
+    merged = user | {k: v for k, v in extra.items() if v is not None and v != "auto"}
+    merged.pop("tools", None)  # passed on its own
+    return merged
 
 
 def completion_body(record: dict, validated: Validated, model_name: str) -> tuple[int, dict]:

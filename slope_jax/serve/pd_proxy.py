@@ -7,14 +7,24 @@ or as one JSON body, exactly as the decode server sent it.
   curl -s 127.0.0.1:8000/v1/completions -d '{"prompt": "It was the best of times", "max_tokens": 16}'
 
 Routes: POST /v1/completions and /v1/chat/completions; GET /health (200 when both servers answer theirs);
-GET /v1/models (the decode server's).
+GET /v1/models (the decode server's); any other method and path (/metrics, /version, /ping, /tokenize, /detokenize,
+/v1/responses, ...) is relayed to the decode server unchanged (method, path, query string, body, headers less the
+hop-by-hop ones) and its answer back as it comes (status, content type, headers, body).
+
+Limits: a body of up to --max_body_mib (default 1024 MiB; a larger one: 413 in OpenAI's error shape naming the limit
+and the flag), parsed and re-encoded on a thread so that it never holds up other requests; no limit on connections to
+the two servers (aiohttp's default pool of 100 made request 101 wait while 100 streams were open). A list of more
+prompts than $VLLM_MAX_COMPLETION_PROMPTS (vLLM's variable and default, 1024) is refused as vLLM refuses it (400
+naming `prompt`, its message) before any prefill.
 
 Transparent: whatever `vllm serve` accepts the proxy passes on. The flow is vLLM's own disaggregated-serving proxy's
 (vllm tests/v1/kv_connector/nixl_integration/toy_proxy_server.py):
 - The prefill server gets only what it reads — the prompt (`prompt`, or `messages` and the chat-template options),
-  `model`, `ttft_slo_ms`, `cache_salt` — with max_tokens=1, stream=false, kv_transfer_params {"do_remote_decode":
-  true} and the export's name as `request_id`; sampling options, structured outputs (`structured_outputs`,
-  `response_format`, ...), `n`/`best_of`, `echo`, `logprobs`/`prompt_logprobs` and anything else never reach it.
+  `model`, `ttft_slo_ms`, `cache_salt`, `truncate_prompt_tokens` and `truncation_side` (it truncates the prompt as
+  vLLM does, so its export holds exactly the tokens vLLM keeps) — with max_tokens=1, stream=false,
+  kv_transfer_params {"do_remote_decode": true} and the export's name as `request_id`; sampling options, structured
+  outputs (`structured_outputs`, `response_format`, ...), `n`/`best_of`, `echo`, `logprobs`/`prompt_logprobs` and
+  anything else never reach it.
 - The decode server gets the client's body unchanged (less the prefill-only `ttft_slo_ms`) with the prefill's
   `kv_transfer_params` (the NIXL hand-off record `slope_jax_nixl`, which the connector pulls from the prefill's pool
   with no shared filesystem, `--kv_transport=nixl`, the default; the export's path, its fallback and, with
@@ -26,18 +36,25 @@ Transparent: whatever `vllm serve` accepts the proxy passes on. The flow is vLLM
 - A `model` the prefill server does not serve (its 404 naming `model`: a LoRA adapter of `vllm serve
   --lora-modules`, another `--served-model-name`) sends the request, a list of prompts too, to the decode server
   whole: vLLM prefills it itself and answers as it would without the proxy (its own error for a model it does not
-  serve either); the answer has no X-Slope-Jax-* headers.
-- A list of prompts (`"prompt": ["a", "b"]` or token-id lists) is fanned out: one prefill per prompt, each with its
-  own export, then one decode request per prompt (vLLM applies one request's kv_transfer_params to every prompt of
-  a list, so a list cannot carry one export per prompt). The answers are merged as vLLM answers a list: choice
-  `index` = prompt index × n + the choice's own index, usage summed (cached_tokens too), the first answer's id and
-  kv_transfer_params; streamed, the events of all prompts are interleaved as they arrive with the same indices,
-  one summed usage chunk (if asked) and one `[DONE]`.
-- Request ids: the client's X-Request-Id header (else its body's `request_id`, else "cmpl-<32 hex>") goes to the
-  decode server unchanged (prompt i of a list: "<id>-<i>", as vLLM names them) and back in the answer's
-  X-Request-Id. The export is named per attempt, "<id, reduced to [A-Za-z0-9._-], at most 100 characters>-<12
-  hex>", so a retry with the same id is a new export, never the first one's KV; the answer's X-Slope-Jax-Export
-  names it (comma-separated for a list), beside X-Slope-Jax-First-Token and X-Slope-Jax-TTFT-ms (the prefill's).
+  serve either); the answer has no X-Slope-Jax-* headers. So does a chat request carrying its own `chat_template`:
+  the prefill renders the checkpoint's template only, and vLLM would run the prefill's tokens.
+- A list of prompts (`"prompt": ["a", "b"]`, or token-id lists; a list mixing the two goes to the prefill whole,
+  which refuses it naming `prompt`, as vLLM does) is fanned out: one prefill per prompt, each with its own export,
+  then one decode request per prompt (vLLM applies one request's kv_transfer_params to every prompt of a list, so a
+  list cannot carry one export per prompt). At most --list_concurrency (default 4) of a list's prefills are in
+  flight at once, then as many of its decode requests: the prefill server serves its queue in arrival order, and a
+  list sent whole would queue every other client's request behind all of its prompts. The answers are merged as
+  vLLM answers a list: choice `index` = prompt index × n + the choice's own index, usage summed field by field
+  (nested details too), the first answer's id and kv_transfer_params; streamed, the events of the prompts are
+  interleaved as they arrive with the same indices, one summed usage chunk (if asked) and one `[DONE]` (a decode
+  error after the first event comes as an error event, `data: {"error": ...}`).
+- Request ids: the client's X-Request-Id header (else its body's `request_id`, else 32 hex digits, to which vLLM
+  adds its "cmpl-" in the answer's `id`, as without the proxy) goes to the decode server unchanged (prompt i of a
+  list: "<id>-<i>", as vLLM names them) and back in the answer's X-Request-Id. The export is named per attempt,
+  "<id, reduced to [A-Za-z0-9._-], at most 100 characters>-<12 hex>", so a retry with the same id is a new export,
+  never the first one's KV; the answer's X-Slope-Jax-Export names it (comma-separated for a list), beside
+  X-Slope-Jax-First-Token and X-Slope-Jax-TTFT-ms (the prefill's); each header stays under 4,000 characters: a long
+  list's names the first ones and ends in ",...(N in all)".
 - A client that disconnects cancels its work on both sides: the proxy's handler is cancelled, which closes its
   connections to the prefill (a request whose prefill has not started is cancelled there) and to the decode
   server (vLLM aborts the request).
@@ -52,8 +69,8 @@ Transparent: whatever `vllm serve` accepts the proxy passes on. The flow is vLLM
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
+import os
 import re
 import uuid
 
@@ -72,13 +89,21 @@ flags.DEFINE_enum("kv_transport", "nixl", ["nixl", "files"], "How vLLM gets the 
                   "must see).")
 flags.DEFINE_float("release_grace_s", 30.0, "After a failed or abandoned decode, wait this long before telling the "
                    "prefill server its export may be reclaimed.")
+flags.DEFINE_integer("max_body_mib", 1024, "Largest request body the proxy accepts, in MiB (a larger one: 413).")
+flags.DEFINE_integer("list_concurrency", 4, "Most prefills (then decode requests) of one list of prompts in flight "
+                     "at once, so that other clients' requests interleave with a long list's.")
 
 # what the prefill server reads (`slope_jax.serve.http`); nothing else of the client's body is sent there
-_FOR_PREFILL = ("prompt", "model", "ttft_slo_ms", "cache_salt")
+_FOR_PREFILL = ("prompt", "model", "ttft_slo_ms", "cache_salt", "truncate_prompt_tokens", "truncation_side")
 _FOR_PREFILL_CHAT = ("messages", "model", "ttft_slo_ms", "cache_salt", "add_generation_prompt",
-                     "continue_final_message", "chat_template_kwargs", "tools", "documents")
+                     "continue_final_message", "chat_template_kwargs", "tools", "documents", "truncate_prompt_tokens",
+                     "truncation_side", "reasoning_effort")
 _ROUTES = {False: "/v1/completions", True: "/v1/chat/completions"}
 _NIXL_KEY = "slope_jax_nixl"  # slope_jax.kv.nixl_transport.PARAMS_KEY (not imported: the proxy needs no NIXL)
+MAX_PROMPTS_ENV, MAX_PROMPTS_DEFAULT = "VLLM_MAX_COMPLETION_PROMPTS", 1024  # vLLM's limit on a list of prompts
+# headers that describe one hop, not the message (RFC 9110 §7.6.1), or that aiohttp recomputes for the relayed body
+_HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+                          "transfer-encoding", "upgrade", "host", "content-length", "content-encoding"})
 
 
 def prefill_body(body: dict, export_id: str, chat: bool = False, kv_transport: str = "nixl") -> dict:
@@ -113,12 +138,31 @@ def export_id(client_id: str) -> str:
 
 
 def prompt_list(body: dict) -> list | None:
-    """The prompts of a list-of-prompts `prompt` (two or more strings or token-id lists), else None (one prompt, or
-    a malformed one the prefill server will name)."""
+    """The prompts of a list-of-prompts `prompt` (two or more strings, or two or more token-id lists), else None (one
+    prompt, or a malformed one — a list mixing text and token ids too — which the prefill server refuses naming
+    'prompt', as vLLM does)."""
     p = body.get("prompt")
-    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
+    if isinstance(p, list) and len(p) > 1 and (all(isinstance(x, str) for x in p) or
+                                               all(isinstance(x, list) for x in p)):
         return p
     return None
+
+
+def max_prompts() -> int:
+    """vLLM's limit on the prompts of one list: $VLLM_MAX_COMPLETION_PROMPTS (read per request, as vLLM reads its
+    env), default 1024. ValueError if it is set to something other than an integer."""
+    return int(os.environ.get(MAX_PROMPTS_ENV, MAX_PROMPTS_DEFAULT))
+
+
+def check_prompt_count(body: dict) -> str | None:
+    """vLLM's rule on a list `prompt` (completion protocol's `validate_prompt_list_length`, its words): the message
+    when it holds more than `max_prompts()` items and is not one prompt of token ids (its first item an int), else
+    None."""
+    p, limit = body.get("prompt"), max_prompts()
+    if not isinstance(p, list) or not p or isinstance(p[0], int) or len(p) <= limit:  # vLLM's is_list_of(p, int)
+        return None
+    return (f"prompt list length {len(p)} exceeds the maximum allowed count of {limit}. To increase this limit, set "
+            f"the {MAX_PROMPTS_ENV} environment variable.")
 
 
 def merge_answers(answers: list[dict], n: int) -> dict:
@@ -133,13 +177,28 @@ def merge_answers(answers: list[dict], n: int) -> dict:
 
 
 def sum_usage(usages: list[dict | None]) -> dict:
-    """Token counts added up (prompt_tokens_details.cached_tokens too, when given)."""
-    usages = [u for u in usages if u]
-    out = {k: sum(u.get(k) or 0 for u in usages) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-    cached = [(u.get("prompt_tokens_details") or {}).get("cached_tokens") for u in usages]
-    if any(c is not None for c in cached):
-        out["prompt_tokens_details"] = {"cached_tokens": sum(c or 0 for c in cached)}
+    """The usage objects added up field by field, nested objects too (`prompt_tokens_details.cached_tokens`,
+    `completion_tokens_details.reasoning_tokens`, ...): a numeric field is the sum of the answers that give it, a
+    field every answer gives as null stays null, any other value is the first answer's."""
+    usages = [u for u in usages if isinstance(u, dict)]
+    out = {}
+    for key in dict.fromkeys(k for u in usages for k in u):  # every answer's keys, in first-seen order
+        given = [u[key] for u in usages if u.get(key) is not None]
+        if not given:
+            out[key] = None
+        elif all(isinstance(v, dict) for v in given):
+            out[key] = sum_usage(given)
+        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in given):
+            out[key] = sum(given)
+        else:
+            out[key] = given[0]
     return out
+
+
+async def _encode(body: dict) -> bytes:
+    """`body` as JSON bytes, encoded on a thread (a prompt of hundreds of MB takes seconds to encode: the event loop
+    serves other requests meanwhile)."""
+    return (await asyncio.to_thread(json.dumps, body)).encode()
 
 
 def _error(status: int, message: str, param: str | None = None):
@@ -151,7 +210,8 @@ def _error(status: int, message: str, param: str | None = None):
 
 def _client_id(request, body: dict) -> str:
     rid = request.headers.get("X-Request-Id") or body.get("request_id")
-    return rid if isinstance(rid, str) and rid else f"cmpl-{uuid.uuid4().hex}"
+    # no "cmpl-" prefix: vLLM puts it before the request id in its answer's `id` ("cmpl-<32 hex>", as without us)
+    return rid if isinstance(rid, str) and rid else uuid.uuid4().hex
 
 
 class _Prefilled:
@@ -184,10 +244,10 @@ async def _prefill(application, body: dict, client_id: str, chat: bool):
 
     url = application["prefill_url"] + _ROUTES[chat]
     export = export_id(client_id)
+    data = await _encode(prefill_body(body, export, chat, application["kv_transport"]))
     try:
-        async with application["session"].post(url, json=prefill_body(body, export, chat,
-                                                                              application["kv_transport"]),
-                                               headers={"X-Request-Id": client_id}) as resp:
+        async with application["session"].post(url, data=data, headers={"X-Request-Id": client_id,
+                                                                        "Content-Type": "application/json"}) as resp:
             raw = await resp.read()
             if _not_served_model(resp.status, raw):
                 return _DIRECT
@@ -242,33 +302,68 @@ def _release(application, exports: list[str], consumed: bool) -> None:
     task.add_done_callback(application["releases"].discard)
 
 
+_MAX_HEADER_CHARS = 4000  # clients refuse longer header lines (aiohttp: 8190 bytes in all)
+
+
+def _joined(values: list[str]) -> str:
+    """`values` comma-separated, at most `_MAX_HEADER_CHARS` characters: a long list's value keeps the first items
+    that fit and ends in ",...(N in all)"."""
+    text = ",".join(values)
+    if len(text) <= _MAX_HEADER_CHARS:
+        return text
+    tail = f",...({len(values)} in all)"
+    return text[:_MAX_HEADER_CHARS - len(tail)].rsplit(",", 1)[0] + tail
+
+
 def _answer_headers(client_id: str, done: list[_Prefilled], content_type: str) -> dict:
-    """The answer's headers; the X-Slope-Jax-* ones only when slope_jax prefilled (`done` not empty)."""
+    """The answer's headers; the X-Slope-Jax-* ones only when slope_jax prefilled (`done` not empty), each at most
+    `_MAX_HEADER_CHARS` characters (`_joined`)."""
     if not done:
         return {"Content-Type": content_type, "X-Request-Id": client_id}
     return {"Content-Type": content_type, "X-Request-Id": client_id,
-            "X-Slope-Jax-Export": ",".join(p.export for p in done),
-            "X-Slope-Jax-First-Token": ",".join(str(p.params.get("slope_jax_first_token")) for p in done),
-            "X-Slope-Jax-TTFT-ms": ",".join(str(p.first.get("ttft_ms")) for p in done)}
+            "X-Slope-Jax-Export": _joined([p.export for p in done]),
+            "X-Slope-Jax-First-Token": _joined([str(p.params.get("slope_jax_first_token")) for p in done]),
+            "X-Slope-Jax-TTFT-ms": _joined([str(p.first.get("ttft_ms")) for p in done])}
 
 
-async def _direct(request, body: dict, client_id: str, chat: bool):
+async def _direct(request, body: dict, client_id: str, chat: bool, why: str | None = None):
     """The whole request (a list of prompts too) to the decode server, which prefills it itself: the prefill server
-    does not serve its `model`. vLLM answers as it would without the proxy (its own 404 if it does not serve it
-    either)."""
-    logging.info("%s: model %r is not the prefill server's: the decode server prefills it itself", client_id,
-                 body.get("model"))
+    does not serve its `model` (or, `why`, cannot render its prompt as vLLM would). vLLM answers as it would without
+    the proxy (its own 404 if it does not serve the model either)."""
+    logging.info("%s: %s: the decode server prefills it itself", client_id,
+                 why or f"model {body.get('model')!r} is not the prefill server's")
     return await _relay(request, _for_decode(body), client_id, [], chat)
 
 
-async def _completions(request, chat: bool = False):
+async def _read_body(request):
+    """The request's raw body, or the 413 to answer (OpenAI's error shape, naming the limit and its flag) when it is
+    larger than the application's `max_body_mib`."""
+    from aiohttp import web
+
     try:
-        body = json.loads(await request.read())
-    except ValueError as e:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app["max_body_mib"]
+        return _error(413, f"the request body ({request.content_length or 'more than the limit'} bytes) is larger "
+                      f"than the proxy's limit of {limit} MiB (--max_body_mib={limit})")
+
+
+async def _completions(request, chat: bool = False):
+    raw = await _read_body(request)
+    if not isinstance(raw, bytes):
+        return raw
+    try:  # a big body is parsed on a thread: the event loop keeps serving other requests meanwhile
+        body = json.loads(raw) if len(raw) < 2**20 else await asyncio.to_thread(json.loads, raw)
+    except (ValueError, RecursionError) as e:
         return _error(400, f"the body is not valid JSON ({e})")
     if not isinstance(body, dict):
         return _error(400, f"the body must be a JSON object, got {type(body).__name__}")
     client_id = _client_id(request, body)
+    if not chat and (too_many := check_prompt_count(body)) is not None:  # before any prefill, as vLLM refuses it
+        return _error(400, too_many, "prompt")
+    if chat and body.get("chat_template") is not None:  # the prefill renders the checkpoint's template only, and
+        # vLLM would run the prefill's tokens (kv_transfer_params.prompt_token_ids): the client's template is vLLM's
+        return await _direct(request, body, client_id, chat, "a request 'chat_template' (vLLM renders it itself)")
     prompts = None if chat else prompt_list(body)
     if prompts is not None:
         return await _fan_out(request, body, client_id, prompts)
@@ -293,9 +388,10 @@ async def _relay(request, body: dict, client_id: str, done: list[_Prefilled], ch
     from aiohttp import web
 
     url = request.app["decode_url"] + _ROUTES[chat]
-    out = None
+    data, out = await _encode(body), None
     try:
-        async with request.app["session"].post(url, json=body, headers={"X-Request-Id": client_id}) as resp:
+        async with request.app["session"].post(url, data=data, headers={"X-Request-Id": client_id,
+                                                                        "Content-Type": "application/json"}) as resp:
             out = web.StreamResponse(status=resp.status, headers=_answer_headers(
                 client_id, done, resp.headers.get("Content-Type", "application/json")))
             await out.prepare(request)
@@ -314,14 +410,14 @@ async def _fan_out(request, body: dict, client_id: str, prompts: list):
     """A list of prompts: one prefill, export and decode request per prompt, the answers merged (module doc)."""
     subs = [{**body, "prompt": p} for p in prompts]
     ids = [f"{client_id}-{i}" for i in range(len(prompts))]
-    results = await asyncio.gather(*(_prefill(request.app, s, i, False) for s, i in zip(subs, ids)))
+    results = await _prefill_list(request.app, subs, ids)
     done = [r for r in results if isinstance(r, _Prefilled)]
     if any(r is _DIRECT for r in results):  # one model for every prompt: none was prefilled
         _release(request.app, [p.export for p in done], True)
         return await _direct(request, body, client_id, False)
     if len(done) < len(results):  # the first prompt's error; the other exports are never decoded
         _release(request.app, [p.export for p in done], True)
-        return next(r for r in results if not isinstance(r, _Prefilled))
+        return next(r for r in results if r is not None and not isinstance(r, _Prefilled))
     consumed = False
     try:
         bodies = [decode_body(s, p.params, request.app["kv_transport"]) for s, p in zip(subs, done)]
@@ -335,14 +431,35 @@ async def _fan_out(request, body: dict, client_id: str, prompts: list):
         _release(request.app, [p.export for p in done], consumed)
 
 
+async def _prefill_list(application, subs: list[dict], ids: list[str]) -> list:
+    """The prefills of a list's prompts, at most `list_concurrency` in flight (the prefill server queues requests
+    in arrival order: a list sent whole would put every other client's request behind all of its prompts). Each
+    prompt's `_prefill` answer in order; once one fails (an error, or `_DIRECT`), the prompts not yet started are
+    not prefilled (None)."""
+    limit, failed = asyncio.Semaphore(application["list_concurrency"]), []
+
+    async def one(sub, rid):
+        async with limit:
+            if failed:
+                return None
+            result = await _prefill(application, sub, rid, False)
+            if not isinstance(result, _Prefilled):
+                failed.append(result)
+            return result
+
+    return await asyncio.gather(*(one(s, i) for s, i in zip(subs, ids)))
+
+
 async def _fan_out_json(request, bodies: list[dict], ids: list[str], client_id: str, done: list, n: int):
+    """Non-streamed list: one decode request per prompt, at most `list_concurrency` in flight, the answers merged."""
     import aiohttp
     from aiohttp import web
 
     url = request.app["decode_url"] + _ROUTES[False]
+    limit = asyncio.Semaphore(request.app["list_concurrency"])
 
     async def one(b, i):
-        async with request.app["session"].post(url, json=b, headers={"X-Request-Id": i}) as resp:
+        async with limit, request.app["session"].post(url, json=b, headers={"X-Request-Id": i}) as resp:
             return resp.status, await resp.read(), resp.content_type
 
     try:
@@ -359,58 +476,81 @@ async def _fan_out_json(request, bodies: list[dict], ids: list[str], client_id: 
 
 
 async def _fan_out_stream(request, bodies: list[dict], ids: list[str], client_id: str, done: list):
-    """Streamed list: every prompt's events as they arrive, choice indices shifted by prompt × n, usage chunks
-    summed into one, one [DONE]."""
+    """Streamed list: every prompt's events as they arrive, at most `list_concurrency` prompts' decode streams open at
+    once, choice indices shifted by prompt × n, usage chunks summed into one, one [DONE]. A decode error before the
+    first event is relayed as the decode server sent it; one after it (the status line is out) becomes an error event
+    (`data: {"error": ...}`, as vLLM reports an error mid-stream) before the [DONE]."""
     from aiohttp import web
 
-    url = request.app["decode_url"] + _ROUTES[False]
-    async with contextlib.AsyncExitStack() as stack:
-        resps = [await stack.enter_async_context(request.app["session"].post(url, json=b, headers={"X-Request-Id": i}))
-                 for b, i in zip(bodies, ids)]
-        for resp in resps:
-            if resp.status != 200:
-                return web.Response(body=await resp.read(), status=resp.status, content_type=resp.content_type)
+    n = bodies[0].get("n") or 1
+    queue: asyncio.Queue = asyncio.Queue()
+    limit = asyncio.Semaphore(request.app["list_concurrency"])
+    readers = [asyncio.create_task(_stream_one(request.app, limit, b, i, k * n, queue))
+               for k, (b, i) in enumerate(zip(bodies, ids))]
+    out, usage, last = None, [], None
+    try:
+        for _ in readers:
+            while (item := await queue.get()) is not None:
+                if isinstance(item, web.Response) and out is None:  # a decode error before any event: relayed
+                    return item
+                if out is None:
+                    out = web.StreamResponse(headers=_answer_headers(client_id, done, "text/event-stream"))
+                    await out.prepare(request)
+                if isinstance(item, web.Response):
+                    await out.write(b"data: " + item.body + b"\n\n")
+                elif not item.get("choices") and item.get("usage"):
+                    usage.append(item["usage"])
+                    last = item
+                else:
+                    await out.write(f"data: {json.dumps(item)}\n\n".encode())
+    finally:
+        for task in readers:
+            task.cancel()
+    if out is None:
         out = web.StreamResponse(headers=_answer_headers(client_id, done, "text/event-stream"))
         await out.prepare(request)
-        n = bodies[0].get("n") or 1
-        queue: asyncio.Queue = asyncio.Queue()
-        readers = [asyncio.create_task(_read_events(r, i * n, queue)) for i, r in enumerate(resps)]
-        usage, last = [], None
-        try:
-            for _ in readers:
-                while (event := await queue.get()) is not None:
-                    if not event.get("choices") and event.get("usage"):
-                        usage.append(event["usage"])
-                        last = event
-                    else:
-                        await out.write(f"data: {json.dumps(event)}\n\n".encode())
-        finally:
-            for task in readers:
-                task.cancel()
-        if last is not None:
-            await out.write(f"data: {json.dumps({**last, 'usage': sum_usage(usage)})}\n\n".encode())
-        await out.write(b"data: [DONE]\n\n")
-        await out.write_eof()
-        return out
+    if last is not None:
+        await out.write(f"data: {json.dumps({**last, 'usage': sum_usage(usage)})}\n\n".encode())
+    await out.write(b"data: [DONE]\n\n")
+    await out.write_eof()
+    return out
+
+
+async def _stream_one(application, limit: asyncio.Semaphore, body: dict, rid: str, offset: int,
+                      queue: asyncio.Queue) -> None:
+    """One prompt's decode stream, once `limit` lets it start: its events on `queue` (choice indices + `offset`), or
+    its error answer (a `web.Response`: the decode server's, or 502 when it did not answer); None at the end."""
+    import aiohttp
+    from aiohttp import web
+
+    url = application["decode_url"] + _ROUTES[False]
+    try:
+        async with limit, application["session"].post(url, json=body, headers={"X-Request-Id": rid}) as resp:
+            if resp.status != 200:
+                await queue.put(web.Response(body=await resp.read(), status=resp.status,
+                                             content_type=resp.content_type))
+                return
+            await _read_events(resp, offset, queue)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        await queue.put(_error(502, f"the decode server {url} did not answer: {type(e).__name__}: {e}"))
+    finally:
+        await queue.put(None)
 
 
 async def _read_events(resp, offset: int, queue: asyncio.Queue) -> None:
-    """Put each server-sent event of `resp` (a JSON object, choice indices + `offset`) on `queue`; None at the end."""
+    """Put each server-sent event of `resp` (a JSON object, choice indices + `offset`) on `queue`."""
     buffer = b""
-    try:
-        async for chunk in resp.content.iter_any():
-            buffer += chunk
-            while b"\n\n" in buffer:
-                raw, buffer = buffer.split(b"\n\n", 1)
-                data = raw.decode().removeprefix("data: ").strip()
-                if not data or data == "[DONE]":
-                    continue
-                event = json.loads(data)
-                for choice in event.get("choices") or []:
-                    choice["index"] = choice.get("index", 0) + offset
-                await queue.put(event)
-    finally:
-        await queue.put(None)
+    async for chunk in resp.content.iter_any():
+        buffer += chunk
+        while b"\n\n" in buffer:
+            raw, buffer = buffer.split(b"\n\n", 1)
+            data = raw.decode().removeprefix("data: ").strip()
+            if not data or data == "[DONE]":
+                continue
+            event = json.loads(data)
+            for choice in event.get("choices") or []:
+                choice["index"] = choice.get("index", 0) + offset
+            await queue.put(event)
 
 
 async def _health(request):
@@ -442,18 +582,54 @@ async def _models(request):
         return _error(503, f"the decode server {request.app['decode_url']} cannot be reached (starting?): {e}")
 
 
+async def _pass_through(request):
+    """Any other method and path (/metrics, /version, /tokenize, /v1/responses, ...): relayed to the decode server
+    unchanged — method, path, query string, body and headers (less the hop-by-hop ones) — and its answer back as it
+    comes: status, content type and body. 502 when the decode server does not answer."""
+    import aiohttp
+    from aiohttp import web
+
+    raw = await _read_body(request)
+    if not isinstance(raw, bytes):
+        return raw
+    url = request.app["decode_url"] + request.rel_url.raw_path_qs  # path and query string as the client wrote them
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+    out = None
+    try:
+        async with request.app["session"].request(request.method, url, data=raw, headers=headers,
+                                                  allow_redirects=False) as resp:
+            out = web.StreamResponse(status=resp.status, reason=resp.reason, headers={
+                k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS})
+            await out.prepare(request)
+            async for chunk in resp.content.iter_any():
+                await out.write(chunk)
+            await out.write_eof()
+            return out
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        if out is None:
+            return _error(502, f"the decode server {request.app['decode_url']} did not answer: {type(e).__name__}: "
+                          f"{e}")
+        raise  # the status line is out already: aiohttp closes the connection, the client sees a cut body
+
+
 def make_app(prefill_url: str, decode_url: str, timeout_s: float = 3600.0, release_grace_s: float = 30.0,
-             kv_transport: str = "nixl"):
+             kv_transport: str = "nixl", max_body_mib: int = 1024, list_concurrency: int = 4):
     """The proxy's aiohttp application (routes in the module docstring). Serve it with handler_cancellation=True
-    (`main` does) so that a client's disconnect cancels its work."""
+    (`main` does) so that a client's disconnect cancels its work. `max_body_mib`: the largest body accepted (a larger
+    one: 413); `list_concurrency`: the most prefills (then decode requests) of one list of prompts in flight at once.
+    ValueError naming the argument when one is out of range."""
     import functools
 
     import aiohttp
     from aiohttp import web
 
-    application = web.Application(client_max_size=64 * 2**20)
+    for name, value in (("max_body_mib", max_body_mib), ("list_concurrency", list_concurrency)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: expected an integer >= 1")
+    application = web.Application(client_max_size=max_body_mib * 2**20)
     application["prefill_url"], application["decode_url"] = prefill_url.rstrip("/"), decode_url.rstrip("/")
     application["release_grace_s"] = release_grace_s
+    application["max_body_mib"], application["list_concurrency"] = max_body_mib, list_concurrency
     if kv_transport not in ("nixl", "files"):
         raise ValueError(f"kv_transport={kv_transport!r}: expected 'nixl' or 'files'")
     application["kv_transport"] = kv_transport
@@ -461,7 +637,10 @@ def make_app(prefill_url: str, decode_url: str, timeout_s: float = 3600.0, relea
     application["fallbacks"] = {"files": 0}  # answers without the NIXL record the proxy asked for
 
     async def session_context(a):
-        a["session"] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
+        # no connection limit (aiohttp's default is 100): each open stream holds a connection to the decode server,
+        # and a 101st request would wait for one to close, /health too; the servers bound their own concurrency
+        a["session"] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                             connector=aiohttp.TCPConnector(limit=0, limit_per_host=0))
         yield
         for task in list(a["releases"]):
             task.cancel()
@@ -472,6 +651,7 @@ def make_app(prefill_url: str, decode_url: str, timeout_s: float = 3600.0, relea
     application.router.add_post("/v1/chat/completions", functools.partial(_completions, chat=True))
     application.router.add_get("/health", _health)
     application.router.add_get("/v1/models", _models)
+    application.router.add_route("*", "/{path:.*}", _pass_through)  # last: every route above takes precedence
     return application
 
 
@@ -483,7 +663,7 @@ def main(argv):
     logging.info("P/D proxy on http://%s:%d: prefill %s, decode %s, KV over %s", FLAGS.host, FLAGS.port,
                  FLAGS.prefill_url, FLAGS.decode_url, FLAGS.kv_transport)
     web.run_app(make_app(FLAGS.prefill_url, FLAGS.decode_url, FLAGS.timeout_s, FLAGS.release_grace_s,
-                         FLAGS.kv_transport),
+                         FLAGS.kv_transport, FLAGS.max_body_mib, FLAGS.list_concurrency),
                 host=FLAGS.host, port=FLAGS.port, access_log=None, print=None, handler_cancellation=True)
 
 
