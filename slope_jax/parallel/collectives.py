@@ -29,11 +29,51 @@ def ulysses_heads_to_seq(x: jax.Array) -> jax.Array:
     return jax.lax.all_to_all(x, "ulysses", split_axis=x.ndim - 3, concat_axis=x.ndim - 2, tiled=True)
 
 
+def _serialize_collectives() -> bool:
+    """Whether this program's collectives must run one at a time (XLA:CPU). jaxlib 0.10.2 lowers every collective
+    with channel id 1, and XLA:CPU keys a collective's rendezvous by (run, devices, kind, channel id): two collectives
+    of one kind over the same devices that its thunk executor starts concurrently (no data dependency between them)
+    meet in one rendezvous — 8 participants where 4 were expected, `Check failed: id < num_threads`, or a 40 s
+    termination timeout, either way the process aborts (outside-in probe: a prefix hit on ring ≥ 4 aborted 3 of 3
+    times; before it, the same fault showed as wrong logits, issue 17). GPU and TPU collectives do not rendezvous this
+    way."""
+    return jax.default_backend() == "cpu"
+
+
+def after(x, *deps):
+    """`x`, made to depend on `deps` (an optimization barrier): the collective that consumes it starts only after
+    the ones that produced `deps`. Values unchanged."""
+    if not deps:
+        return x
+    return jax.lax.optimization_barrier((x, deps))[0]
+
+
+def ppermute_packed(tree, axes, perm):
+    """`jax.lax.ppermute` of every leaf of `tree` over `axes` with `perm`, as one collective on XLA:CPU: the leaves'
+    bytes are concatenated into one uint8 vector, sent, and split back (`_serialize_collectives`: separate
+    ppermutes with the same pairs may run concurrently there and abort the process). Elsewhere one ppermute per leaf.
+    Layout unchanged; values bit-exact."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if len(leaves) <= 1 or not _serialize_collectives():
+        return jax.tree.map(lambda a: jax.lax.ppermute(a, axes, perm), tree)
+    parts = [jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(-1) for a in leaves]
+    got = jax.lax.ppermute(jnp.concatenate(parts), axes, perm)
+    out, start = [], 0
+    for a, part in zip(leaves, parts):
+        piece = got[start:start + part.size]
+        start += part.size
+        width = jnp.dtype(a.dtype).itemsize
+        out.append(jax.lax.bitcast_convert_type(piece.reshape(*a.shape, width) if width > 1 else piece.reshape(a.shape),
+                                                a.dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
 def ring_pass(x, ring: int):
     """Send a pytree of blocks one step round the ring: rank r → r+1 (mod R). After k calls, rank r holds the blocks
-    that started on rank (r−k) mod R. Layout unchanged: `[…]_{ring} → […]_{ring}` (contents rotate)."""
+    that started on rank (r−k) mod R. Layout unchanged: `[…]_{ring} → […]_{ring}` (contents rotate). One collective
+    on XLA:CPU (`ppermute_packed`)."""
     perm = [(i, (i + 1) % ring) for i in range(ring)]
-    return jax.tree.map(lambda a: jax.lax.ppermute(a, "ring", perm), x)
+    return ppermute_packed(x, "ring", perm)
 
 
 def pipeline_pass(x: jax.Array, pipeline: int) -> jax.Array:
@@ -77,13 +117,15 @@ def piece_pass(x: jax.Array, ring: int, ulysses: int) -> jax.Array:
 
     `x`: `[2, …]` per device (slot 0 = piece of chunk r, slot 1 = piece of chunk 2R−1−r). Returns `[2, …]` where slot j
     holds the predecessor's slot data (zeros for the very first piece of the sequence). Three `ppermute`s over
-    `(ring, ulysses)` (A, B and the single fold pair C, see `piece_predecessor_perms`); used for sliding-window halos.
+    `(ring, ulysses)` (A, B and the single fold pair C, see `piece_predecessor_perms`; one after the other on
+    XLA:CPU); used for sliding-window halos.
     """
     axes = ("ring", "ulysses")
     perm_a, perm_b, perm_c, c_local = piece_predecessor_perms(ring, ulysses)
+    serial = _serialize_collectives()  # the three in a fixed order on XLA:CPU (`_serialize_collectives`)
     recv0 = jax.lax.ppermute(x[0], axes, perm_a) if perm_a else jnp.zeros_like(x[0])
-    recv1 = jax.lax.ppermute(x[1], axes, perm_b) if perm_b else jnp.zeros_like(x[1])
-    fold = x[0] if c_local else jax.lax.ppermute(x[0], axes, perm_c)
+    recv1 = jax.lax.ppermute(after(x[1], recv0) if serial else x[1], axes, perm_b) if perm_b else jnp.zeros_like(x[1])
+    fold = x[0] if c_local else jax.lax.ppermute(after(x[0], recv1) if serial else x[0], axes, perm_c)
     r = jax.lax.axis_index("ring")
     u = jax.lax.axis_index("ulysses")
     at_fold = (r == ring - 1) & (u == 0)

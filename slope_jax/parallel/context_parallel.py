@@ -303,7 +303,7 @@ def prefix_attention(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array,
 
     def step(_, carry):
         qv, pv, sv = carry
-        qv, pv, sv = jax.tree.map(lambda a: jax.lax.ppermute(a, axes, perm), (qv, pv, sv))
+        qv, pv, sv = collectives.ppermute_packed((qv, pv, sv), axes, perm)  # one collective per hop on XLA:CPU
         return qv, pv, attend(qv, k, v, pv, k_pos, state=sv)
 
     with jax.named_scope("prefix_ring"):
@@ -317,5 +317,5 @@ def prefix_attention(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array,
         for hop in range(1, group):
             carry = step(hop, carry)
         st = carry[2]
-        st = jax.tree.map(lambda a: jax.lax.ppermute(a, axes, perm), st)  # home
+        st = collectives.ppermute_packed(st, axes, perm)  # home
     return flat(st)
