@@ -48,6 +48,19 @@ def after(x, *deps):
     return jax.lax.optimization_barrier((x, deps))[0]
 
 
+def sequenced_map(fn, tree):
+    """`jax.tree.map(fn, tree)` for a collective `fn`, the leaves' collectives one after the other on XLA:CPU (each
+    leaf's operand made to depend on the previous leaf's result, `after`; `_serialize_collectives`). Elsewhere the
+    plain map: independent collectives may overlap."""
+    if not _serialize_collectives():
+        return jax.tree.map(fn, tree)
+    leaves, treedef = jax.tree.flatten(tree)
+    out = []
+    for a in leaves:
+        out.append(fn(after(a, out[-1]) if out else a))
+    return jax.tree.unflatten(treedef, out)
+
+
 def ppermute_packed(tree, axes, perm):
     """`jax.lax.ppermute` of every leaf of `tree` over `axes` with `perm`, as one collective on XLA:CPU: the leaves'
     bytes are concatenated into one uint8 vector, sent, and split back (`_serialize_collectives`: separate
@@ -205,8 +218,9 @@ def expert_dispatch(x, axes=("ring", "ulysses")):
 
     A pytree of `[T_loc_{axes}, …]` → `[T_stage, …]` (all-gather over `axes`, tiled, in the linear device order
     r·U + u of the token sharding). Operand bytes per device: the local block; wire bytes: (EP−1)× the local block.
+    One leaf after the other on XLA:CPU (`sequenced_map`).
     """
-    return jax.tree.map(lambda a: jax.lax.all_gather(a, axes, axis=0, tiled=True), x)
+    return sequenced_map(lambda a: jax.lax.all_gather(a, axes, axis=0, tiled=True), x)
 
 
 def expert_combine(y: jax.Array, axes=("ring", "ulysses")) -> jax.Array:
@@ -223,5 +237,5 @@ def expert_exchange(x, axes=("ring", "ulysses")):
     """Expert-parallel all-to-all: a pytree of `[EP, c, …]` send buffers (row block j for device j) →
     `[EP, c, …]` receive buffers (row block i from device i), device index linear over `axes` (r·U + u). Used both
     ways: tokens out to their experts' owners, partial outputs back. Operand bytes per device: the whole buffer;
-    wire bytes: (EP−1)/EP of it (block j = self stays)."""
-    return jax.tree.map(lambda a: jax.lax.all_to_all(a, axes, split_axis=0, concat_axis=0, tiled=True), x)
+    wire bytes: (EP−1)/EP of it (block j = self stays). One leaf after the other on XLA:CPU (`sequenced_map`)."""
+    return sequenced_map(lambda a: jax.lax.all_to_all(a, axes, split_axis=0, concat_axis=0, tiled=True), x)

@@ -135,8 +135,8 @@ def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: CPPositions, s
     qc = q.reshape(2, pz, n, h)
     kvc = jnp.stack([k, v]).reshape(2, 2, pz, k.shape[1], h)  # [kv, slot, Pz, K', H]
     if U > 1:
-        qc = collectives.ulysses_seq_to_heads(qc)  # [2, C, N/U, H]
-        kvc = collectives.ulysses_seq_to_heads(kvc)  # [2, 2, C, K'/U, H]
+        # [2, C, N/U, H] and [2, 2, C, K'/U, H]; one after the other on XLA:CPU (`collectives.sequenced_map`)
+        qc, kvc = collectives.sequenced_map(collectives.ulysses_seq_to_heads, (qc, kvc))
         sinks = _local_sinks(sinks, U)
     posc = pos.chunks
     attend = functools.partial(attn_lib.attend, q_tile=options.q_tile, kv_tile=options.kv_tile,
@@ -254,7 +254,7 @@ def _merge_prefix(states, prefix: attn_lib.AttnState, ulysses: int):
             return (collectives.ulysses_seq_to_heads(a) if ulysses > 1 else a)[..., 0]
         return collectives.ulysses_seq_to_heads(a) if ulysses > 1 else a
 
-    pre = attn_lib.AttnState(*(to_heads(a) for a in prefix))
+    pre = attn_lib.AttnState(*collectives.sequenced_map(to_heads, tuple(prefix)))
     kv_heads = states[0].o.shape[1]
     return tuple(attn_lib.merge(st, _grouped(attn_lib.AttnState(pre.o[j], pre.m[j], pre.l[j]), kv_heads))
                  for j, st in enumerate(states))
