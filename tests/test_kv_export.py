@@ -221,9 +221,12 @@ TAMPERS = {
     "layers.token_range": (lambda m: m["layers"][0].update(token_range=[22, 32]), r"layers\[0\]\.token_range"),
     "segments.gap": (lambda m: m["layers"][3].update(segments=m["layers"][3]["segments"][1:]),
                      r"layers\[3\]\.segments: layer 3 tokens \[0, …\) are not covered"),
+    # a segment's tensors are named by its layer and range (`segment_name`): an edited range or a tensor of another
+    # segment is caught by the name before any tensor is read
     "segments.end": (lambda m: m["layers"][1]["segments"][-1].update(end=33),
-                     r"layers\[1\]\.segments: layer 1 covers tokens up to 33"),
-    "segments.positions": (_other_positions, r"layers\[1\]\.segments: positions tensor"),
+                     r"layers\[1\]\.segments: segment \[\d+, 33\) names tensor 'layer\.1\.k\.\d+-32' for k"),
+    "segments.positions": (_other_positions, r"layers\[1\]\.segments: segment \[\d+, \d+\) names tensor "
+                                             r"'layer\.1\.positions\.[\d-]+' for positions"),
     "files": (_extra_file, r"files: lists \['kv-p9.safetensors'\], which no segment uses"),
     "checksums.xxh3_128": (lambda m: m["checksums"]["kv-p0.safetensors"].update(xxh3_128="0" * 32),
                            r"checksums.kv-p0.safetensors.xxh3_128: the file's XXH3-128 differs"),
