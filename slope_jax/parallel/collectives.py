@@ -40,12 +40,10 @@ def _serialize_collectives() -> bool:
     return jax.default_backend() == "cpu"
 
 
-def after(x, *deps):
-    """`x`, made to depend on `deps` (an optimization barrier): the collective that consumes it starts only after
-    the ones that produced `deps`. Values unchanged."""
-    if not deps:
-        return x
-    return jax.lax.optimization_barrier((x, deps))[0]
+def after(x, dep):
+    """`x`, made to depend on `dep` (an optimization barrier): the collective that consumes it starts only after the
+    one that produced `dep`. Values unchanged."""
+    return jax.lax.optimization_barrier((x, dep))[0]
 
 
 def sequenced_map(fn, tree):

@@ -384,16 +384,27 @@ async def _completions(request, chat: bool = False):
 
 async def _relay(request, body: dict, client_id: str, done: list[_Prefilled], chat: bool):
     """Send `body` to the decode server and relay its answer as it comes (server-sent events go on as they arrive)."""
+    url = request.app["decode_url"] + _ROUTES[chat]
+    data = await _encode(body)
+    return await _stream_answer(
+        request, lambda: request.app["session"].post(url, data=data, headers={"X-Request-Id": client_id,
+                                                                             "Content-Type": "application/json"}),
+        lambda resp: _answer_headers(client_id, done, resp.headers.get("Content-Type", "application/json")),
+        url, client_id)
+
+
+async def _stream_answer(request, send, headers, url: str, client_id: str):
+    """`send()` (a request context to the decode server at `url`) and its answer relayed to the client as it comes:
+    status (and reason), `headers(resp)`, the body chunk by chunk. 502 naming `url` when the decode server does not
+    answer; once the status line is out, a broken answer is logged and re-raised (aiohttp closes the connection,
+    the client sees a cut body)."""
     import aiohttp
     from aiohttp import web
 
-    url = request.app["decode_url"] + _ROUTES[chat]
-    data, out = await _encode(body), None
+    out = None
     try:
-        async with request.app["session"].post(url, data=data, headers={"X-Request-Id": client_id,
-                                                                        "Content-Type": "application/json"}) as resp:
-            out = web.StreamResponse(status=resp.status, headers=_answer_headers(
-                client_id, done, resp.headers.get("Content-Type", "application/json")))
+        async with send() as resp:
+            out = web.StreamResponse(status=resp.status, reason=resp.reason, headers=headers(resp))
             await out.prepare(request)
             async for chunk in resp.content.iter_any():
                 await out.write(chunk)
@@ -403,7 +414,7 @@ async def _relay(request, body: dict, client_id: str, done: list[_Prefilled], ch
         if out is None:
             return _error(502, f"the decode server {url} did not answer: {type(e).__name__}: {e}")
         logging.warning("%s: the decode server's answer broke off: %s: %s", client_id, type(e).__name__, e)
-        raise  # the status line is out already: aiohttp closes the connection, the client sees a cut body
+        raise
 
 
 async def _fan_out(request, body: dict, client_id: str, prompts: list):
@@ -586,30 +597,16 @@ async def _pass_through(request):
     """Any other method and path (/metrics, /version, /tokenize, /v1/responses, ...): relayed to the decode server
     unchanged — method, path, query string, body and headers (less the hop-by-hop ones) — and its answer back as it
     comes: status, content type and body. 502 when the decode server does not answer."""
-    import aiohttp
-    from aiohttp import web
-
     raw = await _read_body(request)
     if not isinstance(raw, bytes):
         return raw
     url = request.app["decode_url"] + request.rel_url.raw_path_qs  # path and query string as the client wrote them
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
-    out = None
-    try:
-        async with request.app["session"].request(request.method, url, data=raw, headers=headers,
-                                                  allow_redirects=False) as resp:
-            out = web.StreamResponse(status=resp.status, reason=resp.reason, headers={
-                k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS})
-            await out.prepare(request)
-            async for chunk in resp.content.iter_any():
-                await out.write(chunk)
-            await out.write_eof()
-            return out
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        if out is None:
-            return _error(502, f"the decode server {request.app['decode_url']} did not answer: {type(e).__name__}: "
-                          f"{e}")
-        raise  # the status line is out already: aiohttp closes the connection, the client sees a cut body
+    return await _stream_answer(
+        request, lambda: request.app["session"].request(request.method, url, data=raw, headers=headers,
+                                                        allow_redirects=False),
+        lambda resp: {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS},
+        url, request.method + " " + request.rel_url.path)
 
 
 def make_app(prefill_url: str, decode_url: str, timeout_s: float = 3600.0, release_grace_s: float = 30.0,
