@@ -30,7 +30,7 @@ from absl import app, flags, logging
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from slope_jax.checkpoints import writer as checkpoint_writer  # noqa: E402
-from slope_jax.model.config import FULL, SLIDING, ModelConfig  # noqa: E402
+from slope_jax.model.config import FULL, SLIDING, ConfigError, ModelConfig  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "configs/tiny.json", "HF-style config.json describing the model to write.")
@@ -72,6 +72,11 @@ def main(argv):
         cfg = dataclasses.replace(cfg, num_hidden_layers=n, layer_types=tuple(
             SLIDING if i % 2 == 0 else FULL for i in range(n)))
     cfg = dataclasses.replace(cfg, expert_format="mxfp4")
+    if FLAGS.original:  # before anything is written: a config the original/ format cannot hold is refused whole
+        try:
+            cfg.to_original_dict()
+        except ConfigError as e:
+            raise SystemExit(f"make_checkpoint: error: --original: {e}") from None
     logging.info("writing %s: %d layers, hidden %d, %d experts", FLAGS.out, cfg.num_hidden_layers, cfg.hidden_size,
                  cfg.num_experts)
     params = checkpoint_writer.random_params(cfg, FLAGS.seed)

@@ -6,7 +6,7 @@ import shutil
 
 import numpy as np
 import pytest
-from support import CONFIG_A, SHIPPED
+from support import CONFIG_A, REPO, SHIPPED
 from safetensors.numpy import load_file, save_file
 
 from slope_jax import load_checkpoint
@@ -216,6 +216,10 @@ def test_hf_rope_parameters_key_is_read():
     ("hidden_size", 72, "hidden_size=72 must be a multiple of 32"),
     ("vocab_size", 0, "vocab_size=0: must be a positive integer"),
     ("attention_bias", False, "attention_bias=False"),
+    ("swiglu_limit", None, "swiglu_limit=None must be a number"),  # a float() TypeError that named no field
+    ("rms_norm_eps", "1e-5", "rms_norm_eps='1e-5' must be a number"),
+    ("max_position_embeddings", 4096.5, "max_position_embeddings=4096.5 must be an integer"),
+    ("rope_scaling", {"rope_type": "yarn", "beta_fast": 32.0}, "rope factor is required"),  # transformers refuses
 ])
 def test_config_validation_names_the_field(field, value, message):
     d = CONFIG_A.to_hf_dict()
@@ -528,3 +532,29 @@ def test_weights_digest_follows_a_same_size_rewrite_that_keeps_the_mtime(tmp_pat
         f.write(b"\1" * 4096)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert prefix_lib.weights_digest(str(tmp_path)) != first
+
+
+@pytest.mark.parametrize("change, fields", [
+    (dict(layer_types=("full_attention", "sliding_attention", "sliding_attention", "full_attention")),
+     ["layer_types="]),
+    (dict(rope_truncate=True), ["rope_truncate=True"]),
+    (dict(max_position_embeddings=4096, rms_norm_eps=1e-6), ["max_position_embeddings=4096", "rms_norm_eps=1e-06"]),
+    (dict(swiglu_alpha=1.5), ["swiglu_alpha=1.5"]),
+])
+def test_an_original_layout_is_never_written_for_a_config_it_cannot_express(tmp_path, change, fields):
+    """OpenAI's original/config.json has no layer_types (sliding on even layers), no YaRN truncate, no
+    max_position_embeddings (initial_context_length × factor), no rms_norm_eps or swiglu_alpha: a config outside
+    those was written anyway and loaded back as another model (a held-out probe: logits 0.57–2.1 off transformers).
+    The writer refuses it naming each field and what it would have read as; the shipped and gpt-oss configs pass
+    (every field reads back equal)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(CONFIG_A, **change)
+    with pytest.raises(ConfigError, match="original/config.json cannot express") as e:
+        checkpoint_writer.write_original(str(tmp_path / "original"), cfg, {})
+    assert all(f in str(e.value) for f in fields), str(e.value)
+    assert not os.path.exists(tmp_path / "original")  # refused before anything is written
+    for name in ("tiny.json", "tiny-hd64.json", "gpt-oss-20b.json", "gpt-oss-120b.json"):
+        c = ModelConfig.from_json(os.path.join(REPO, "configs", name))
+        assert ModelConfig.from_original_dict(c.to_original_dict()) == dataclasses.replace(
+            c, eos_token_ids=(), pad_token_id=None, expert_format="mxfp4"), name

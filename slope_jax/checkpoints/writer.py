@@ -148,10 +148,12 @@ def write_hf(directory: str, cfg: ModelConfig, params: dict, *, experts: str = "
 
 def write_original(directory: str, cfg: ModelConfig, params: dict) -> None:
     """Write OpenAI's layout into `directory` (typically `<checkpoint>/original`): config.json, dtypes.json,
-    model.safetensors."""
+    model.safetensors. Raises ConfigError (before writing anything) for a config the original/ format cannot
+    express (`ModelConfig.to_original_dict`)."""
+    config = cfg.to_original_dict()
     os.makedirs(directory, exist_ok=True)
     tensors = original_tensors(cfg, params)
     atomic_safetensors(os.path.join(directory, "model.safetensors"), tensors)
     dtypes = {n: ("FP4" if n.endswith(".blocks") else "UE8" if n.endswith(".scales") else "BF16") for n in tensors}
     atomic_json(os.path.join(directory, "dtypes.json"), dtypes)
-    atomic_json(os.path.join(directory, "config.json"), cfg.to_original_dict())
+    atomic_json(os.path.join(directory, "config.json"), config)

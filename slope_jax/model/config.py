@@ -117,18 +117,19 @@ class ModelConfig:
                 head_dim=d.get("head_dim") or 64,
                 sliding_window=_window(d, source),
                 layer_types=tuple(layer_types),
-                rope_theta=float(rope_theta),
+                rope_theta=_number({"rope_theta": rope_theta}, "rope_theta", None, source),
                 rope_type=rope_type,
-                rope_scaling_factor=float(rope.get("factor", 1.0)),
-                rope_beta_fast=float(rope.get("beta_fast", 32.0)),
-                rope_beta_slow=float(rope.get("beta_slow", 1.0)),
-                rope_original_max_position_embeddings=int(
-                    rope.get("original_max_position_embeddings", d.get("max_position_embeddings", 4096))),
+                rope_scaling_factor=_number(rope, "factor", None if rope_type == "yarn" else 1.0, source, "rope "),
+                rope_beta_fast=_number(rope, "beta_fast", 32.0, source, "rope "),
+                rope_beta_slow=_number(rope, "beta_slow", 1.0, source, "rope "),
+                rope_original_max_position_embeddings=_number(
+                    rope, "original_max_position_embeddings", d.get("max_position_embeddings", 4096), source, "rope ",
+                    int),
                 rope_truncate=bool(rope.get("truncate", True)),
-                max_position_embeddings=int(d.get("max_position_embeddings", 131072)),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-                swiglu_limit=float(d.get("swiglu_limit", 7.0)),
-                swiglu_alpha=float(d.get("swiglu_alpha", 1.702)),
+                max_position_embeddings=_number(d, "max_position_embeddings", 131072, source, kind=int),
+                rms_norm_eps=_number(d, "rms_norm_eps", 1e-5, source),
+                swiglu_limit=_number(d, "swiglu_limit", 7.0, source),
+                swiglu_alpha=_number(d, "swiglu_alpha", 1.702, source),
                 eos_token_ids=eos,
                 pad_token_id=d.get("pad_token_id"),
                 expert_format="mxfp4" if quant == "mxfp4" else "dense",
@@ -142,7 +143,8 @@ class ModelConfig:
     def from_original_dict(cls, d: dict[str, Any], *, source: str = "original/config.json") -> ModelConfig:
         """Build from OpenAI's `original/config.json` (docs/model.md §1 key mapping). Always MXFP4 experts, YaRN."""
         n_layers = _req(d, "num_hidden_layers", source)
-        factor = float(d.get("rope_scaling_factor", 32.0))  # absent: OpenAI's reference ModelConfig default (YaRN)
+        context = _number(d, "initial_context_length", 4096, source, kind=int)
+        factor = _number(d, "rope_scaling_factor", 32.0, source)  # absent: OpenAI's reference default (YaRN)
         return cls(
             num_hidden_layers=n_layers,
             num_experts=_req(d, "num_experts", source),
@@ -155,16 +157,15 @@ class ModelConfig:
             head_dim=_req(d, "head_dim", source),
             sliding_window=_req(d, "sliding_window", source),
             layer_types=tuple(SLIDING if i % 2 == 0 else FULL for i in range(n_layers)),
-            rope_theta=float(d.get("rope_theta", 150000.0)),
+            rope_theta=_number(d, "rope_theta", 150000.0, source),
             rope_type="yarn" if factor != 1.0 else "default",
             rope_scaling_factor=factor,
-            rope_beta_fast=float(d.get("rope_ntk_beta", 32.0)),
-            rope_beta_slow=float(d.get("rope_ntk_alpha", 1.0)),
-            rope_original_max_position_embeddings=int(d.get("initial_context_length", 4096)),
+            rope_beta_fast=_number(d, "rope_ntk_beta", 32.0, source),
+            rope_beta_slow=_number(d, "rope_ntk_alpha", 1.0, source),
+            rope_original_max_position_embeddings=context,
             rope_truncate=False,
-            max_position_embeddings=int(d.get("max_position_embeddings",
-                                              int(d.get("initial_context_length", 4096) * factor))),
-            swiglu_limit=float(d.get("swiglu_limit", 7.0)),
+            max_position_embeddings=_number(d, "max_position_embeddings", int(context * factor), source, kind=int),
+            swiglu_limit=_number(d, "swiglu_limit", 7.0, source),
             expert_format="mxfp4",
         )
 
@@ -245,7 +246,22 @@ class ModelConfig:
         return d
 
     def to_original_dict(self) -> dict[str, Any]:
-        """OpenAI's `original/config.json` (docs/model.md §1 key list)."""
+        """OpenAI's `original/config.json` (docs/model.md §1 key list).
+
+        Raises ConfigError naming each field the format cannot carry — those that `from_original_dict` would read
+        back as another value (layer_types other than sliding on even layers, YaRN `truncate`, a
+        max_position_embeddings other than initial_context_length × rope_scaling_factor, rms_norm_eps,
+        swiglu_alpha): written anyway, that directory would load as another model, silently."""
+        d = self._original_keys()
+        back = ModelConfig.from_original_dict(d)
+        lost = [f"{f.name}={getattr(self, f.name)!r} (it would read back as {getattr(back, f.name)!r})"
+                for f in dataclasses.fields(self) if f.name not in _NOT_IN_ORIGINAL
+                and getattr(back, f.name) != getattr(self, f.name)]
+        if lost:
+            raise ConfigError("OpenAI's original/config.json cannot express this config: " + "; ".join(lost))
+        return d
+
+    def _original_keys(self) -> dict[str, Any]:
         return {
             "num_hidden_layers": self.num_hidden_layers, "num_experts": self.num_experts,
             "experts_per_token": self.experts_per_token, "vocab_size": self.vocab_size,
@@ -273,6 +289,23 @@ class ModelConfig:
                 raise ConfigError(f"{source}: rope {key}={rope.get(key, d.get(key))!r} is not supported (gpt-oss's "
                                   f"YaRN has none; docs/model.md §2.2)")
         return self
+
+
+# what an original/ directory does not hold in its config.json: generation settings (generation_config.json) and the
+# expert storage (always MXFP4 there; the writer quantizes)
+_NOT_IN_ORIGINAL = frozenset({"eos_token_ids", "pad_token_id", "expert_format"})
+
+
+def _number(d: dict[str, Any], key: str, default, source: str, where: str = "", kind=float):
+    """`d[key]` as `kind` (float or int), `default` when absent; ConfigError naming the key when it is null, not a
+    number, or absent with no default (a YaRN rope without `factor`: transformers refuses it too)."""
+    if key not in d and default is None:
+        raise ConfigError(f"{source}: {where}{key} is required (no default)")
+    value = d.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            kind is int and not (math.isfinite(value) and value == int(value))):
+        raise ConfigError(f"{source}: {where}{key}={value!r} must be {'an integer' if kind is int else 'a number'}")
+    return kind(value)
 
 
 def _window(d: dict[str, Any], source: str) -> int:
