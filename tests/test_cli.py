@@ -120,6 +120,10 @@ def test_json_error_names_the_rule_once():
     with pytest.raises(requests.LineError) as e:
         requests.parse('{"id": "a" "tokens": [1]}', 5, vocab_size=10, max_tokens=10)
     assert str(e.value) == "line 5: not valid JSON (Expecting ',' delimiter at column 12)"
+    for line in ('{"id": "a", "text": "abc"\n', '{"id": "a", "text": "abc"\r\n', '{"id": "a", "text": "abc"'):
+        with pytest.raises(requests.LineError) as e:  # a missing "}": json says line 2 column 1 when the \n is kept
+            requests.parse(line, 6, vocab_size=10, max_tokens=10)
+        assert str(e.value) == "line 6: not valid JSON (Expecting ',' delimiter at the end of the line)", line
 
 
 

@@ -610,3 +610,112 @@ def test_a_request_whose_client_left_is_cancelled_not_computed(tmp_path):
     assert (st.cancelled, st.failed, st.with_slo, st.attainment) == (2, 0, 1, 1.0)
     assert "cancelled 2, failed 0" in st.summary_line()
     loop.close()
+
+
+def test_a_client_that_leaves_while_its_request_is_checked_gets_a_cancelled_record(tmp_path, monkeypatch):
+    """A client that sends its whole body and disconnects at once leaves while `validate` (on the validation pool)
+    reserves its id: the request still reaches the loop, as abandoned, so it gets its `"cancelled": true` record and
+    is never computed (it took the id with no trace: a retry with that id was refused as a duplicate of a request
+    that existed nowhere). An invalid body whose client left queues nothing."""
+    from slope_jax.serve import requests as requests_lib
+
+    intake = http.HttpIntake("127.0.0.1", 0, model_name="tiny", vocab_size=VOCAB, max_tokens=100, tokenizer_path=None,
+                             top_k=TOP_K, kv_store=KVStore(str(tmp_path)), kv_pool_gib=0)
+    real, started, go = http.validate, threading.Event(), threading.Event()
+
+    def slow_validate(*args, **kwargs):
+        started.set()
+        go.wait(10)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(http, "validate", slow_validate)
+
+    class Request:  # what aiohttp hands `_completions`
+        def __init__(self, body):
+            self.body, self.headers, self.app, self.content_length = body, {}, {"tokenizer": None}, None
+
+        async def read(self):
+            return json.dumps(self.body).encode()
+
+    async def leave_while_checked(body):
+        started.clear()
+        go.clear()
+        task = asyncio.ensure_future(intake._completions(Request(body), chat=False))
+        assert await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+        task.cancel()  # the client disconnected: aiohttp cancels the handler
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        go.set()
+        for _ in range(200):  # the check finishes on its thread; its done callback runs on this loop
+            await asyncio.sleep(0.01)
+            if intake._pool._work_queue.empty() and not intake._queue.empty():
+                break
+
+    asyncio.run(leave_while_checked({"prompt": [1, 2, 3], "request_id": "gone"}))
+    raw, _ = intake.get(5)
+    assert isinstance(raw, requests_lib.ClientLeft) and raw.request_id == "gone"
+    asyncio.run(leave_while_checked({"prompt": [], "request_id": "bad"}))  # invalid: 400 had the client stayed
+    time.sleep(0.2)
+    assert intake._queue.empty()
+    intake._pool.shutdown()
+
+
+def test_a_body_over_the_limit_gets_a_json_413_at_once():
+    """A declared Content-Length over the 64 MiB limit is answered at once with OpenAI's error shape (the server
+    waited for a body the client never sent); a body that turns out larger (aiohttp's own check while reading) gets
+    the same JSON 413, not aiohttp's plain-text one."""
+    from aiohttp import web
+
+    class Declared:
+        content_length = http.MAX_BODY_BYTES + 1
+
+        async def read(self):
+            await asyncio.sleep(3600)  # the body never comes
+
+    class Oversized:
+        content_length = None
+
+        async def read(self):
+            raise web.HTTPRequestEntityTooLarge(max_size=http.MAX_BODY_BYTES, actual_size=http.MAX_BODY_BYTES + 1)
+
+    for request in (Declared(), Oversized()):
+        answer = asyncio.run(asyncio.wait_for(http._read_body(request), 10))
+        body = json.loads(answer.body)
+        assert answer.status == 413 and body["error"]["code"] == 413, body
+        assert "is larger than the limit of 64 MiB" in body["error"]["message"], body
+
+
+def test_a_nixl_request_answered_by_files_says_why(tmp_path, monkeypatch):
+    """A request that asks for the NIXL hand-off (a P/D proxy's do_remote_decode) but gets none carries the reason in
+    its kv_transfer_params (`slope_jax_nixl_unavailable`), so the proxy's warning names it (it told the operator to
+    check the NIXL install when the pool was only full): here the endpoint has no pool."""
+    intake = http.HttpIntake("127.0.0.1", 0, model_name="tiny", vocab_size=VOCAB, max_tokens=100, tokenizer_path=None,
+                             top_k=TOP_K, kv_store=KVStore(str(tmp_path)), kv_pool_gib=0)
+
+    class Request:
+        headers, app, content_length = {}, {"tokenizer": None}, None
+
+        async def read(self):
+            return json.dumps({"prompt": [1, 2, 3], "request_id": "r",
+                               "kv_transfer_params": {"do_remote_decode": True}}).encode()
+
+    def serve_one():  # the launcher's loop: take the line, answer it with a record
+        raw, _ = intake.get(10)
+        rid = json.loads(raw)["id"]
+        intake.deliver({"id": rid, "first_token": 7, "num_tokens": 3, "kv_path": str(tmp_path / rid)})
+
+    async def main():
+        intake._loop = asyncio.get_running_loop()
+        server = asyncio.get_running_loop().run_in_executor(None, serve_one)
+        answer = await intake._completions(Request(), chat=False)
+        await server
+        return answer
+
+    answer = asyncio.run(main())
+    params = json.loads(answer.body)["kv_transfer_params"]
+    assert params[http.NIXL_UNAVAILABLE] == "this prefill endpoint has no NIXL pool (its start-up log says why)"
+    logged = []
+    monkeypatch.setattr(pd_proxy.logging, "warning", lambda msg, *args: logged.append(msg % args))
+    pd_proxy._note_files_fallback({"kv_transport": "nixl", "fallbacks": {"files": 0}}, params, "r")
+    assert len(logged) == 1 and "it says: this prefill endpoint has no NIXL pool" in logged[0], logged
+    intake._pool.shutdown()

@@ -49,6 +49,14 @@ def _fakes(seen: dict, prefill_s: float = 0.0):
             await seen["release"].wait()
             await out.write(b"data: [DONE]\n\n")
             return out
+        prompt = body.get("prompt")
+        if isinstance(prompt, str) and prompt.startswith("kv-"):  # the connector's report, as vLLM gives it
+            stop = prompt == "kv-stop"  # a stop string ended it: vLLM's front end finished it, the report is lost
+            return web.json_response({"id": "cmpl-" + request.headers["X-Request-Id"], "choices": [
+                {"index": 0, "text": "!", "finish_reason": "stop", "stop_reason": " x" if stop else None}],
+                "usage": {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 4}},
+                "kv_transfer_params": None if stop else {"slope_jax_status": "loaded",
+                                                         "slope_jax_loaded_tokens": len(prompt)}})
         return web.json_response({"id": "cmpl-" + request.headers["X-Request-Id"], "choices": [
             {"index": 0, "text": f"{body.get('prompt')}!"}], "usage": {"prompt_tokens": 1, "completion_tokens": 1,
                                                                         "total_tokens": 2}})
@@ -346,6 +354,8 @@ def test_validate_truncates_the_prompt_as_vllm_does(tmp_path):
     assert tokens(4, truncate_prompt_tokens=-1) == ids[-99:]
     assert tokens(5, truncate_prompt_tokens=100, truncation_side=None) == ids[-100:]
     assert tokens(6, prompt=ids[:5], truncate_prompt_tokens=50) == ids[:5]  # shorter: unchanged
+    assert tokens(13, truncate_prompt_tokens=10.0) == ids[-10:]  # a whole-number float, as vLLM (pydantic) reads it
+    assert http.validate(json.dumps({"prompt": ids[:5], "logprobs": 2.0}).encode(), {}, 14, **limits).logprobs == 2
     assert tokens(7, prompt="It was the best of times", truncate_prompt_tokens=2) == \
         limits["tokenizer"].encode("It was the best of times").ids[-2:]
     chat = tokens(8, chat=True, truncate_prompt_tokens=20, truncation_side="right")
@@ -383,3 +393,30 @@ def test_validate_takes_whole_number_float_token_ids(tmp_path):
         with pytest.raises(http.HttpError) as e:
             http.validate(json.dumps({"prompt": prompt}).encode(), {}, number, **limits)
         assert (e.value.status, e.value.param) == (400, "prompt"), str(e.value)
+
+
+def test_the_answer_reports_every_prompts_load_also_where_vllm_drops_it():
+    """The connector's status reaches the client for each prompt: vLLM drops it from a request a stop string ended
+    (its front end finishes it; the answer had `kv_transfer_params: null`, so nobody could tell loaded from
+    recomputed), and a list's answer carried the first prompt's only (39 tokens loaded of 178)."""
+    unreported = ("unreported: a stop string ended the request, and vLLM then drops the connector's report (vLLM's "
+                  "usage counts 4 prompt tokens as cached)")
+
+    async def check(proxy, seen):
+        r = await proxy.post("/v1/completions", json={"prompt": "kv-stop", "stop": [" x"]})
+        body = await r.json()
+        assert r.status == 200 and body["kv_transfer_params"] == {"slope_jax_status": unreported}, body
+        assert body["choices"][0]["stop_reason"] == " x" and r.headers["X-Slope-Jax-Export"]
+        r = await proxy.post("/v1/completions", json={"prompt": "kv-loaded"})
+        assert (await r.json())["kv_transfer_params"] == {"slope_jax_status": "loaded", "slope_jax_loaded_tokens": 9}
+        r = await proxy.post("/v1/completions", json={"prompt": ["kv-a", "kv-bb"]})
+        ktp = (await r.json())["kv_transfer_params"]
+        assert (ktp["slope_jax_status"], ktp["slope_jax_loaded_tokens"]) == ("loaded", 9), ktp
+        assert [p["slope_jax_loaded_tokens"] for p in ktp["slope_jax_prompts"]] == [4, 5]
+        r = await proxy.post("/v1/completions", json={"prompt": ["kv-a", "kv-stop"]})
+        ktp = (await r.json())["kv_transfer_params"]
+        assert ktp["slope_jax_status"] == "mixed: loaded; " + unreported and ktp["slope_jax_loaded_tokens"] == 4
+        r = await proxy.post("/v1/completions", json={"prompt": "plain"})  # no report given: the answer unchanged
+        assert "kv_transfer_params" not in await r.json()
+
+    _run(check)

@@ -220,6 +220,15 @@ def test_fields_pass_through_and_lists_fan_out(servers):
     assert got["usage"]["prompt_tokens"] == n_total
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == n_total - 2  # n − 1 loaded for each prompt
     assert len(headers["X-Slope-Jax-Export"].split(",")) == 2
+    ktp = got["kv_transfer_params"]  # every prompt's load, not the first prompt's alone
+    assert (ktp["slope_jax_status"], ktp["slope_jax_loaded_tokens"]) == ("loaded", n_total - 2), ktp
+    assert [p["slope_jax_loaded_tokens"] for p in ktp["slope_jax_prompts"]] == [len(a) - 1, len(b) - 1]
+    # a stop string that ends the request in its first tokens: vLLM drops the connector's report; the answer says so
+    stop = alone["choices"][0]["text"][:2]
+    status, _, got = _post(proxy + "/v1/completions", {**request, "prompt": a, "stop": [stop]})
+    assert status == 200 and got["choices"][0]["stop_reason"] == stop, got
+    said = got["kv_transfer_params"]["slope_jax_status"]
+    assert said == "loaded" or (said.startswith("unreported: a stop string") and f"counts {len(a) - 1} prompt" in said)
     # streamed list: the same texts, each under its prompt's index
     status, _, raw = _post(proxy + "/v1/completions", {**request, "prompt": [a, b], "stream": True},
                            stream=True)

@@ -123,6 +123,10 @@ _ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conf
                 503: "slo_rejected"}
 
 
+NIXL_UNAVAILABLE = "slope_jax_nixl_unavailable"  # kv_transfer_params: why a NIXL request's KV goes by files
+MAX_BODY_BYTES = 64 * 2**20  # the largest request body (a 128K-token prompt is ~1 MB as JSON ids): larger, 413
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict:
     """OpenAI's error shape (as vLLM answers): {"error": {"message", "type", "param", "code"}}."""
     return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "error"), "param": param,
@@ -271,7 +275,7 @@ def _check_first_token_only(obj: dict, where: str, fields: frozenset) -> None:
 def _check_answer_options(obj: dict, where: str, top_k: int, chat: bool) -> int | None:
     """`logprobs` (completions: an integer in [0, top_k] or null; returned) and `kv_transfer_params` (an object or
     null)."""
-    logprobs = None if chat else obj.get("logprobs")
+    logprobs = None if chat else _whole(obj.get("logprobs"))
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                  or not 0 <= logprobs <= top_k):
         raise HttpError(400, f"{where}: 'logprobs' must be an integer in [0, {top_k}] (--top_k) or null, got "
@@ -283,6 +287,12 @@ def _check_answer_options(obj: dict, where: str, top_k: int, chat: bool) -> int 
     return logprobs
 
 
+def _whole(value):
+    """An integer field's value as vLLM's request models read it (pydantic's lax mode): a whole-number float is that
+    integer (2.0 → 2); anything else unchanged, for the field's own check."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 def _truncation(obj: dict, where: str, max_tokens: int) -> tuple[int, str] | None:
     """vLLM's `truncate_prompt_tokens` and `truncation_side` (its TokenizeParams, applied after tokenization):
     (how many tokens of the prompt to keep, the side cut: "left" keeps the last ones, vLLM's default for generate
@@ -290,7 +300,7 @@ def _truncation(obj: dict, where: str, max_tokens: int) -> tuple[int, str] | Non
     this server's max model length) less one, held back for generation. HttpError 400 naming the field: not an
     integer >= -1, more than `max_tokens`, 0 (nothing of the prompt would be left), a side other than 'left' /
     'right'."""
-    keep, side = obj.get("truncate_prompt_tokens"), obj.get("truncation_side")
+    keep, side = _whole(obj.get("truncate_prompt_tokens")), obj.get("truncation_side")
     if side is not None and side not in ("left", "right"):
         raise HttpError(400, f"{where}: 'truncation_side' must be 'left' or 'right' (or null), got "
                         f"{requests._short(side)}", "truncation_side")
@@ -493,6 +503,22 @@ def completion_body(record: dict, validated: Validated, model_name: str) -> tupl
     return 200, body
 
 
+async def _read_body(request):
+    """The request's raw body, or the 413 to answer in OpenAI's error shape when it is over `MAX_BODY_BYTES`: a
+    declared Content-Length over the limit is answered at once (without waiting for a body it may never send)."""
+    from aiohttp import web
+
+    size = request.content_length or "more than the limit"
+    too_large = web.json_response(error_body(413, f"the request body ({size} bytes) is larger than the limit of "
+                                             f"{MAX_BODY_BYTES // 2**20} MiB"), status=413)
+    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+        return too_large
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        return too_large
+
+
 class HttpIntake:
     """Process 0's HTTP request source for the launcher's loop: `get` (the `batching.LineReader` contract: a
     `(raw line, arrival)` item, never None: the server runs until the process ends) and `deliver` (every record the
@@ -528,6 +554,7 @@ class HttpIntake:
         self._entries: dict[str, str] = {}  # request id → its pool entry (discarded on release)
         self._peer_drops: dict[str, Callable[[], None]] = {}  # request id → drops its peers' entries (`compose`)
         self._exporting: set[str] = set()  # ids answered over NIXL before their export was written (`deliver_early`)
+        self._unpublished: dict[str, str] = {}  # request id → why `publish` could not put its KV in the pool
         self._reclaim_when_written: set[str] = set()  # of those, ids released meanwhile
         self._limits = dict(model_name=model_name, vocab_size=vocab_size, max_tokens=max_tokens, top_k=top_k,
                             kv_store=kv_store)
@@ -672,6 +699,8 @@ class HttpIntake:
         except (nt.KVPoolFull, kvfmt.KVFormatError, OSError, ValueError) as e:
             logging.warning("request %s: KV not published over NIXL (%s: %s); the file export serves", rid,
                             type(e).__name__, e)
+            with self._lock:
+                self._unpublished[rid] = f"{type(e).__name__}: {e}"
             return None
         with self._lock:
             self._entries[rid] = params[nt.PARAMS_KEY]["entry"]
@@ -759,7 +788,7 @@ class HttpIntake:
 
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
-        app = web.Application(client_max_size=64 * 2**20)  # a 128K-token prompt is ~1 MB as JSON ids
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
         app["tokenizer"] = tokenizer
         app.router.add_post("/v1/completions", functools.partial(self._completions, chat=False))
         app.router.add_post("/v1/chat/completions", functools.partial(self._completions, chat=True))
@@ -799,15 +828,21 @@ class HttpIntake:
         from aiohttp import web
 
         arrival = time.perf_counter()
-        body = await request.read()
+        body = await _read_body(request)
+        if not isinstance(body, bytes):
+            return body
         self._number += 1  # only the event loop thread counts
         check = functools.partial(validate, body, dict(request.headers), self._number,
                                   tokenizer=request.app["tokenizer"], seen_ids=self._seen, arrival=arrival, chat=chat,
                                   chat_template=self._chat_template, **self._limits)
+        checked = asyncio.get_running_loop().run_in_executor(self._pool, check)
         try:
-            v = await asyncio.get_running_loop().run_in_executor(self._pool, check)
+            v = await asyncio.shield(checked)
         except HttpError as e:
             return web.json_response(error_body(e.status, str(e), e.param), status=e.status)
+        except asyncio.CancelledError:  # the client left while its body was checked: the id is taken, so it gets
+            checked.add_done_callback(functools.partial(self._left_in_validation, arrival))  # a cancelled record
+            raise
         if v.ignored:
             logging.debug("request %s: fields not read by the prefill: %s", v.id, ", ".join(v.ignored))
         future = asyncio.get_running_loop().create_future()
@@ -830,9 +865,28 @@ class HttpIntake:
                 out["publish_ms"] = handoff.pop("publish_ms")
                 out["publish_from"] = handoff.pop("publish_from")
                 out["kv_transfer_params"].update(handoff)
+            elif v.nixl:  # why the proxy's NIXL request goes by files (its warning names it)
+                with self._lock:
+                    why = self._unpublished.pop(v.id, None)
+                out["kv_transfer_params"][NIXL_UNAVAILABLE] = why or (
+                    "this prefill endpoint has no NIXL pool (its start-up log says why)" if self.kv_pool is None
+                    else "not published")
             if record.get("export_pending"):
                 out["export_pending"] = True
         return web.json_response(out, status=status)
+
+    def _left_in_validation(self, arrival: float, checked: asyncio.Future) -> None:
+        """The client of a request left while `validate` ran: a valid request has reserved its id, so it is queued
+        as abandoned (`get` hands it over as `ClientLeft`: one `"cancelled": true` record, nothing computed), as when
+        the client leaves later; an invalid one (no id taken) is only logged."""
+        if checked.cancelled() or checked.exception() is not None:
+            logging.info("a client disconnected while its invalid request was checked")
+            return
+        v = checked.result()
+        with self._lock:
+            self._abandoned.add(v.id)
+        self._queue.put((v.id, v.line.encode(), arrival))
+        logging.info("request %s: the client disconnected before its answer", v.id)
 
     def _abandon(self, rid: str, future: asyncio.Future) -> None:
         with self._lock:
@@ -870,8 +924,9 @@ class HttpIntake:
             return web.json_response(error_body(400, "the body must be {\"request_id\": the id of an export this "
                                                 "server answered}", "request_id"), status=400)
         if rid not in self._served:
-            return web.json_response(error_body(404, f"no export of request {requests._short(rid)} was answered "
-                                                "by this server", "request_id"), status=404)
+            return web.json_response(error_body(404, f"no export of request {requests._short(rid)} awaits release "
+                                                "here (this server did not answer it, or it was released already)",
+                                                "request_id"), status=404)
         self._served.discard(rid)
         removed, why = await asyncio.get_running_loop().run_in_executor(self._pool, self.reclaim, rid)
         return web.json_response({"request_id": rid, "removed": removed, "reason": why})

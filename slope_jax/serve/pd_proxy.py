@@ -45,9 +45,13 @@ Transparent: whatever `vllm serve` accepts the proxy passes on. The flow is vLLM
   flight at once, then as many of its decode requests: the prefill server serves its queue in arrival order, and a
   list sent whole would queue every other client's request behind all of its prompts. The answers are merged as
   vLLM answers a list: choice `index` = prompt index × n + the choice's own index, usage summed field by field
-  (nested details too), the first answer's id and kv_transfer_params; streamed, the events of the prompts are
-  interleaved as they arrive with the same indices, one summed usage chunk (if asked) and one `[DONE]` (a decode
-  error after the first event comes as an error event, `data: {"error": ...}`).
+  (nested details too), the first answer's id, and kv_transfer_params reporting every prompt's load
+  (`load_status`: loaded tokens summed, each prompt's status in `slope_jax_prompts`); streamed, the events of the
+  prompts are interleaved as they arrive with the same indices, one summed usage chunk (if asked) and one `[DONE]`
+  (a decode error after the first event comes as an error event, `data: {"error": ...}`).
+- Load status: a JSON answer's kv_transfer_params carries the connector's `slope_jax_status` and
+  `slope_jax_loaded_tokens`; where vLLM drops them (a stop string ended the request) the status says so
+  ("unreported: ..." with vLLM's cached-token count). Streamed answers carry no status (vLLM sends none).
 - Request ids: the client's X-Request-Id header (else its body's `request_id`, else 32 hex digits, to which vLLM
   adds its "cmpl-" in the answer's `id`, as without the proxy) goes to the decode server unchanged (prompt i of a
   list: "<id>-<i>", as vLLM names them) and back in the answer's X-Request-Id. The export is named per attempt,
@@ -100,6 +104,7 @@ _FOR_PREFILL_CHAT = ("messages", "model", "ttft_slo_ms", "cache_salt", "add_gene
                      "truncation_side", "reasoning_effort")
 _ROUTES = {False: "/v1/completions", True: "/v1/chat/completions"}
 _NIXL_KEY = "slope_jax_nixl"  # slope_jax.kv.nixl_transport.PARAMS_KEY (not imported: the proxy needs no NIXL)
+STATUS_KEY, LOADED_KEY = "slope_jax_status", "slope_jax_loaded_tokens"  # the connector's (kv.vllm_plan), not imported
 MAX_PROMPTS_ENV, MAX_PROMPTS_DEFAULT = "VLLM_MAX_COMPLETION_PROMPTS", 1024  # vLLM's limit on a list of prompts
 # headers that describe one hop, not the message (RFC 9110 §7.6.1), or that aiohttp recomputes for the relayed body
 _HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -173,7 +178,38 @@ def merge_answers(answers: list[dict], n: int) -> dict:
                              for c in a.get("choices", [])), key=lambda c: c["index"])
     if any(a.get("usage") for a in answers):
         out["usage"] = sum_usage([a.get("usage") for a in answers])
+    if "kv_transfer_params" in out or any(a.get("kv_transfer_params") for a in answers):
+        out["kv_transfer_params"] = load_status(answers)
     return out
+
+
+def load_status(answers: list[dict]) -> dict | None:
+    """The `kv_transfer_params` an answer to one request reports: the connector's status of each prompt's load
+    (`slope_jax_status`, `slope_jax_loaded_tokens`), also where vLLM dropped it — a request that a stop string
+    ended finishes in vLLM's front end, before its engine hears of it, so the connector's report never reaches the
+    answer (vLLM 0.32): its status then says so, with the cached prompt tokens vLLM's usage counts. For a list of
+    prompts, the first prompt's fields with `slope_jax_loaded_tokens` summed over the prompts, `slope_jax_status`
+    the prompts' common status (else "mixed: ..."), and every prompt's own in `slope_jax_prompts`. None when no
+    answer gives anything to report (e.g. a request vLLM prefilled itself)."""
+    each = [_one_status(a) for a in answers]
+    if len(each) == 1 or all(p is None for p in each):
+        return each[0]
+    each = [p or {STATUS_KEY: "unreported"} for p in each]
+    statuses = list(dict.fromkeys(str(p.get(STATUS_KEY)) for p in each))
+    return {**each[0], LOADED_KEY: sum(p.get(LOADED_KEY) or 0 for p in each),
+            STATUS_KEY: statuses[0] if len(statuses) == 1 else "mixed: " + "; ".join(statuses),
+            "slope_jax_prompts": each}
+
+
+def _one_status(answer: dict) -> dict | None:
+    params = answer.get("kv_transfer_params")
+    if params is not None:
+        return params
+    if not any(isinstance(c.get("stop_reason"), str) for c in answer.get("choices") or []):
+        return None
+    cached = ((answer.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+    return {STATUS_KEY: "unreported: a stop string ended the request, and vLLM then drops the connector's report"
+                        + ("" if cached is None else f" (vLLM's usage counts {cached} prompt tokens as cached)")}
 
 
 def sum_usage(usages: list[dict | None]) -> dict:
@@ -275,10 +311,11 @@ def _note_files_fallback(application, params: dict, client_id: str) -> None:
     counts = application["fallbacks"]  # a dict made with the app: a started app's own keys are frozen
     n = counts["files"] = counts["files"] + 1
     if n == 1 or n % 100 == 0:
-        logging.warning("%s: the prefill server answered without a NIXL record (%d such answers so far): the KV goes "
-                        "to the decode server by files, which needs a shared filesystem. Check that NIXL is "
-                        "installed where the prefill endpoint runs and read its log; --kv_transport=files "
-                        "silences this.", client_id, n)
+        why = params.get("slope_jax_nixl_unavailable")  # slope_jax.serve.http.NIXL_UNAVAILABLE
+        logging.warning("%s: the prefill server answered without a NIXL record (%d such answers so far): %s. The KV "
+                        "goes to the decode server by files, which needs a shared filesystem; --kv_transport=files "
+                        "silences this.", client_id, n, f"it says: {why}" if why else
+                        "check that NIXL is installed where the prefill endpoint runs and read its log")
 
 
 def _release(application, exports: list[str], consumed: bool) -> None:
@@ -383,14 +420,39 @@ async def _completions(request, chat: bool = False):
 
 
 async def _relay(request, body: dict, client_id: str, done: list[_Prefilled], chat: bool):
-    """Send `body` to the decode server and relay its answer as it comes (server-sent events go on as they arrive)."""
+    """Send `body` to the decode server and relay its answer as it comes (server-sent events go on as they arrive);
+    a JSON answer to a prefilled request whose load report vLLM dropped gets its status (`load_status`)."""
     url = request.app["decode_url"] + _ROUTES[chat]
     data = await _encode(body)
+    if done and not body.get("stream"):
+        return await _relay_json(request, url, data, client_id, done)
     return await _stream_answer(
         request, lambda: request.app["session"].post(url, data=data, headers={"X-Request-Id": client_id,
                                                                              "Content-Type": "application/json"}),
         lambda resp: _answer_headers(client_id, done, resp.headers.get("Content-Type", "application/json")),
         url, client_id)
+
+
+async def _relay_json(request, url: str, data: bytes, client_id: str, done: list[_Prefilled]):
+    """A non-streamed answer of the decode server, read whole and relayed with the same status and body, except
+    that a 200 JSON answer whose `kv_transfer_params` vLLM left null gets the status `load_status` gives."""
+    import aiohttp
+    from aiohttp import web
+
+    try:
+        async with request.app["session"].post(url, data=data, headers={"X-Request-Id": client_id,
+                                                                       "Content-Type": "application/json"}) as resp:
+            status, reason, raw, content_type = resp.status, resp.reason, await resp.read(), resp.content_type
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        return _error(502, f"the decode server {url} did not answer: {type(e).__name__}: {e}")
+    headers = _answer_headers(client_id, done, content_type)
+    del headers["Content-Type"]
+    if status == 200 and content_type == "application/json":
+        answer = json.loads(raw)
+        if isinstance(answer, dict) and answer.get("kv_transfer_params", {}) is None:
+            answer["kv_transfer_params"] = load_status([answer])
+            raw = json.dumps(answer).encode()
+    return web.Response(body=raw, status=status, reason=reason, content_type=content_type, headers=headers)
 
 
 async def _stream_answer(request, send, headers, url: str, client_id: str):

@@ -158,7 +158,10 @@ def _parse(line, where, lineno, vocab_size, max_tokens, tokenizer, seen_ids, arr
     except json.JSONDecodeError as e:
         # json's messages for some rules end in "at" ("Invalid control character at"): no second "at"
         at = "" if e.msg.endswith(" at") else " at"
-        raise RequestError(f"{where}: not valid JSON ({e.msg}{at} column {e.colno})") from e
+        # a line is one JSON text: a position past its last character (e.g. a missing "}") is its end, which
+        # json counts as column 1 of the next line when the line keeps its newline
+        spot = "the end of the line" if e.pos >= len(line.rstrip()) else f"column {e.pos + 1}"
+        raise RequestError(f"{where}: not valid JSON ({e.msg}{at} {spot})") from e
     except (ValueError, RecursionError) as e:
         raise RequestError(f"{where}: not valid JSON ({e})") from e
     if not isinstance(obj, dict):
