@@ -448,7 +448,10 @@ async def _relay_json(request, url: str, data: bytes, client_id: str, done: list
     headers = _answer_headers(client_id, done, content_type)
     del headers["Content-Type"]
     if status == 200 and content_type == "application/json":
-        answer = json.loads(raw)
+        try:
+            answer = json.loads(raw)
+        except ValueError:  # relayed as it came
+            answer = None
         if isinstance(answer, dict) and answer.get("kv_transfer_params", {}) is None:
             answer["kv_transfer_params"] = load_status([answer])
             raw = json.dumps(answer).encode()
