@@ -24,6 +24,7 @@ from support import REPO, SHIPPED, free_port, launcher_env
 from slope_jax.kv import format as kvfmt
 from slope_jax.kv.store import KVStore
 from slope_jax.serve import http, pd_proxy, summary
+from slope_jax.serve import requests as requests_lib
 from slope_jax.serve.front import Front, Intake
 from slope_jax.serve.scheduler import Scheduler, slo_stats
 
@@ -103,6 +104,11 @@ def test_every_rule_is_a_4xx_naming_the_field(tmp_path):
         assert json.loads(v.line) == {"id": v.id, "tokens": tokens, **({"ttft_slo_ms": 250.0} if rid == "body-1"
                                                                         else {})}
     assert tok.encode(text).ids.count(tok.token_to_id("<|endoftext|>")) == 1  # special tokens: the control token
+    # text_literal, as in request lines: the special-token string is plain text (it was ignored over HTTP)
+    v = http.validate(json.dumps({"prompt": text, "text_literal": True}).encode(), {}, 98, **limits)
+    line = requests_lib.parse(json.dumps({"id": "x", "text": text, "text_literal": True}), 1, vocab_size=VOCAB,
+                              max_tokens=100, tokenizer=tok)
+    assert v.request.tokens.tolist() == line.tokens.tolist() != tok.encode(text).ids and v.ignored == []
     # fields the prefill does not read (sampling, structured outputs, prompt_logprobs, ...) are ignored, not refused
     extra = {"guided_json": {}, "structured_outputs": {"regex": "a+"}, "response_format": {"type": "json_object"},
              "prompt_logprobs": 3, "min_tokens": 2, "seed": 7}

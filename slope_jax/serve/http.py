@@ -61,8 +61,9 @@ outputs, `prompt_logprobs`, ...) shapes decoding only and is ignored, as vLLM ig
 prefill's own first token is always greedy (argmax), and the decode engine recomputes the last prompt position and
 samples its first token itself. Chat: `messages` (role and string or text-part content), `add_generation_prompt`
 (default true), `continue_final_message`, `tools`, `documents`, `chat_template_kwargs` render the checkpoint's Hugging
-Face chat template (`chat_template` in tokenizer_config.json or chat_template.jinja, with transformers' renderer) to
-text, which is tokenized like a text prompt; a checkpoint without a template answers 400 naming `messages`.
+Face chat template as transformers' `apply_chat_template` does (`slope_jax.serve.chat`) to text, which is tokenized
+like a text prompt; a checkpoint without a template answers 400 naming `messages`. `text_literal` (with a string
+`prompt`): special-token strings as plain text, as in request lines.
 
 Library: aiohttp, server and client in one well-kept package (the proxy uses both). vLLM itself serves with FastAPI
 on uvicorn, and its P/D example proxies use httpx or aiohttp; the wire format is what matters, and it is OpenAI's.
@@ -94,7 +95,9 @@ from typing import Any, Callable
 from absl import logging
 
 from slope_jax.kv import format as kvfmt
+from slope_jax.serve import chat as chat_lib
 from slope_jax.serve import requests
+from slope_jax.serve.chat import ChatTemplate
 
 # The fields this endpoint reads (and checks). Any other field of an OpenAI / vLLM request (sampling options, structured
 # outputs, `prompt_logprobs`, ...) shapes decoding only: it is ignored here, as vLLM ignores fields it does not know (a
@@ -103,7 +106,7 @@ TRANSPORT_PARAM = "slope_jax_transport"  # kv_transfer_params.slope_jax_transpor
 POOL_GIB_ENV, LEASE_ENV = "SLOPE_JAX_KV_POOL_GIB", "SLOPE_JAX_KV_LEASE_S"
 _FIELDS = frozenset({"prompt", "model", "max_tokens", "max_completion_tokens", "logprobs", "ttft_slo_ms",
                      "request_id", "stream", "echo", "n", "best_of", "kv_transfer_params", "cache_salt",
-                     "truncate_prompt_tokens", "truncation_side"})
+                     "truncate_prompt_tokens", "truncation_side", "text_literal"})
 _CHAT_FIELDS = frozenset({"messages", "model", "max_tokens", "max_completion_tokens", "ttft_slo_ms", "request_id",
                           "stream", "n", "kv_transfer_params", "cache_salt", "add_generation_prompt",
                           "continue_final_message", "chat_template_kwargs", "tools", "documents",
@@ -150,17 +153,30 @@ class _Unlocked:
     """The tokenizer as the boundary sees it, safe to share between threads and never holding the GIL while it
     works: `encode` is `encode_batch` of one text, which releases the GIL during the Rust code (`encode` holds it:
     tokenizing 3 MB of text here stopped every other Python thread, the server's event loop included, for 2.7 s);
-    `encode_special_tokens` (set by the boundary around each call) is this wrapper's own, so the shared tokenizer is
-    never written to: its flag stays False (special-token strings become control tokens; HTTP has no literal mode)."""
+    `encode_special_tokens` (set by the boundary around each call: `text_literal`) is this wrapper's own, so the shared
+    tokenizer is never written to: a literal text goes to a copy of it made once with the flag set (`_literal`)."""
 
     def __init__(self, tokenizer):
         self._tokenizer = tokenizer
         self.encode_special_tokens = False
 
     def encode(self, text: str):
-        if self.encode_special_tokens:
-            raise ValueError("literal text (text_literal) is not served over HTTP")
-        return self._tokenizer.encode_batch([text])[0]
+        return (_literal(self._tokenizer) if self.encode_special_tokens else self._tokenizer).encode_batch([text])[0]
+
+
+_LITERAL: dict[int, tuple[Any, Any]] = {}  # id(tokenizer) → (it, its copy encoding special-token strings as text)
+_LITERAL_LOCK = threading.Lock()
+
+
+def _literal(tokenizer):
+    """A copy of `tokenizer` with `encode_special_tokens` set (made once per tokenizer, never changed after)."""
+    with _LITERAL_LOCK:
+        held = _LITERAL.get(id(tokenizer))
+        if held is None or held[0] is not tokenizer:
+            copy = type(tokenizer).from_str(tokenizer.to_str())
+            copy.encode_special_tokens = True
+            held = _LITERAL[id(tokenizer)] = (tokenizer, copy)
+        return held[1]
 
 
 def _param_of(message: str) -> str:
@@ -350,7 +366,8 @@ def _prompt_field(obj: dict, where: str, tokenizer) -> dict:
         if tokenizer is None and prompt:
             raise HttpError(400, f"{where}: 'prompt' is text, and the checkpoint has no tokenizer.json; send token "
                             "ids instead", "prompt")
-        return {"text": prompt}
+        literal = obj.get("text_literal", False)  # the request lines' option: special-token strings as plain text
+        return {"text": prompt, **({"text_literal": literal} if literal is not False else {})}
     if not isinstance(prompt, list):
         raise HttpError(400, f"{where}: 'prompt' must be a string or a list of token ids, got "
                         f"{type(prompt).__name__}", "prompt")
@@ -359,46 +376,11 @@ def _prompt_field(obj: dict, where: str, tokenizer) -> dict:
     return {"tokens": [int(t) if isinstance(t, float) and t.is_integer() else t for t in prompt]}
 
 
-class ChatTemplate:
-    """A checkpoint's chat template (Hugging Face's: `chat_template` in tokenizer_config.json, or
-    chat_template.jinja) and the special-token strings it may use (`bos_token`, `eos_token`, ...)."""
-
-    def __init__(self, source: str, special_tokens: dict[str, str]):
-        self.source, self.special_tokens = source, special_tokens
-
-    @staticmethod
-    def find(checkpoint: str | None) -> "ChatTemplate | None":
-        """The template of the checkpoint directory, or None if it has none (a named-template list: "default")."""
-        if checkpoint is None:
-            return None
-        try:
-            with open(os.path.join(checkpoint, "tokenizer_config.json")) as f:
-                config = json.load(f)
-        except (OSError, ValueError):
-            config = {}
-        source = config.get("chat_template")
-        if isinstance(source, list):
-            source = next((t.get("template") for t in source if t.get("name") == "default"), None)
-        if source is None and os.path.exists(os.path.join(checkpoint, "chat_template.jinja")):
-            with open(os.path.join(checkpoint, "chat_template.jinja")) as f:
-                source = f.read()
-        special = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
-        return ChatTemplate(source, special) if isinstance(source, str) and source else None
-
-    def render(self, messages: list, **options) -> str:
-        """The prompt text of `messages` (transformers' `render_jinja_template`, what `apply_chat_template` renders;
-        `options`: add_generation_prompt, continue_final_message, tools, documents, and template kwargs)."""
-        from transformers.utils.chat_template_utils import render_jinja_template
-
-        rendered, _ = render_jinja_template([messages], chat_template=self.source,
-                                            **{**self.special_tokens, **options})
-        return rendered[0]
-
-
 def chat_prompt(obj: dict, where: str, tokenizer, template: ChatTemplate | None) -> dict:
     """`messages` (and the template options) → the boundary's "text": the checkpoint's chat template rendered as
-    `vllm serve` renders it for a Hugging Face template (text, then tokenized without adding special tokens).
-    HttpError 400 naming the field: no chat template, no tokenizer, malformed messages or options."""
+    transformers' `apply_chat_template` renders it (`slope_jax.serve.chat`: which template, special tokens, content
+    parts), then tokenized without adding special tokens, as `vllm serve` does. HttpError 400 naming the field: no
+    chat template, no tokenizer, a request's own `chat_template`, malformed messages or options."""
     if template is None:
         raise HttpError(400, f"{where}: the checkpoint has no chat template ('chat_template' in tokenizer_config.json "
                         "or chat_template.jinja), so its messages cannot be turned into a prompt here; send "
@@ -406,56 +388,41 @@ def chat_prompt(obj: dict, where: str, tokenizer, template: ChatTemplate | None)
     if tokenizer is None:
         raise HttpError(400, f"{where}: the checkpoint has no tokenizer.json to tokenize the chat prompt with",
                         "messages")
+    if obj.get("chat_template") is not None:  # vLLM too refuses it unless started with --trust-request-chat-template
+        raise HttpError(400, f"{where}: 'chat_template': this endpoint renders the checkpoint's chat template only "
+                        "(the P/D proxy sends a request with its own template to vLLM whole)", "chat_template")
     messages = obj.get("messages")
     if not isinstance(messages, list) or not messages:
         raise HttpError(400, f"{where}: 'messages' must be a non-empty list of messages", "messages")
-    flat = []
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-            content = "\n".join(str(p.get("text", "")) for p in content)  # vLLM joins text parts for such templates
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, (str, type(None))):
+        parts = isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("type"), str)
+                                                  for p in content)
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not (
+                parts or isinstance(content, (str, type(None)))):
             raise HttpError(400, f"{where}: 'messages'[{i}] must be an object with a string 'role' and a string (or "
-                            "text parts) 'content'", "messages")
-        flat.append({**m, "content": content})
+                            "a list of content parts) 'content'", "messages")
     options = {"add_generation_prompt": obj.get("add_generation_prompt", True),
                "continue_final_message": obj.get("continue_final_message", False)}
     for name, value in options.items():
         if not isinstance(value, bool):
             raise HttpError(400, f"{where}: '{name}' must be true or false, got {requests._short(value)}", name)
+    if options["add_generation_prompt"] and options["continue_final_message"]:
+        raise HttpError(400, f"{where}: 'continue_final_message' and 'add_generation_prompt' cannot both be true "
+                        "(the final message is either continued or followed by a new assistant turn)",
+                        "continue_final_message")
     for name, kind in (("tools", list), ("documents", list), ("chat_template_kwargs", dict)):
         if obj.get(name) is not None and not isinstance(obj[name], kind):
             raise HttpError(400, f"{where}: '{name}' must be {'a list' if kind is list else 'an object'} or null",
                             name)
-    kwargs = _template_kwargs(obj, where, options)
     try:
-        text = template.render(flat, tools=obj.get("tools"), **kwargs)
+        text = template.render(messages, tools=obj.get("tools"), **chat_lib.template_kwargs(obj, where, options))
+    except chat_lib.ChatError as e:
+        raise HttpError(400, f"{where}: {e}", e.param) from e
     except Exception as e:  # noqa: BLE001 - the template's own error (raise_exception, a missing key) is the client's
         raise HttpError(400, f"{where}: the chat template failed on these messages ({type(e).__name__}: "
                         f"{str(e)[:200]})", "messages") from e
     return {"text": text}
-
-
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # vLLM 0.32's ChatCompletionRequest
-
-
-def _template_kwargs(obj: dict, where: str, options: dict) -> dict:
-    """The chat template's variables as `vllm serve` builds them (ChatCompletionRequest.build_chat_params):
-    `chat_template_kwargs`, overridden by add_generation_prompt, continue_final_message, `documents` and
-    `reasoning_effort` where these are set (gpt-oss's template reads `reasoning_effort`), and `enable_thinking` =
-    effort != "none" when an effort is given and `chat_template_kwargs` does not set it. HttpError 400 naming
-    `reasoning_effort` for a value vLLM refuses."""
-    effort = obj.get("reasoning_effort")
-    if effort is not None and effort not in REASONING_EFFORTS:
-        raise HttpError(400, f"{where}: 'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)} (or null), "
-                        f"got {requests._short(effort)}", "reasoning_effort")
-    user = obj.get("chat_template_kwargs") or {}
-    extra = {**options, "documents": obj.get("documents"), "reasoning_effort": effort}
-    if effort is not None and "enable_thinking" not in user:
-        extra["enable_thinking"] = effort != "none"
-    merged = user | {k: v for k, v in extra.items() if v is not None and v != "auto"}
-    merged.pop("tools", None)  # passed on its own
-    return merged
 
 
 def completion_body(record: dict, validated: Validated, model_name: str) -> tuple[int, dict]:
