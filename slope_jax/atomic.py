@@ -4,6 +4,7 @@ checkpoint writer). Needs only the standard library and numpy/safetensors when t
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -24,8 +25,18 @@ def atomic_write(path: str, write: Callable[[str], None], *, mode: int = 0o644) 
     """Call `write(tmp_path)` to produce the file, then rename it to `path` atomically.
 
     The temporary file sits in `path`'s directory (same filesystem, so the rename is atomic) with a `.tmp-` prefix;
-    it is removed if `write` raises, and the exception propagates.
+    it is removed if `write` raises, and the exception propagates. A `path` that is a symbolic link: the file it
+    names is replaced, the link stays (it was replaced by a file). A `path` that exists and is no regular file — a
+    FIFO, a character device (`/dev/stdout` → a pipe or terminal), a socket — is written through, as `open` would:
+    there is no file to rename over it (a device node was replaced by the output). A directory: IsADirectoryError.
     """
+    if os.path.islink(path):
+        path = os.path.realpath(path)
+    if os.path.exists(path) and not os.path.isfile(path):
+        if os.path.isdir(path):
+            raise IsADirectoryError(errno.EISDIR, "a directory, not a file", path)
+        write(path)
+        return
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
     os.close(fd)
     try:

@@ -1,8 +1,10 @@
-"""What every command-line entry point shares (`slope-jax`, `slope-convert`, `slope-decode`, `slope-plan`):
+"""What every command-line entry point shares (`slope-jax`, `slope-convert`, `slope-decode`, `slope-plan`,
+`slope-pd-proxy`):
 
 - `run(main, name=...)`: absl's `app.run`, except that `--help` / `--helpshort` / `--helpfull` / `--helpxml` exit with
   status 0 (absl exits 1 after printing the help, which scripts and CI read as a failure) and that a usage mistake is
-  one line `<name>: error: ...` with status 2.
+  one error line `<name>: error: ...` (then a pointer to --help) with status 2. Console scripts show their tool's
+  description and flags under --help, as `python -m` does.
 - `quiet()`: drops known backend noise before JAX / transformers start: JAX's "Unable to initialize backend" notices
   for platforms that are not installed, and transformers' MXFP4 notices ("only supported on GPUs ...", "on CPU
   requires use_kernels=True ...", each saying it will dequantize the model): the decode engine dequantizes on purpose.
@@ -59,6 +61,7 @@ def run(main, argv=None, name: str = "slope_jax") -> None:
 
     quiet()
     argv = sys.argv if argv is None else argv
+    _console_script_help(main)
 
     def parse(args):
         from absl import flags
@@ -80,6 +83,22 @@ def run(main, argv=None, name: str = "slope_jax") -> None:
         if e.code == 1 and _help_requested(argv):  # absl printed the help and exited 1 before main ran
             raise SystemExit(0) from None
         raise
+
+
+def _console_script_help(main) -> None:
+    """Console scripts (`slope-plan`, ...): absl's --help prints the docstring and key flags of `__main__`, which
+    for them is the generated wrapper with neither (`slope-plan --help` printed one USAGE line): give the wrapper
+    the docstring and key flags of the module that defines `main`. `python -m` runs need nothing."""
+    from absl import flags
+
+    module = sys.modules.get(main.__module__)
+    if module is None or main.__module__ == "__main__":
+        return
+    for flag in flags.FLAGS.get_key_flags_for_module(module.__name__):
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+    wrapper = sys.modules.get("__main__")
+    if wrapper is not None and not wrapper.__doc__ and module.__doc__:
+        wrapper.__doc__ = module.__doc__
 
 
 def usage_error(name: str, message: str):

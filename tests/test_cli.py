@@ -4,6 +4,7 @@ command 1), a run in which every request failed exits 1, backend
 noise (Gloo's connection lines on stdout) is filtered without touching other output, and JSON errors read cleanly."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -30,11 +31,27 @@ def test_help_exits_zero(module, text):
         assert bad.returncode != 0
 
 
+@pytest.mark.parametrize("script,text", [("slope-plan", "--ttft_slo_ms"), ("slope-convert", "--out"),
+                                         ("slope-pd-proxy", "--prefill_url")])
+def test_console_scripts_explain_themselves(script, text):
+    """The console scripts print their tool's description and flags (`slope-plan --help` printed one USAGE line;
+    the proxy's --help exited 1), and a usage mistake is one line with status 2."""
+    path = os.path.join(os.path.dirname(PY), script)
+    r = subprocess.run([path, "--help"], cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and text in r.stdout and len(r.stdout.splitlines()) > 20, (r.stdout + r.stderr)[-2000:]
+    r = subprocess.run([path, "--no_such_flag"], cwd=REPO, env=launcher_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "error: Unknown command line flag 'no_such_flag'" in r.stderr, r.stderr[-2000:]
+
+
 def test_usage_mistakes_are_one_line_and_exit_2(tmp_path):
     """Every entry point: a flag absl cannot parse, a value the tool refuses, a path it cannot use or a platform JAX
     cannot start is one line `<tool>: error: ...` naming the flag, exit status 2 (1 means "no request was served"),
     before any weight is read; no traceback, no help text dumped before the reason."""
     (tmp_path / "a-file").write_text("")
+    (tmp_path / "one").mkdir()
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "one" / "manifest.json").write_text("{}")
     cases = [
         ("slope_jax.launch", ["--prefix_block=0"], "flag --prefix_block=0: 0 is not a positive integer"),
         ("slope_jax.launch", ["--no_such_flag"], "Unknown command line flag 'no_such_flag'"),
@@ -46,9 +63,13 @@ def test_usage_mistakes_are_one_line_and_exit_2(tmp_path):
         ("slope_jax.plan", ["--percentile=100"], "--percentile=100.0: must be a percent in [1, 100)"),
         ("slope_jax.plan", ["--ttft_slo_ms=nan"], "--ttft_slo_ms=nan: must be a finite number"),
         ("slope_jax.plan", [f"--json={tmp_path / 'a-file' / 'p.json'}"], "is not a writable directory"),
+        ("slope_jax.plan", ["calibrate", f"--measured={tmp_path / 'a-file'}"], "--measured="),  # JSON traceback
+        ("slope_jax.plan", ["calibrate", f"--measured={tmp_path / 'one' / 'manifest.json'}"], "a \"rows\" list"),
         ("slope_jax.convert", ["--checkpoint=checkpoints/tiny-gpt-oss", "--out=checkpoints/tiny-gpt-oss"],
          "is the source checkpoint"),
         ("slope_jax.decode", [f"--kv_dir={tmp_path}", "--requests=/nonexistent"], "--requests=/nonexistent: no such"),
+        ("slope_jax.decode", [f"--kv_dir={tmp_path / 'empty'}"], "no exports in it"),  # it said "0 decoded, 0 failed"
+        ("slope_jax.decode", [f"--kv_dir={tmp_path / 'one'}"], "no exports in it (it is an export itself"),
         ("slope_jax.convert", ["--checkpoint=checkpoints/tiny-gpt-oss", f"--out={tmp_path / 'a-file' / 'x'}"],
          "is not a writable directory"),
     ]
@@ -162,3 +183,39 @@ def test_xla_flags_set_the_device_count_and_keep_the_rest():
     assert xla_env.xla_flags("", cpu_devices=4) == "--xla_force_host_platform_device_count=4"
     assert xla_env.xla_flags("--foo --xla_force_host_platform_device_count=8") == \
         "--foo --xla_force_host_platform_device_count=8"
+
+
+def test_atomic_write_goes_through_links_and_special_files(tmp_path):
+    """An output path (`--json`, `--png`, ...) that is a symbolic link replaces the file it names and keeps the
+    link; a FIFO or a character device is written through: the planner's `--json` replaced a link to stdout, a FIFO,
+    and, as root, /dev/full itself with a regular file. A directory is an IsADirectoryError; a regular file is still
+    replaced atomically."""
+    import stat
+    import threading
+
+    from slope_jax.atomic import atomic_json
+
+    target = tmp_path / "target.json"
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    atomic_json(str(link), {"a": 1})
+    assert link.is_symlink() and json.loads(target.read_text()) == {"a": 1}
+    dangling = tmp_path / "dangling.json"
+    dangling.symlink_to(tmp_path / "new.json")
+    atomic_json(str(dangling), [2])
+    assert dangling.is_symlink() and json.loads((tmp_path / "new.json").read_text()) == [2]
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo).read()))
+    reader.start()
+    atomic_json(str(fifo), {"b": 2})
+    reader.join(10)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and json.loads(got[0]) == {"b": 2}
+    atomic_json("/dev/null", {"c": 3})  # a character device: written through, never replaced
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    with pytest.raises(IsADirectoryError):
+        atomic_json(str(tmp_path), {})
+    atomic_json(str(target), {"d": 4})
+    assert json.loads(target.read_text()) == {"d": 4} and not list(tmp_path.glob(".tmp-*"))

@@ -175,24 +175,42 @@ def cmd_plan(c: PlanConfig):
         print(f"wrote {c.png}")
 
 
+def _measured_rows(path: str) -> dict:
+    """The measured-rows JSON of `calibrate` (an object with a "rows" list); UsageError naming the file otherwise."""
+    try:
+        with open(path) as fh:
+            measured = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise app.UsageError(f"--measured={path}: {e}") from e
+    if not isinstance(measured, dict) or not isinstance(measured.get("rows"), list):
+        raise app.UsageError(f"--measured={path}: must be a JSON object with a \"rows\" list (the output of "
+                             "benchmarks/plan_measure_cpu.py)")
+    return measured
+
+
 def cmd_calibrate(c: PlanConfig):
-    from slope_jax.atomic import atomic_json
+    from slope_jax.atomic import atomic_json, unwritable_ancestor
     from slope_jax.plan import calibrate, hardware
 
     if not c.measured:
         raise app.UsageError("calibrate needs --measured=PATH (rows from benchmarks/plan_measure_cpu.py)")
-    with open(c.measured) as fh:
-        measured = json.load(fh)
+    measured = _measured_rows(c.measured)
     cfg = load_model(measured.get("config", c.model))
     path = c.out or os.path.join(hardware.HARDWARE_DIR, f"{c.hardware}.json")
+    if unwritable_ancestor(path):
+        raise app.UsageError(f"--out={path}: {unwritable_ancestor(path)} is not a writable directory")
     base = hardware.load(path if os.path.isfile(path) else c.hardware)
     if "peak_flops_float32" in measured:  # measured in the same run: the CPU's own peak and copy bandwidth
         base = dataclasses.replace(base, peak_flops={"float32": measured["peak_flops_float32"],
                                                      "bfloat16": measured["peak_flops_float32"]},
                                    intra_host_bytes_per_s=measured["memcpy_bytes_per_s"],
                                    inter_host_bytes_per_s=measured["memcpy_bytes_per_s"])
-    eff, rows = calibrate.fit(cfg, base, measured["rows"], source=f"fitted by `python -m slope_jax.plan calibrate` "
-                              f"to {os.path.relpath(c.measured, REPO)}")
+    try:
+        eff, rows = calibrate.fit(cfg, base, measured["rows"], source=f"fitted by `python -m slope_jax.plan "
+                                  f"calibrate` to {os.path.relpath(c.measured, REPO)}")
+    except (ValueError, KeyError, TypeError) as e:
+        raise app.UsageError(f"--measured={c.measured}: {type(e).__name__}: {e}") from e
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fitted = calibrate.normalised(base, eff)
     eff = fitted.efficiency
     out = fitted.to_dict()

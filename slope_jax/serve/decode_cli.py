@@ -20,7 +20,8 @@ SHA-256 of the token ids), the decode engine recomputes it — cache of the firs
 fed at position n−1 — and the two must agree; this also catches a decode engine with other weights, which no config
 check can. The continuation itself starts from the full exported cache: the first token is fed at position n.
 
-Output: one JSON line per request (--output, default stdout): id, num_tokens, first_token, first_token_check
+Output: one JSON line per request (--output, default stdout, as each is done; a file is written whole or not at all,
+replacing an earlier one only when complete): id, num_tokens, first_token, first_token_check
 ("ok"; "near_tie" when the two top logits are within --tie_tolerance, as rounding differences between a bfloat16
 prefill and the decode engine can swap them; "mismatch", also for logits that are not finite or all equal, with a
 `first_token_note`; or "skipped"), first_token_logit_gap, tokens
@@ -40,6 +41,8 @@ import zlib
 
 import numpy as np
 from absl import app, flags, logging
+
+from slope_jax.atomic import atomic_write
 
 FLAGS = flags.FLAGS
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -341,8 +344,6 @@ def main(argv, F: flags.FlagValues = FLAGS) -> int:
     out_dir = os.path.dirname(os.path.abspath(c.output))
     if c.output != "-" and not (os.path.isdir(out_dir) and os.access(out_dir, os.W_OK)):
         raise app.UsageError(f"--output={c.output}: {out_dir} is not a writable directory")
-    from slope_jax import kv
-
     t_start = time.perf_counter()
     tokenizer = None
     tok_path = os.path.join(c.checkpoint, "tokenizer.json")
@@ -353,14 +354,35 @@ def main(argv, F: flags.FlagValues = FLAGS) -> int:
     # every request directory; names starting with '.' are an exporter's staging / replaced directories, never exports
     ids = c.ids or sorted(d for d in os.listdir(c.kv_dir)
                           if not d.startswith(".") and os.path.isdir(os.path.join(c.kv_dir, d)))
+    if not ids:  # before the model loads: nothing to decode is a usage mistake, not "0 decoded, 0 failed"
+        own = os.path.exists(os.path.join(c.kv_dir, "manifest.json"))
+        raise app.UsageError(f"--kv_dir={c.kv_dir}: no exports in it" + (
+            " (it is an export itself: pass the directory that holds it, and --ids to pick it)" if own else ""))
     prompts = read_prompts(c.requests, tokenizer) if c.requests else {}
     firsts = read_first_tokens(c.results) if c.results else {}
     engine = _engine(c)
     eos = tuple(engine.cfg.eos_token_ids) if c.stop_at_eos else ()
     logging.info("decode engine %s (%s) from %s; %d request(s) in %s", engine.name, c.dtype, c.checkpoint,
                  len(ids), c.kv_dir)
-    out = sys.stdout if c.output == "-" else open(c.output, "w")
-    records = []
+    records: list[dict] = []
+    if c.output == "-":
+        _decode_all(engine, c, ids, prompts, firsts, eos, tokenizer, records, sys.stdout)
+    else:  # written whole or not at all: an interrupted run leaves the earlier file as it was
+        def write(path):
+            with open(path, "w") as out:
+                _decode_all(engine, c, ids, prompts, firsts, eos, tokenizer, records, out)
+
+        atomic_write(c.output, write)
+    if c.summary:
+        print(_summary(records, time.perf_counter() - t_start, c), file=sys.stderr)
+    failed = [r for r in records if "error" in r or r.get("first_token_check") == "mismatch"]
+    return 1 if failed or not records else 0
+
+
+def _decode_all(engine, c: DecodeConfig, ids, prompts, firsts, eos, tokenizer, records: list, out) -> None:
+    """Decode each request of `ids`, appending its record to `records` and writing it to `out` as it is done."""
+    from slope_jax import kv
+
     for rid in ids:
         path = os.path.join(c.kv_dir, rid)
         try:
@@ -376,12 +398,6 @@ def main(argv, F: flags.FlagValues = FLAGS) -> int:
         records.append(rec)
         out.write(json.dumps(rec) + "\n")
         out.flush()
-    if out is not sys.stdout:
-        out.close()
-    if c.summary:
-        print(_summary(records, time.perf_counter() - t_start, c), file=sys.stderr)
-    failed = [r for r in records if "error" in r or r.get("first_token_check") == "mismatch"]
-    return 1 if failed or not records else 0
 
 
 def run():

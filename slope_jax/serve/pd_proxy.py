@@ -730,7 +730,10 @@ def main(argv):
 
 
 def run():
-    app.run(main)
+    """Console-script entry (`slope-pd-proxy`) and `python -m slope_jax.serve.pd_proxy`."""
+    from slope_jax import cli
+
+    cli.run(main, name="slope_jax.serve.pd_proxy")  # absl's app.run, --help exiting 0, usage errors one line
 
 
 if __name__ == "__main__":
