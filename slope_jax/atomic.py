@@ -26,9 +26,9 @@ def atomic_write(path: str, write: Callable[[str], None], *, mode: int = 0o644) 
 
     The temporary file sits in `path`'s directory (same filesystem, so the rename is atomic) with a `.tmp-` prefix;
     it is removed if `write` raises, and the exception propagates. A `path` that is a symbolic link: the file it
-    names is replaced, the link stays (it was replaced by a file). A `path` that exists and is no regular file — a
-    FIFO, a character device (`/dev/stdout` → a pipe or terminal), a socket — is written through, as `open` would:
-    there is no file to rename over it (a device node was replaced by the output). A directory: IsADirectoryError.
+    names is replaced and the link stays. A `path` that exists and is no regular file — a FIFO, a character device
+    (`/dev/stdout` → a pipe or terminal), a socket — is written through, as `open` would: renaming over it would
+    replace the device or pipe itself. A directory: IsADirectoryError.
     """
     if os.path.islink(path):
         path = os.path.realpath(path)

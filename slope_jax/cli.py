@@ -87,8 +87,8 @@ def run(main, argv=None, name: str = "slope_jax") -> None:
 
 def _console_script_help(main) -> None:
     """Console scripts (`slope-plan`, ...): absl's --help prints the docstring and key flags of `__main__`, which
-    for them is the generated wrapper with neither (`slope-plan --help` printed one USAGE line): give the wrapper
-    the docstring and key flags of the module that defines `main`. `python -m` runs need nothing."""
+    for them is the generated wrapper with neither: give the wrapper the docstring and key flags of the module that
+    defines `main`. `python -m` runs need nothing."""
     from absl import flags
 
     module = sys.modules.get(main.__module__)
