@@ -64,6 +64,7 @@ def test_usage_mistakes_are_one_line_and_exit_2(tmp_path):
         ("slope_jax.plan", ["--ttft_slo_ms=nan"], "--ttft_slo_ms=nan: must be a finite number"),
         ("slope_jax.plan", [f"--json={tmp_path / 'a-file' / 'p.json'}"], "is not a writable directory"),
         ("slope_jax.plan", ["calibrate", f"--measured={tmp_path / 'a-file'}"], "--measured="),  # JSON traceback
+        ("slope_jax.plan", [f"--png={tmp_path / 'plan.svg'}"], "the figure is a PNG"),  # PNG bytes in a .svg
         ("slope_jax.plan", ["calibrate", f"--measured={tmp_path / 'one' / 'manifest.json'}"], "a \"rows\" list"),
         ("slope_jax.convert", ["--checkpoint=checkpoints/tiny-gpt-oss", "--out=checkpoints/tiny-gpt-oss"],
          "is the source checkpoint"),

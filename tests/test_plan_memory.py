@@ -84,6 +84,7 @@ def test_bad_memory_fields_are_refused_naming_the_field(tmp_path, field, value, 
     (lambda d: d["efficiency"].update(overhead_s=float("inf")), r"efficiency\.overhead_s=inf must be a finite"),
     (lambda d: d.update(efficiency_by_dtype=[1]), r"efficiency_by_dtype must be an object"),
     (lambda d: d.update(sources=[1]), r"sources must be an object"),
+    (lambda d: d.update(name=None), r"name=None must be a non-empty string"),  # plans were labelled "None"
 ])
 def test_bad_numbers_in_a_profile_are_refused_naming_the_field(tmp_path, edit, message):
     """Values a hand-edited profile may hold (JSON's NaN/Infinity literals, zero, strings, wrong containers) are one

@@ -121,6 +121,8 @@ class PlanConfig:
             raise app.UsageError(f"--ttft_slo_ms={self.ttft_slo_ms}: must be a finite number of milliseconds")
         from slope_jax.atomic import unwritable_ancestor
 
+        if self.png and os.path.splitext(self.png)[1].lower() != ".png":
+            raise app.UsageError(f"--png={self.png}: the figure is a PNG; give a path ending in .png")
         for flag in ("json", "png"):  # written after planning (directories are created): checked before it
             base = getattr(self, flag) and unwritable_ancestor(os.path.dirname(os.path.abspath(getattr(self, flag))))
             if base:

@@ -151,6 +151,8 @@ class Hardware:
         for key in required:
             if key not in d:
                 raise HardwareError(f"{source}: missing field {key!r} (required: {', '.join(required)})")
+        if not isinstance(d["name"], str) or not d["name"].strip():
+            raise HardwareError(f"{source}: name={d['name']!r} must be a non-empty string (it labels every plan)")
         eff = _efficiency(d["efficiency"], source, "efficiency")
         for key in ("peak_flops", "efficiency_by_dtype", "sources", "machine_reference", "step_options"):
             if d.get(key) is not None and not isinstance(d[key], dict):
