@@ -313,6 +313,7 @@ def test_the_prefill_renders_reasoning_effort_as_vllm_does(tmp_path):
     with pytest.raises(http.HttpError) as e:
         rendered(5, reasoning_effort="extreme")
     assert (e.value.status, e.value.param) == (400, "reasoning_effort")
+    assert str(e.value).startswith("request 5: 'reasoning_effort' must be one of"), str(e.value)  # named once
 
 
 def test_truncation_fields_go_to_the_prefill():

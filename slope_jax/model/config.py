@@ -99,7 +99,6 @@ class ModelConfig:
             rope = d.get("rope_scaling") or d.get("rope_parameters") or {
                 "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                 "original_max_position_embeddings": 4096, "truncate": False}
-            rope_theta = d.get("rope_theta", rope.get("rope_theta", 150000.0))
             rope_type = rope.get("rope_type", rope.get("type", "yarn"))
             eos = d.get("eos_token_id")
             eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -117,7 +116,7 @@ class ModelConfig:
                 head_dim=d.get("head_dim") or 64,
                 sliding_window=_window(d, source),
                 layer_types=tuple(layer_types),
-                rope_theta=_number({"rope_theta": rope_theta}, "rope_theta", None, source),
+                rope_theta=_number(d if "rope_theta" in d else rope, "rope_theta", 150000.0, source),
                 rope_type=rope_type,
                 rope_scaling_factor=_number(rope, "factor", None if rope_type == "yarn" else 1.0, source, "rope "),
                 rope_beta_fast=_number(rope, "beta_fast", 32.0, source, "rope "),

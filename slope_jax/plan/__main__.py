@@ -199,8 +199,9 @@ def cmd_calibrate(c: PlanConfig):
     measured = _measured_rows(c.measured)
     cfg = load_model(measured.get("config", c.model))
     path = c.out or os.path.join(hardware.HARDWARE_DIR, f"{c.hardware}.json")
-    if unwritable_ancestor(path):
-        raise app.UsageError(f"--out={path}: {unwritable_ancestor(path)} is not a writable directory")
+    blocked = unwritable_ancestor(path)
+    if blocked:
+        raise app.UsageError(f"--out={path}: {blocked} is not a writable directory")
     base = hardware.load(path if os.path.isfile(path) else c.hardware)
     if "peak_flops_float32" in measured:  # measured in the same run: the CPU's own peak and copy bandwidth
         base = dataclasses.replace(base, peak_flops={"float32": measured["peak_flops_float32"],

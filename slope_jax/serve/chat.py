@@ -21,6 +21,7 @@ No JAX here; transformers renders (`render_jinja_template`), jinja2 parses.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any
@@ -46,12 +47,6 @@ class ChatTemplate:
     def __init__(self, source: str | dict[str, str], special_tokens: dict[str, str] | None = None):
         self.templates = {"default": source} if isinstance(source, str) else dict(source)
         self.special_tokens = dict(special_tokens or {})
-        self._formats: dict[str, str] = {}
-
-    @property
-    def source(self) -> str | None:
-        """The default template's source (None when only named non-default ones exist)."""
-        return self.templates.get("default")
 
     @staticmethod
     def find(checkpoint: str | None) -> "ChatTemplate | None":
@@ -83,12 +78,6 @@ class ChatTemplate:
         raise ChatError(f"the checkpoint's chat templates ({', '.join(sorted(self.templates))}) have no 'default' "
                         "one for a request without tools")
 
-    def content_format(self, source: str) -> str:
-        """"openai" when `source` loops over a message's content (parts go to it as they are), else "string"."""
-        if source not in self._formats:
-            self._formats[source] = "openai" if loops_over_content(source) else "string"
-        return self._formats[source]
-
     def render(self, messages: list, *, tools=None, **options) -> str:
         """The prompt text of `messages` (transformers' `render_jinja_template`, what `apply_chat_template` renders;
         `options`: add_generation_prompt, continue_final_message, documents, and template kwargs). Raises ChatError
@@ -96,7 +85,7 @@ class ChatTemplate:
         from transformers.utils.chat_template_utils import render_jinja_template
 
         source = self.choose(tools)
-        messages = _contents(messages, self.content_format(source))
+        messages = _contents(messages, "openai" if loops_over_content(source) else "string")
         rendered, _ = render_jinja_template([messages], chat_template=source, tools=tools,
                                             **{**self.special_tokens, **options})
         return rendered[0]
@@ -139,6 +128,7 @@ def _contents(messages: list, content_format: str) -> list:
     return out
 
 
+@functools.lru_cache(maxsize=32)  # a server renders with one or two templates: parsed once each
 def loops_over_content(source: str) -> bool:
     """Whether a Jinja template iterates over a message's content (`{% for part in message['content'] %}`, through
     filters, tests and slices, or over a variable named `content` outside a macro), where the message is a loop
@@ -181,7 +171,7 @@ def loops_over_content(source: str) -> bool:
                or (names(loop.iter) == "content" and id(loop) not in in_macros) for loop in loops)
 
 
-def template_kwargs(obj: dict[str, Any], where: str, options: dict) -> dict:
+def template_kwargs(obj: dict[str, Any], options: dict) -> dict:
     """The chat template's variables as `vllm serve` builds them (ChatCompletionRequest.build_chat_params):
     `chat_template_kwargs`, overridden by add_generation_prompt, continue_final_message, `documents` and
     `reasoning_effort` where these are set (gpt-oss's template reads `reasoning_effort`), and `enable_thinking` =
@@ -189,7 +179,7 @@ def template_kwargs(obj: dict[str, Any], where: str, options: dict) -> dict:
     `reasoning_effort` for a value vLLM refuses."""
     effort = obj.get("reasoning_effort")
     if effort is not None and effort not in REASONING_EFFORTS:
-        raise ChatError(f"{where}: 'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)} (or null), got "
+        raise ChatError(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)} (or null), got "
                         f"{requests._short(effort)}", "reasoning_effort")
     user = obj.get("chat_template_kwargs") or {}
     extra = {**options, "documents": obj.get("documents"), "reasoning_effort": effort}

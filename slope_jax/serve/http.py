@@ -416,7 +416,7 @@ def chat_prompt(obj: dict, where: str, tokenizer, template: ChatTemplate | None)
             raise HttpError(400, f"{where}: '{name}' must be {'a list' if kind is list else 'an object'} or null",
                             name)
     try:
-        text = template.render(messages, tools=obj.get("tools"), **chat_lib.template_kwargs(obj, where, options))
+        text = template.render(messages, tools=obj.get("tools"), **chat_lib.template_kwargs(obj, options))
     except chat_lib.ChatError as e:
         raise HttpError(400, f"{where}: {e}", e.param) from e
     except Exception as e:  # noqa: BLE001 - the template's own error (raise_exception, a missing key) is the client's
